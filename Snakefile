@@ -1,0 +1,28 @@
+# stagereplay: audits stage replay in reasoning language models (see README.md and the design notes).
+from snakemake.utils import min_version
+
+min_version("8.0")
+
+
+configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    revision="[A-Za-z0-9._-]+",
+    precision="bf16|fp32|fp16",
+    shard=r"\d+",
+
+
+include: "workflow/rules/select.smk"
+include: "workflow/rules/reconstruct.smk"
+include: "workflow/rules/report.smk"
+include: "workflow/rules/toy.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_outputs(),

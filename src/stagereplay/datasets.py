@@ -1,0 +1,144 @@
+"""Item sources and the deterministic, seeded selection of N items.
+
+Sources: ``synthetic`` (the embedded arithmetic set, generated from a seed), ``jsonl`` (GSM8K-style
+``{"question", "answer"}`` lines with the gold answer after ``####``, or an explicit gold field), ``csv`` and
+``parquet`` (with a column mapping). Every row is checked: a bad row raises an error naming the file and the
+row, duplicate item ids are refused. Knows nothing of models.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+
+from .answers import normalize_answer
+
+ITEM_COLUMNS = ["item_index", "item_id", "question", "gold_answer", "source_row"]
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used as it is, with the file, the row and what to fix."""
+
+
+def _check_rows(rows: list[dict], where: str) -> list[dict]:
+    if not rows:
+        raise DatasetError(f"{where}: the dataset has no items; point dataset.path at a file with at least one row")
+    seen: dict[str, int] = {}
+    for row in rows:
+        if row["item_id"] in seen:
+            raise DatasetError(
+                f"{where}: row {row['source_row']} repeats item id {row['item_id']!r} "
+                f"(first seen at row {seen[row['item_id']]}); item ids must be unique"
+            )
+        seen[row["item_id"]] = row["source_row"]
+    return rows
+
+
+def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit: str = "line") -> dict:
+    at = f"{where}: {unit} {line_no}"
+    if not isinstance(raw, dict):
+        raise DatasetError(f"{at} is not an object with fields; fix or remove it")
+    question = raw.get(fields["question"])
+    if not isinstance(question, str) or not question.strip():
+        raise DatasetError(f"{at} has no question (field {fields['question']!r}); fix or remove it")
+    if fields.get("gold") and raw.get(fields["gold"]) not in (None, ""):
+        gold = normalize_answer(str(raw[fields["gold"]]))
+    else:
+        answer = raw.get(fields["answer"])
+        if answer is None or str(answer).strip() == "":
+            raise DatasetError(
+                f"{at} has no gold answer (field {fields['answer']!r}); fix or remove it"
+            )
+        answer = str(answer)
+        gold = normalize_answer(answer.rsplit("####", 1)[1]) if "####" in answer else normalize_answer(answer)
+    if gold is None:
+        raise DatasetError(f"{at} has an empty gold answer after '####'; fix or remove it")
+    if numeric:
+        try:
+            eval_fraction(gold)
+        except (ValueError, ZeroDivisionError):
+            raise DatasetError(
+                f"{at} has a non-numeric gold answer {gold!r}, but answer_format needs a number; "
+                "fix the row or choose answer_format: boxed"
+            ) from None
+    item_id = raw.get(fields["id"]) if fields.get("id") else None
+    item_id = str(item_id) if item_id not in (None, "") else f"row-{line_no:06d}"
+    return {"item_id": item_id, "question": question, "gold_answer": gold, "source_row": line_no}
+
+
+def eval_fraction(s: str) -> float:
+    from fractions import Fraction
+
+    return float(Fraction(s))
+
+
+def load_jsonl(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset.path {str(path)!r} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}: line {line_no} is not valid JSON ({exc.msg}); fix or remove it") from None
+            rows.append(_row(raw, line_no, str(path), fields, numeric))
+    return _check_rows(rows, str(path))
+
+
+def load_table(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset.path {str(path)!r} does not exist")
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path, dtype=str, keep_default_na=False)
+    missing = [fields[k] for k in ("question",) if fields[k] not in df.columns]
+    if missing:
+        raise DatasetError(f"{path}: no column {missing[0]!r}; set dataset.fields to the file's column names "
+                           f"(it has {list(df.columns)})")
+    # Row numbers count the header as line 1, as a spreadsheet shows them.
+    rows = [_row(rec, i + 2, str(path), fields, numeric, unit="row") for i, rec in enumerate(df.to_dict("records"))]
+    return _check_rows(rows, str(path))
+
+
+def load_synthetic(size: int, seed: int) -> list[dict]:
+    from .toy import synthetic_items
+
+    return [
+        {"item_id": it.item_id, "question": it.question, "gold_answer": it.gold_answer, "source_row": i + 1}
+        for i, it in enumerate(synthetic_items(size, seed))
+    ]
+
+
+DEFAULT_FIELDS = {"question": "question", "answer": "answer", "gold": None, "id": None}
+
+
+def load_source(dataset: dict, base_dir: str | Path = ".", numeric: bool = True) -> list[dict]:
+    source = dataset.get("source", "synthetic")
+    fields = {**DEFAULT_FIELDS, **(dataset.get("fields") or {})}
+    if source == "synthetic":
+        return load_synthetic(int(dataset.get("size", 5000)), int(dataset.get("seed", 0)))
+    path = dataset.get("path")
+    if not path:
+        raise DatasetError(f"dataset.source {source!r} needs dataset.path")
+    path = Path(path) if Path(path).is_absolute() else Path(base_dir) / path
+    if source == "jsonl":
+        return load_jsonl(path, fields, numeric)
+    if source in ("csv", "parquet"):
+        return load_table(path, fields, numeric)
+    raise DatasetError(f"dataset.source {source!r} is not one of synthetic, jsonl, csv, parquet")
+
+
+def select_items(rows: list[dict], n_items: int, seed: int) -> pd.DataFrame:
+    """A seeded sample of ``n_items`` rows without replacement, kept in source order."""
+    if n_items > len(rows):
+        raise DatasetError(f"n_items is {n_items} but the dataset has only {len(rows)} items; lower n_items")
+    chosen = sorted(random.Random(f"stagereplay-select:{seed}").sample(range(len(rows)), n_items))
+    df = pd.DataFrame([rows[i] for i in chosen], columns=ITEM_COLUMNS[1:])
+    df.insert(0, "item_index", range(len(df)))
+    return df.astype({"item_index": "int32", "source_row": "int32"})

@@ -1,0 +1,163 @@
+"""Fingerprints, provenance and atomic Parquet files: the ground floor every stage writes through.
+
+A fingerprint is a sha256 over exact bytes: token ids as little-endian int32, cache tensors as their raw
+storage bytes. Nothing here compares with a tolerance. Every Parquet file the pipeline writes carries a
+provenance record in its key-value metadata (key ``stagereplay``) and is written atomically (temp file, fsync,
+rename), so a crash never leaves a half-written file that a rerun would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PROVENANCE_KEY = b"stagereplay"
+
+
+def ids_bytes(ids) -> bytes:
+    return np.asarray(list(ids), dtype="<i4").tobytes()
+
+
+def fingerprint_ids(ids) -> str:
+    return hashlib.sha256(ids_bytes(ids)).hexdigest()
+
+
+def tensor_bytes(t) -> bytes:
+    """Raw bytes of a tensor in its own dtype (bf16 included), row-major."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def fingerprint_tensor(t) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+def fingerprint_layers(layers) -> tuple[str, list[str], list[str]]:
+    """(whole-cache fingerprint, per-layer K fingerprints, per-layer V fingerprints).
+
+    The whole-cache fingerprint is a sha256 over every layer's K bytes then V bytes, in layer order.
+    """
+    whole = hashlib.sha256()
+    ks, vs = [], []
+    for k, v in layers:
+        kb, vb = tensor_bytes(k), tensor_bytes(v)
+        ks.append(hashlib.sha256(kb).hexdigest())
+        vs.append(hashlib.sha256(vb).hexdigest())
+        whole.update(kb)
+        whole.update(vb)
+    return whole.hexdigest(), ks, vs
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_commit(start: str | Path | None = None) -> str:
+    """The commit of the code that ran (with ``-dirty`` when the tree had changes), or ``unknown``."""
+    here = Path(start or Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def software_versions() -> dict:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "stagereplay": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": git_commit(),
+    }
+
+
+def atomic_path(path: str | Path):
+    """Context manager yielding a temp path beside ``path``; renamed onto it only if the block succeeds."""
+    return _AtomicPath(Path(path))
+
+
+class _AtomicPath:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.tmp.unlink(missing_ok=True)
+            return False
+        with open(self.tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.path)
+        return False
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_parquet(df: pd.DataFrame, path: str | Path, provenance: dict, schema: pa.Schema | None = None) -> None:
+    """Write ``df`` atomically with ``provenance`` (JSON) in the file's key-value metadata.
+
+    No timestamps go into the file: two runs of the same code and inputs give byte-identical files.
+    """
+    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta.pop(b"pandas", None)  # pandas' metadata records the pandas version, not ours to carry
+    meta[PROVENANCE_KEY] = json.dumps(provenance, sort_keys=True, default=str).encode()
+    table = table.replace_schema_metadata(meta)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+class CorruptFileError(ValueError):
+    """A results file that cannot be trusted (unreadable, truncated, or fingerprints that do not match)."""
+
+
+def read_parquet(path: str | Path) -> pd.DataFrame:
+    try:
+        return pq.read_table(path).to_pandas()
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(
+            f"{path} is not a readable Parquet file ({exc}); delete it and rerun the rule that makes it"
+        ) from exc
+
+
+def read_provenance(path: str | Path) -> dict:
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(f"{path} is not a readable Parquet file ({exc})") from exc
+    return json.loads(meta.get(PROVENANCE_KEY, b"{}"))

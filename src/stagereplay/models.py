@@ -1,0 +1,243 @@
+"""Loading a model revision at a precision, with the numerics settings that make replicas exact.
+
+A model source is a local folder, a Hugging Face hub id (with a ``revision``) or a GGUF file. Weights load
+from safetensors or GGUF only unless the caller opts into pickled checkpoints; ``trust_remote_code`` is off
+unless the caller turns it on. This module knows nothing of caches, constructions or the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# Architectures whose every layer keeps a plain full-attention DynamicCache layer: the engine's cache code
+# (fingerprints, dumps, transplants) is only correct for those.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+class ModelLoadError(ValueError):
+    """A model source that cannot be loaded, with what to do about it."""
+
+
+def revision_slug(name: str) -> str:
+    """Filesystem-safe slug of a revision name (no path separators, no leading dots)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-.")
+    if not slug:
+        raise ValueError(f"revision {name!r} has no filesystem-safe characters; give it a plain name")
+    return slug
+
+
+def set_determinism(threads: int) -> dict:
+    """Deterministic algorithms on, TF32 off, CPU threads pinned; returns the flags for provenance.
+
+    On the GPU, replicas of a one-shot prefill were seen to differ without deterministic mode
+    (DESIGN.md, numerics rules). Filling uninitialised memory is an avoidable cost we switch off.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.set_float32_matmul_precision("highest")
+    torch.set_num_threads(int(threads))
+    return numerics_flags()
+
+
+def numerics_flags() -> dict:
+    return {
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_reduced_precision_reduction": bool(
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "fp16_reduced_precision_reduction": bool(
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        ),
+        "cpu_threads": int(torch.get_num_threads()),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+    }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; set device: cpu or auto")
+    return torch.device(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu:{platform.machine()}"
+
+
+@dataclass
+class ModelSource:
+    """Where a revision's weights come from."""
+
+    kind: str  # "local" | "gguf" | "hub"
+    path: str  # folder, GGUF file, or hub id
+    revision: str | None = None  # hub revision
+    gguf_file: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"{self.path}@{self.revision}"
+        return self.path
+
+
+def resolve_source(model: str, revision: str | None, base_dir: str | Path = ".") -> ModelSource:
+    """Turn the config's ``model`` and one of its ``revisions`` into a concrete source.
+
+    - ``model`` a folder holding a subfolder named ``revision``: that subfolder (how the embedded toy keeps
+      its primary and later revisions);
+    - ``model`` a folder and ``revision`` a ``.gguf`` file in it, or ``model`` a ``.gguf`` file: GGUF;
+    - ``model`` a folder with a ``config.json`` and ``revision`` empty or ``local``: the folder itself;
+    - otherwise ``model`` is a hub id and ``revision`` a hub revision (branch, tag or commit).
+    """
+    base = Path(base_dir)
+    candidate = Path(model) if Path(model).is_absolute() else base / model
+    if str(model).endswith(".gguf"):
+        if not candidate.is_file():
+            raise ModelLoadError(f"model: GGUF file {model!r} does not exist; check the path in the config")
+        return ModelSource("gguf", str(candidate.parent), gguf_file=candidate.name)
+    if candidate.is_dir():
+        if revision and str(revision).endswith(".gguf"):
+            if not (candidate / revision).is_file():
+                raise ModelLoadError(f"revisions: GGUF file {revision!r} not found in {candidate}")
+            return ModelSource("gguf", str(candidate), gguf_file=str(revision))
+        if revision and (candidate / revision).is_dir():
+            return ModelSource("local", str(candidate / revision))
+        if (candidate / "config.json").is_file() and revision in (None, "", "local"):
+            return ModelSource("local", str(candidate))
+        raise ModelLoadError(
+            f"revisions: {revision!r} is neither a subfolder of the local model folder {candidate} "
+            f"nor a GGUF file in it; name one of: "
+            f"{sorted(p.name for p in candidate.iterdir() if p.is_dir() or p.suffix == '.gguf')}"
+        )
+    looks_like_path = str(model).startswith((".", "/", "~")) or os.sep in str(model).strip("/").replace("/", "", 1)
+    if looks_like_path or str(model).count("/") != 1:
+        raise ModelLoadError(
+            f"model: {model!r} is not an existing folder or GGUF file, nor a hub id of the form 'org/name'; "
+            "check the path"
+        )
+    return ModelSource("hub", str(model), revision=revision or "main")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: ModelSource
+    precision: str
+    device: torch.device
+    info: dict = field(default_factory=dict)
+
+
+def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
+    if source.kind != "local":
+        return
+    folder = Path(source.path)
+    has_safetensors = any(folder.glob("*.safetensors"))
+    has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth"))
+    if not has_safetensors and has_pickle and not allow_pickle:
+        raise ModelLoadError(
+            f"{folder} holds only pickled weights (*.bin/*.pt), which can run code when loaded; convert them "
+            "to safetensors, or set allow_pickle: true in the model config if you trust the file"
+        )
+    if not has_safetensors and not has_pickle:
+        raise ModelLoadError(f"{folder} holds no weights (*.safetensors); is this the right folder?")
+
+
+def load_model(
+    source: ModelSource,
+    precision: str,
+    device: str = "auto",
+    attn_implementation: str = "eager",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    offline: bool = True,
+) -> LoadedModel:
+    """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if precision not in PRECISIONS:
+        raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    dev = resolve_device(device)
+    _check_weights_format(source, allow_pickle)
+    common = {"trust_remote_code": trust_remote_code}
+    if source.kind == "hub":
+        common["revision"] = source.revision
+    if source.kind == "gguf":
+        common["gguf_file"] = source.gguf_file
+    try:
+        config = AutoConfig.from_pretrained(source.path, **common)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
+        hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
+        raise ModelLoadError(f"cannot read the model config of {source.describe()}{hint}: {exc}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source.describe()} is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} "
+            "(decoder-only, every layer full attention)"
+        )
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ModelLoadError(f"{source.describe()} uses sliding-window attention, which the cache code does not support")
+    kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation)
+    if source.kind != "gguf" and not allow_pickle:
+        kwargs["use_safetensors"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
+    except ImportError as exc:
+        raise ModelLoadError(f"loading {source.describe()} needs an optional package: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {source.describe()}: {exc}") from exc
+    if len(tokenizer) > model.config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer of {source.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"{model.config.vocab_size}: they do not belong together; point model at a folder holding both"
+        )
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        source=source,
+        precision=precision,
+        device=dev,
+        info={
+            "model_source": source.describe(),
+            "model_type": model_type,
+            "num_layers": int(config.num_hidden_layers),
+            "attn_implementation": model.config._attn_implementation,
+            "dtype": str(PRECISIONS[precision]).replace("torch.", ""),
+            "device": device_name(dev),
+        },
+    )
+
+
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """Every id that ends a suffix: the tokenizer's EOS and the generation config's (possibly several)."""
+    ids = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(i) for i in gen_eos)
+    return sorted(ids)

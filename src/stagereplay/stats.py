@@ -1,0 +1,133 @@
+"""Statistics for the report: interval bounds on rates, paired accuracy comparisons, transplant follow rates.
+
+Every function takes plain Python values (counts, per-item booleans, outcome strings, positions) and returns a
+JSON-serialisable dict of Python ints, floats and None that can go straight into ``stats.json``. Each dict names its
+``method`` and sample size ``n``, and its ``alpha`` and ``seed`` where they apply, so a number in the report can be
+traced to how it was computed.
+
+This module knows nothing of torch, the ledger or Snakemake: callers read the Parquet files and hand in the columns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral
+
+import numpy as np
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.proportion import proportion_confint
+
+FOLLOW_OUTCOMES = ("donor", "recipient", "neither")
+# Bounds the (chunk, n) index matrix of the bootstrap to about 32 MB however many items there are.
+_BOOTSTRAP_INDICES_PER_CHUNK = 4_000_000
+
+
+def _check_alpha(alpha: float) -> float:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
+    return float(alpha)
+
+
+def _check_count(name: str, value) -> int:
+    # bool is an Integral too, but a True passed as a count is a caller's bug, not a count of 1.
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def proportion(k: int, n: int, alpha: float = 0.05) -> dict:
+    """Rate k/n with two-sided 1-alpha Wilson and Clopper-Pearson (exact) intervals; None throughout when n == 0."""
+    k, n, alpha = _check_count("k", k), _check_count("n", n), _check_alpha(alpha)
+    if not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    result = {"k": k, "n": n, "rate": None, "wilson_low": None, "wilson_high": None,
+              "clopper_pearson_low": None, "clopper_pearson_high": None, "alpha": alpha,
+              "method": "wilson score and clopper-pearson intervals (statsmodels proportion_confint)"}
+    if n == 0:
+        return result
+    wilson = proportion_confint(k, n, alpha=alpha, method="wilson")
+    exact = proportion_confint(k, n, alpha=alpha, method="beta")
+    # Clipped because the Wilson formula can land a rounding error outside [0, 1] at k == 0 or k == n.
+    low_high = [min(1.0, max(0.0, float(b))) for b in (*wilson, *exact)]
+    result.update(rate=k / n, wilson_low=low_high[0], wilson_high=low_high[1],
+                  clopper_pearson_low=low_high[2], clopper_pearson_high=low_high[3])
+    return result
+
+
+def _as_correctness(name: str, values) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of booleans, got shape {array.shape}")
+    # Refuses 2 or 0.5 rather than letting a bool cast read them as correct.
+    if array.size and not np.isin(array, (0, 1)).all():
+        raise ValueError(f"{name} must hold only booleans (or 0/1)")
+    return array.astype(bool)
+
+
+def paired_accuracy_difference(correct_a: Sequence[bool], correct_b: Sequence[bool], n_boot: int = 10000,
+                               seed: int = 0, alpha: float = 0.05) -> dict:
+    """Accuracy of construction a minus that of b over the same items, with a paired bootstrap CI and exact McNemar.
+
+    The difference is a proportion (0.01 is one point). The interval is the percentile interval of a bootstrap that
+    resamples items, so each item keeps its a/b pair; it is reproducible from ``seed``.
+    """
+    a, b = _as_correctness("correct_a", correct_a), _as_correctness("correct_b", correct_b)
+    if a.size != b.size:
+        raise ValueError(f"correct_a and correct_b must be paired by item, got lengths {a.size} and {b.size}")
+    if a.size == 0:
+        raise ValueError("need at least one item")
+    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be positive, got {n_boot}")
+    n = int(a.size)
+
+    per_item = a.astype(np.int8) - b.astype(np.int8)  # (n,) in {-1, 0, 1}
+    rng = np.random.default_rng(seed)
+    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // n)
+    boot = np.empty(n_boot)
+    for start in range(0, n_boot, chunk):
+        size = min(chunk, n_boot - start)
+        indices = rng.integers(0, n, size=(size, n))  # (replicates, items)
+        boot[start:start + size] = per_item[indices].mean(axis=1)
+    low, high = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
+
+    a_only, b_only = int(np.sum(a & ~b)), int(np.sum(~a & b))
+    # From the discordant counts, so 11 vs 9 of 200 reads 0.01 in stats.json rather than 0.010000000000000009.
+    difference = (a_only - b_only) / n
+    both_right, both_wrong = int(np.sum(a & b)), int(np.sum(~a & ~b))
+    # With no discordant pairs the exact test has nothing to test; 1.0 is its limit and keeps stats.json free of NaN.
+    p = 1.0 if a_only + b_only == 0 else float(
+        mcnemar([[both_right, a_only], [b_only, both_wrong]], exact=True).pvalue)
+    return {"n": n, "accuracy_a": float(a.mean()), "accuracy_b": float(b.mean()),
+            "difference": difference, "bootstrap_low": float(low), "bootstrap_high": float(high),
+            "discordant_a_only": a_only, "discordant_b_only": b_only, "mcnemar_p": min(1.0, p),
+            "n_boot": n_boot, "seed": seed, "alpha": alpha,
+            "method": "paired percentile bootstrap over items; exact (binomial) McNemar test"}
+
+
+def follow_rate(outcomes: Sequence[str], alpha: float = 0.05) -> dict:
+    """Counts of transplant outcomes and the rate at which continuations follow their cache donor."""
+    unknown = sorted({o for o in outcomes if o not in FOLLOW_OUTCOMES}, key=repr)
+    if unknown:
+        raise ValueError(f"transplant outcomes must be among {FOLLOW_OUTCOMES}, got {unknown!r}")
+    counts = {o: sum(1 for x in outcomes if x == o) for o in FOLLOW_OUTCOMES}
+    n = sum(counts.values())
+    return {"n": n, **counts, "follows_donor": proportion(counts["donor"], n, alpha), "alpha": _check_alpha(alpha),
+            "method": "outcome counts; donor-following rate with wilson and clopper-pearson intervals"}
+
+
+def first_divergence_summary(positions: Sequence[int | None]) -> dict:
+    """Median, quartiles and range of first-divergence positions; None (and NaN, as pandas reads nulls) are skipped.
+
+    Quartiles use numpy's default linear interpolation, so they can fall between two integer positions.
+    """
+    kept = [p for p in positions if p is not None and not (isinstance(p, float) and math.isnan(p))]
+    result = {"n": len(kept), "n_none": len(positions) - len(kept), "median": None, "q1": None, "q3": None,
+              "min": None, "max": None, "method": "order statistics of non-null positions (numpy linear quantiles)"}
+    if kept:
+        values = np.asarray(kept, dtype=float)
+        q1, median, q3 = np.quantile(values, [0.25, 0.5, 0.75])
+        result.update(median=float(median), q1=float(q1), q3=float(q3),
+                      min=int(values.min()), max=int(values.max()))
+    return result

@@ -1,0 +1,52 @@
+"""Tiny models built in code: a few-layer random Qwen2 with the toy's character tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_tiny_model(folder: Path, seed: int = 0, layers: int = 3, vocab_extra: int = 0) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stagereplay.toy import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tokenizer) + vocab_extra, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0,
+                      bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases start at zero and norms at one: randomise them so they are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(tiny_model_dir):
+    from stagereplay.models import ModelSource, load_model, set_determinism
+
+    set_determinism(1)
+    return load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16(tiny_model_dir):
+    from stagereplay.models import ModelSource, load_model, set_determinism
+
+    set_determinism(1)
+    return load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")

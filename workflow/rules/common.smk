@@ -1,0 +1,100 @@
+# Helpers, config validation and input functions shared by every rule.
+import os
+from pathlib import Path
+
+from snakemake.utils import validate
+
+import stagereplay
+from stagereplay.models import revision_slug
+
+validate(config, schema="../schemas/config.schema.yaml", set_default=True)
+
+RUN = config["run"]
+RESULTS = f"results/{RUN}"
+LOGS = f"logs/{RUN}"
+BENCH = f"benchmarks/{RUN}"
+REPO = Path(workflow.basedir)
+# Results depend on the package as much as on the adapter scripts; its version in params reruns jobs on upgrade.
+CODE_VERSION = stagereplay.__version__
+
+REVISIONS = {revision_slug(r): r for r in config["revisions"]}
+if len(REVISIONS) != len(config["revisions"]):
+    raise ValueError(
+        f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
+    )
+SHARDS = list(range(config["shards"]))
+if (
+    config["boundary"].get("token_id") is not None
+    and config["boundary"].get("marker") == "</think>"
+):
+    config["boundary"][
+        "marker"
+    ] = None  # the token id was given: the schema's default marker does not apply
+
+
+def resolve_path(path):
+    """A config path, relative to the working directory, else to the repository (where data/ ships)."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        return path
+    shipped = REPO / path
+    return str(shipped) if shipped.exists() else path
+
+
+def model_kwargs(wildcards):
+    return dict(
+        model=resolve_path(config["model"]),
+        revision=REVISIONS[wildcards.revision],
+        precision=wildcards.precision,
+        boundary=config["boundary"],
+        max_stage_tokens=config["max_stage_tokens"],
+        max_new_tokens=config["max_new_tokens"],
+        shard=int(wildcards.shard),
+        n_shards=config["shards"],
+        threads=config["threads"],
+        device=config["device"],
+        attn_implementation=config["attn_implementation"],
+        answer_format=config["answer_format"],
+        stage_end=config["stage_end"],
+        prompt=config["prompt"],
+        trust_remote_code=config["trust_remote_code"],
+        allow_pickle=config["allow_pickle"],
+        offline=config["offline"],
+        seed=config["seed"],
+    )
+
+
+def dataset_config():
+    dataset = dict(config["dataset"])
+    if dataset.get("path"):
+        dataset["path"] = resolve_path(dataset["path"])
+    return dataset
+
+
+def matched_parts(wildcards):
+    return expand(
+        f"{RESULTS}/{wildcards.revision}/parts/matched_{{precision}}_{{shard}}.parquet",
+        precision=config["precisions"],
+        shard=SHARDS,
+    )
+
+
+def prefix_parts(wildcards):
+    return expand(
+        f"{RESULTS}/{wildcards.revision}/parts/prefixes_{{precision}}_{{shard}}.parquet",
+        precision=config["precisions"],
+        shard=SHARDS,
+    )
+
+
+def ledgers():
+    return expand(f"{RESULTS}/{{revision}}/ledger.parquet", revision=REVISIONS)
+
+
+def all_outputs():
+    return [
+        f"{RESULTS}/selection/items.parquet",
+        *expand(f"{RESULTS}/{{revision}}/prefixes.parquet", revision=REVISIONS),
+        *ledgers(),
+        f"{RESULTS}/report/report.md",
+        f"{RESULTS}/report/stats.json",
+    ]

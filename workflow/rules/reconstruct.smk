@@ -1,0 +1,39 @@
+rule reconstruct_prefixes:
+    input:
+        selection=f"{RESULTS}/selection/items.parquet",
+    output:
+        ledger=f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet",
+        prefixes=f"{RESULTS}/{{revision}}/parts/prefixes_{{precision}}_{{shard}}.parquet",
+    log:
+        f"{LOGS}/{{revision}}/reconstruct_prefixes_{{precision}}_{{shard}}.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/reconstruct_prefixes_{{precision}}_{{shard}}.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=240,
+    params:
+        kwargs=model_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/reconstruct_prefixes.py"
+
+
+rule gather_ledger:
+    input:
+        ledger=matched_parts,
+        prefixes=prefix_parts,
+    output:
+        ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
+        prefixes=f"{RESULTS}/{{revision}}/prefixes.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_ledger.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_ledger.py"

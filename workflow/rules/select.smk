@@ -1,0 +1,17 @@
+rule select_items:
+    output:
+        selection=f"{RESULTS}/selection/items.parquet",
+    log:
+        f"{LOGS}/select_items.log",
+    benchmark:
+        f"{BENCH}/select_items.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        dataset=dataset_config(),
+        n_items=config["n_items"],
+        seed=config["seed"],
+        answer_format=config["answer_format"],
+        version=CODE_VERSION,
+    script:
+        "../scripts/select_items.py"

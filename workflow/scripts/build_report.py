@@ -1,0 +1,8 @@
+import sys
+
+sys.stderr = open(snakemake.log[0], "w")
+
+from stagereplay.report import build_report
+
+build_report(dict(zip(snakemake.params.revisions, snakemake.input.ledgers)), snakemake.output.report,
+             snakemake.output.stats, snakemake.params.run, snakemake.params.seed)

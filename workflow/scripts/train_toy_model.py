@@ -1,0 +1,14 @@
+import json
+import sys
+from pathlib import Path
+
+sys.stderr = open(snakemake.log[0], "w")
+
+from stagereplay.ledger import write_text_atomic
+from stagereplay.toy import check_reproduced, reproduce_revision
+
+root = Path(snakemake.output.weights).parent.parent
+reproduce_revision(snakemake.wildcards.toy_revision, root)
+result = check_reproduced(snakemake.wildcards.toy_revision, root, snakemake.params.shipped)
+write_text_atomic(snakemake.output.check, json.dumps(result, indent=2) + "\n")
+print(json.dumps(result), file=sys.stderr)
