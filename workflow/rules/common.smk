@@ -70,12 +70,20 @@ def dataset_config():
     return dataset
 
 
-def matched_parts(wildcards):
-    return expand(
-        f"{RESULTS}/{wildcards.revision}/parts/matched_{{precision}}_{{shard}}.parquet",
-        precision=config["precisions"],
-        shard=SHARDS,
-    )
+# Ledger parts that gather_ledger joins into ledger.parquet; a stage that adds ledger rows appends its pattern
+# (with {revision}, {precision}, {shard} placeholders) in its own .smk file.
+LEDGER_PARTS = [RESULTS + "/{revision}/parts/matched_{precision}_{shard}.parquet"]
+# Files of every stage that `rule all` asks for; each stage's .smk appends its own.
+TARGETS = []
+
+
+def ledger_parts(wildcards):
+    return [
+        part.format(revision=wildcards.revision, precision=precision, shard=shard)
+        for part in LEDGER_PARTS
+        for precision in config["precisions"]
+        for shard in SHARDS
+    ]
 
 
 def prefix_parts(wildcards):
@@ -97,4 +105,5 @@ def all_outputs():
         *ledgers(),
         f"{RESULTS}/report/report.md",
         f"{RESULTS}/report/stats.json",
+        *TARGETS,
     ]

@@ -24,7 +24,7 @@ rule reconstruct_prefixes:
 
 rule gather_ledger:
     input:
-        ledger=matched_parts,
+        ledger=ledger_parts,
         prefixes=prefix_parts,
     output:
         ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
