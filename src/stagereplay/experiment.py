@@ -49,6 +49,7 @@ LEDGER_SCHEMA = pa.schema([
     ("answer", pa.string()),
     ("gold_answer", pa.string()),
     ("correct", pa.bool_()),
+    ("numerics", pa.string()),  # the numerics regime (default | invariant): a construction factor
 ])
 
 
@@ -94,6 +95,7 @@ class Settings:
     max_new_tokens: int
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
+    numerics: str = "default"  # default | invariant (stagereplay.invariant)
 
 
 def _cache_fields(cache) -> dict:
@@ -128,6 +130,7 @@ def _row(item, settings: Settings, experiment, construction, replica, status, pr
         "answer": answer,
         "gold_answer": item["gold_answer"],
         "correct": is_correct(answer, item["gold_answer"]) if status == "ok" else None,
+        "numerics": settings.numerics,
     }
 
 

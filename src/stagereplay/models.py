@@ -168,12 +168,18 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     offline: bool = True,
+    numerics: str = "default",
 ) -> LoadedModel:
-    """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised."""
+    """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised.
+
+    ``numerics: invariant`` switches the model to the batch-invariant regime of :mod:`stagereplay.invariant`.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if precision not in PRECISIONS:
         raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
+    if numerics not in ("default", "invariant"):
+        raise ModelLoadError(f"numerics {numerics!r} is not one of ['default', 'invariant']")
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     dev = resolve_device(device)
@@ -213,6 +219,14 @@ def load_model(
         )
     model.to(dev).eval()
     model.requires_grad_(False)
+    regime = {"numerics": "default"}
+    if numerics == "invariant":
+        from . import invariant
+
+        try:
+            regime = invariant.apply(model)
+        except invariant.InvariantRegimeError as exc:
+            raise ModelLoadError(f"{source.describe()}: {exc}") from exc
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -226,6 +240,7 @@ def load_model(
             "attn_implementation": model.config._attn_implementation,
             "dtype": str(PRECISIONS[precision]).replace("torch.", ""),
             "device": device_name(dev),
+            "numerics_regime": regime,  # "numerics" in provenance holds the determinism flags
         },
     )
 

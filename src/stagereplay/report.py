@@ -68,14 +68,16 @@ def matched_section(ledger: pd.DataFrame, revision: str, seed: int) -> tuple[lis
         flips = stats.proportion(int(cmp["label_differs"].sum()) if n else 0, n)
         acc = (stats.paired_accuracy_difference(cmp["correct_live"].tolist(), cmp["correct_prefill"].tolist(),
                                                 seed=seed) if n else None)
-        out[precision] = {"n_items": n_items, "n_compared": n, "boundary_missing": int(len(missing)),
-                          "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
+        regime = ", ".join(sorted(sub["numerics"].unique())) if "numerics" in sub else "default"
+        out[precision] = {"numerics": regime, "n_items": n_items, "n_compared": n,
+                          "boundary_missing": int(len(missing)), "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
                           "label_flips": flips, "accuracy_difference": acc}
         lines += [
             f"### Matched experiment, {precision} ({revision})",
             "",
             f"{n_items} items; {len(missing)} never reached the stage boundary (`boundary_missing`, excluded from "
             f"the comparison){'; ' + str(len(nonfinite)) + ' with non-finite logits (excluded)' if len(nonfinite) else ''}.",
+            f"Numerics regime: `{regime}`.",
             "",
             "| claim | reference study (bf16) | this run |",
             "| --- | --- | --- |",

@@ -58,21 +58,23 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                          attn_implementation: str = "eager", answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
-                         base_dir: str = ".", seed: int = 0, progress: bool = True) -> None:
+                         base_dir: str = ".", seed: int = 0, progress: bool = True,
+                         numerics: str = "default") -> None:
     """Stage 2 + the matched experiment: reconstruct each item's prefix with the live cache and run the matched
     live-vs-prefill experiment while that cache exists (a live cache cannot cross a process boundary)."""
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        answer_format=answer_format, prompt=prompt, seed=seed)
+                        answer_format=answer_format, prompt=prompt, seed=seed, numerics=numerics)
     flags = set_determinism(threads)
     items = shard_of(read_parquet(items_path), shard, n_shards)
     loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
-                        trust_remote_code, allow_pickle, offline)
+                        trust_remote_code, allow_pickle, offline, numerics)
     decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
     matcher = make_matcher(boundary, loaded.tokenizer)
-    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
+    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
+                        numerics=numerics)
     context = getattr(loaded.model.config, "max_position_embeddings", None)
     rows, prefix_rows = [], []
     bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}", disable=not progress,
