@@ -69,6 +69,8 @@ class ReferenceKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x (m, k) -> (m, n): m identical M=1 products, never one M=m product (whose order depends on m)
+        if x.shape[0] == 1:
+            return F.linear(_fresh(x), weight, bias)
         return torch.cat([F.linear(_fresh(x[i:i + 1]), weight, bias) for i in range(x.shape[0])])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,17 +114,18 @@ class ReferenceKernels:
         running_max = torch.full((kv, groups, 1), float("-inf"), dtype=torch.float32, device=dev)
         running_sum = torch.zeros((kv, groups, 1), dtype=torch.float32, device=dev)
         acc = torch.zeros((kv, groups, d), dtype=torch.float32, device=dev)
-        lanes = torch.arange(block, device=dev)
         for start in range(0, position + 1, block):
             width = min(block, position + 1 - start)
             # the block is always `block` keys wide: a partial last block is zero-padded and masked, whether the
-            # keys after it exist (a prefill row) or not (a decode step)
-            kb = torch.zeros((kv, block, d), dtype=torch.float32, device=dev)
-            vb = torch.zeros((kv, block, d), dtype=torch.float32, device=dev)
+            # keys after it exist (a prefill row) or not (a decode step); `width` depends on the position alone
+            make = torch.empty if width == block else torch.zeros
+            kb = make((kv, block, d), dtype=torch.float32, device=dev)
+            vb = make((kv, block, d), dtype=torch.float32, device=dev)
             kb[:, :width].copy_(keys[:, start:start + width])
             vb[:, :width].copy_(values[:, start:start + width])
             scores = torch.matmul(qf, kb.transpose(1, 2)) * scaling  # (kv, groups, block)
-            scores = scores.masked_fill(lanes >= width, float("-inf"))
+            if width < block:
+                scores[..., width:] = float("-inf")
             new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
             p = torch.exp(scores - new_max)
             rescale = torch.exp(running_max - new_max)

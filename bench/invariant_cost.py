@@ -1,0 +1,164 @@
+"""What the invariant numerics regime costs: prefill and decode throughput against the default regime, same run.
+
+Both regimes load the same weights; their measurements are interleaved (default, invariant, default, ...) so
+that load from other processes on a shared machine falls on both alike, and each figure is the median over
+repeats. Decode is batch 1, one token per forward, reading a cache of ``--prefill-len`` tokens and growing.
+The run also checks the regime's point: under ``invariant`` the one-shot prefill cache equals the token-by-token
+cache byte for byte (and under ``default`` it usually does not).
+
+    python bench/invariant_cost.py                                   # the toy model, bf16, CPU
+    python bench/invariant_cost.py --shape qwen2.5-0.5b --device cuda  # random weights in a Qwen2.5 shape
+
+The goal on a GPU is an invariant decode within 1.5x of the default decode at batch 1; the CPU reference
+kernels (a Python loop over rows and key blocks) are not written for speed, so a CPU ratio says little about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from stagereplay import compat  # noqa: E402
+from stagereplay.engine import Decoder  # noqa: E402
+from stagereplay.ledger import fingerprint_layers  # noqa: E402
+from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
+
+# Random-weight shapes (Qwen2.5 configs' sizes; vocabulary cut to keep the lm_head from dominating on a CPU).
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064),
+}
+
+
+def random_model_dir(shape: str, folder: Path) -> Path:
+    """A random-weight Qwen2 in ``shape``, saved as safetensors (the toy's tokenizer: only ids matter here)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stagereplay.toy import build_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False,
+                         rope_theta=1_000_000.0, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_prefill(decoder: Decoder, ids: list[int]) -> tuple[float, object]:
+    cache = decoder.new_cache()
+    synchronize(decoder.device)
+    start = time.perf_counter()
+    decoder.forward(ids, cache)
+    synchronize(decoder.device)
+    return time.perf_counter() - start, cache
+
+
+def time_decode(decoder: Decoder, ids: list[int], steps: int) -> float:
+    """Seconds per decode step at batch 1 (median over the steps), after a prefill of ``ids``."""
+    cache = decoder.new_cache()
+    logits = decoder.forward(ids, cache)
+    per_step = []
+    for _ in range(steps):
+        token = int(torch.argmax(logits))
+        synchronize(decoder.device)
+        start = time.perf_counter()
+        logits = decoder.forward([token], cache)
+        synchronize(decoder.device)
+        per_step.append(time.perf_counter() - start)
+    return statistics.median(per_step)
+
+
+def prefill_equals_incremental(decoder: Decoder, ids: list[int]) -> bool:
+    one_shot = decoder.new_cache()
+    decoder.forward(ids, one_shot)
+    stepped = decoder.new_cache()
+    for token in ids:
+        decoder.forward([token], stepped)
+    fingerprint = lambda cache: fingerprint_layers(compat.cache_layers(cache))[0]  # noqa: E731
+    return fingerprint(one_shot) == fingerprint(stepped)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(REPO / "data/toy/primary"), help="a local model folder")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="random weights in this shape instead of --model")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32", "fp16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attn-implementation", default="sdpa", help="the default regime's attention")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the measurements as JSON here")
+    args = parser.parse_args(argv)
+
+    flags = set_determinism(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = random_model_dir(args.shape, Path(tmp)) if args.shape else Path(args.model)
+        decoders = {}
+        for numerics in ("default", "invariant"):
+            loaded = load_model(ModelSource("local", str(folder)), args.precision, args.device,
+                                args.attn_implementation, numerics=numerics)
+            decoders[numerics] = Decoder(loaded.model, ())
+            device_name = loaded.info["device"]
+    vocab = decoders["default"].model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (args.prefill_len,), generator=generator).tolist()
+    for decoder in decoders.values():  # warm-up: lazy allocations, kernel selection, rotary table
+        time_prefill(decoder, ids)
+        time_decode(decoder, ids, 2)
+    prefill = {name: [] for name in decoders}
+    decode = {name: [] for name in decoders}
+    for _ in range(args.repeats):
+        for name, decoder in decoders.items():
+            prefill[name].append(time_prefill(decoder, ids)[0])
+            decode[name].append(time_decode(decoder, ids, args.decode_steps))
+    result = {
+        "device": device_name, "precision": args.precision, "threads": flags["cpu_threads"],
+        "model": args.shape or str(args.model), "attn_implementation": args.attn_implementation,
+        "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+        "kernels": decoders["invariant"].model._stagereplay_numerics["kernels"],
+    }
+    for name in decoders:
+        p, d = statistics.median(prefill[name]), statistics.median(decode[name])
+        result[name] = {"prefill_s": p, "prefill_tokens_per_s": args.prefill_len / p,
+                        "decode_s_per_token": d, "decode_tokens_per_s": 1 / d,
+                        "prefill_equals_incremental": prefill_equals_incremental(decoders[name], ids)}
+    result["prefill_time_ratio"] = result["invariant"]["prefill_s"] / result["default"]["prefill_s"]
+    result["decode_time_ratio"] = result["invariant"]["decode_s_per_token"] / result["default"]["decode_s_per_token"]
+    result["decode_goal_met"] = result["decode_time_ratio"] <= 1.5
+
+    print(f"{result['model']} {args.precision} on {device_name}, {result['threads']} thread(s), prefill "
+          f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}")
+    print(f"{'regime':10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill == incremental':>23}")
+    for name in decoders:
+        r = result[name]
+        print(f"{name:10} {r['prefill_tokens_per_s']:14.1f} {r['decode_tokens_per_s']:13.1f} "
+              f"{'yes (bytes)' if r['prefill_equals_incremental'] else 'no':>23}")
+    print(f"invariant / default time: prefill {result['prefill_time_ratio']:.2f}x, decode "
+          f"{result['decode_time_ratio']:.2f}x (goal <= 1.5x at batch 1 on a GPU: "
+          f"{'met' if result['decode_goal_met'] else 'not met'} here, {result['kernels']} kernels)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
