@@ -190,6 +190,18 @@ def test_the_regime_computes_the_same_model(tiny_model_dir, invariant_models):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sequence_computes_the_same_alone_or_batched(invariant_models, precision):
+    """Batch invariance in the usual sense too: two unpadded sequences in one batch give each its own bytes."""
+    model = invariant_models[precision].model
+    ids = torch.tensor([PROMPT + [5, 6], PROMPT[::-1] + [7, 8]])
+    with torch.no_grad():
+        together = model(input_ids=ids).logits
+        alone = [model(input_ids=ids[i:i + 1]).logits for i in range(2)]
+    for i in range(2):
+        assert rows_equal(together[i:i + 1], alone[i])
+
+
 def test_padding_and_reapplication_are_refused(invariant_models):
     model = invariant_models["fp32"].model
     with pytest.raises(invariant.InvariantRegimeError, match="unpadded"):
