@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stagereplay import compat  # noqa: E402
+from stagereplay import compat, invariant  # noqa: E402
 from stagereplay.engine import Decoder  # noqa: E402
 from stagereplay.ledger import fingerprint_layers  # noqa: E402
 from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
         "device": device_name, "precision": args.precision, "threads": flags["cpu_threads"],
         "model": args.shape or str(args.model), "attn_implementation": args.attn_implementation,
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
-        "kernels": decoders["invariant"].model._stagereplay_numerics["kernels"],
+        "kernels": invariant.describe(decoders["invariant"].model)["kernels"],
     }
     for name in decoders:
         p, d = statistics.median(prefill[name]), statistics.median(decode[name])
