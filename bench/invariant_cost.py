@@ -61,27 +61,35 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_for(device: torch.device):
+    """CPU: this process's CPU time, which other processes on a shared machine do not inflate (wall time
+    swung 3x between runs on a loaded 2-core machine); it is the latency at one thread. GPU: wall time."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def time_prefill(decoder: Decoder, ids: list[int]) -> tuple[float, object]:
+    clock = clock_for(decoder.device)
     cache = decoder.new_cache()
     synchronize(decoder.device)
-    start = time.perf_counter()
+    start = clock()
     decoder.forward(ids, cache)
     synchronize(decoder.device)
-    return time.perf_counter() - start, cache
+    return clock() - start, cache
 
 
 def time_decode(decoder: Decoder, ids: list[int], steps: int) -> float:
     """Seconds per decode step at batch 1 (median over the steps), after a prefill of ``ids``."""
+    clock = clock_for(decoder.device)
     cache = decoder.new_cache()
     logits = decoder.forward(ids, cache)
     per_step = []
     for _ in range(steps):
         token = int(torch.argmax(logits))
         synchronize(decoder.device)
-        start = time.perf_counter()
+        start = clock()
         logits = decoder.forward([token], cache)
         synchronize(decoder.device)
-        per_step.append(time.perf_counter() - start)
+        per_step.append(clock() - start)
     return statistics.median(per_step)
 
 
@@ -105,7 +113,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefill-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", help="write the measurements as JSON here")
     args = parser.parse_args(argv)
 
@@ -134,6 +142,7 @@ def main(argv=None) -> dict:
         "device": device_name, "precision": args.precision, "threads": flags["cpu_threads"],
         "model": args.shape or str(args.model), "attn_implementation": args.attn_implementation,
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+        "clock": "process CPU time" if decoders["default"].device.type == "cpu" else "wall time",
         "kernels": invariant.describe(decoders["invariant"].model)["kernels"],
     }
     for name in decoders:
@@ -143,18 +152,18 @@ def main(argv=None) -> dict:
                         "prefill_equals_incremental": prefill_equals_incremental(decoders[name], ids)}
     result["prefill_time_ratio"] = result["invariant"]["prefill_s"] / result["default"]["prefill_s"]
     result["decode_time_ratio"] = result["invariant"]["decode_s_per_token"] / result["default"]["decode_s_per_token"]
-    result["decode_goal_met"] = result["decode_time_ratio"] <= 1.5
+    result["decode_within_1.5x"] = result["decode_time_ratio"] <= 1.5  # the goal, set for a GPU at batch 1
 
     print(f"{result['model']} {args.precision} on {device_name}, {result['threads']} thread(s), prefill "
-          f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}")
+          f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}, {result['clock']}")
     print(f"{'regime':10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill == incremental':>23}")
     for name in decoders:
         r = result[name]
         print(f"{name:10} {r['prefill_tokens_per_s']:14.1f} {r['decode_tokens_per_s']:13.1f} "
               f"{'yes (bytes)' if r['prefill_equals_incremental'] else 'no':>23}")
     print(f"invariant / default time: prefill {result['prefill_time_ratio']:.2f}x, decode "
-          f"{result['decode_time_ratio']:.2f}x (goal <= 1.5x at batch 1 on a GPU: "
-          f"{'met' if result['decode_goal_met'] else 'not met'} here, {result['kernels']} kernels)")
+          f"{result['decode_time_ratio']:.2f}x with the {result['kernels']} kernels (the goal, decode within 1.5x at "
+          "batch 1, is set for a GPU)")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -233,3 +233,18 @@ def test_config_key_defaults_to_default_and_is_validated():
     cfg["numerics"] = "exact"
     with pytest.raises(WorkflowError, match="exact"):
         validate(cfg, schema, set_default=True)
+
+
+def test_cost_benchmark_runs_and_checks_the_regime(tiny_model_dir, tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("invariant_cost", REPO / "bench/invariant_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cost.json"
+    result = bench.main(["--model", str(tiny_model_dir), "--precision", "fp32", "--prefill-len", "12",
+                         "--decode-steps", "2", "--repeats", "1", "--out", str(out)])
+    assert result["invariant"]["prefill_equals_incremental"] is True
+    assert result["default"]["prefill_equals_incremental"] is False  # the tiny model's fp32 control, as above
+    assert json.loads(out.read_text())["decode_time_ratio"] == result["decode_time_ratio"] > 0
