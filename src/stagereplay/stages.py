@@ -16,6 +16,7 @@ from tqdm import tqdm
 from . import datasets
 from .engine import Decoder
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
+from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 
@@ -67,7 +68,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                         answer_format=answer_format, prompt=prompt, seed=seed)
     flags = set_determinism(threads)
     items = shard_of(read_parquet(items_path), shard, n_shards)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
     decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
@@ -81,9 +83,10 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
         item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context)
         rows += item_rows
         prefix_rows.append(prefix_row)
-    prov = provenance(loaded, flags, config_slice, "reconstruct_prefixes")
+    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), "gpu_slot": gpu.record()}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
+    gpu.release()
 
 
 SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]
