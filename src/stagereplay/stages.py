@@ -41,8 +41,8 @@ def shard_of(items: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
 
 
 def select_items(dataset: dict, n_items: int, seed: int, out_path: str, base_dir: str = ".",
-                 answer_format: str = "last_number") -> pd.DataFrame:
-    rows = datasets.load_source(dataset, base_dir, numeric=answer_format != "boxed")
+                 answer_format: str = "last_number", offline: bool = True) -> pd.DataFrame:
+    rows = datasets.load_source(dataset, base_dir, numeric=answer_format != "boxed", offline=offline)
     selected = datasets.select_items(rows, n_items, seed)
     write_parquet(selected, out_path, {**software_versions(), "stage": "select_items", "seed": seed,
                                        "config": {"dataset": dataset, "n_items": n_items}})
