@@ -13,8 +13,8 @@ rule reconstruct_prefixes:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=model_kwargs,
         version=CODE_VERSION,
