@@ -114,3 +114,22 @@ def test_generation_config_sampling_defaults_do_not_leak(tmp_path, tiny_model_di
         sampled = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=24)[0, len(prompt):].tolist()
     assert loaded.model.generation_config.do_sample is True
     assert sampled != runs[0][0][:len(sampled)]
+
+
+def test_gguf_runs_through_the_reconstruct_stage(gguf_dir, tmp_path):
+    from stagereplay.ledger import read_provenance
+    from stagereplay.stages import reconstruct_prefixes, select_items
+
+    folder, _ = gguf_dir
+    select_items({"source": "synthetic", "size": 20, "seed": 0}, 2, 0, str(tmp_path / "items.parquet"))
+    reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
+                         str(tmp_path / "prefixes.parquet"), model=str(folder), revision="tiny-qwen2.gguf",
+                         precision="bf16", boundary={"marker": "</think>", "occurrence": 1}, max_stage_tokens=4,
+                         max_new_tokens=4, device="cpu", progress=False)
+    import pandas as pd
+
+    ledger = pd.read_parquet(tmp_path / "ledger.parquet")
+    assert sorted(ledger["item_index"].unique()) == [0, 1] and set(ledger["revision"]) == {"tiny-qwen2.gguf"}
+    prov = read_provenance(tmp_path / "ledger.parquet")
+    assert prov["model_source"].endswith("tiny-qwen2.gguf") and prov["model_type"] == "qwen2"
+    assert prov["gpu_slot"] == {**prov["gpu_slot"], "device": "cpu", "claimed": False}

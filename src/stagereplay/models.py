@@ -99,6 +99,8 @@ class ModelSource:
     def describe(self) -> str:
         if self.kind == "hub":
             return f"{self.path}@{self.revision}"
+        if self.kind == "gguf":
+            return str(Path(self.path) / self.gguf_file)
         return self.path
 
 
