@@ -81,6 +81,19 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tiny_model_dir, mon
         assert loaded.model.state_dict()[name].numpy().tobytes() == t.numpy().tobytes(), name
 
 
+def test_hub_id_falls_back_to_the_cache_when_the_hub_is_unreachable(tmp_path, tiny_model_dir, monkeypatch):
+    import huggingface_hub.constants
+
+    repo = fake_hub_cache(tmp_path / "hub", tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    loaded = load_model(ModelSource("hub", repo, revision="main"), "fp32", "cpu", offline=False)
+    assert loaded.info["model_commit"] == COMMIT
+    with pytest.raises(ModelLoadError, match="cannot fetch other-org/absent@main from the hub or find it in"):
+        load_model(ModelSource("hub", "other-org/absent", revision="main"), "fp32", "cpu", offline=False)
+
+
 def test_hub_id_missing_from_the_cache_gives_a_clear_offline_error(tmp_path, tiny_model_dir, monkeypatch):
     repo = fake_hub_cache(tmp_path / "hub", tiny_model_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
