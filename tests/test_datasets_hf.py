@@ -58,7 +58,8 @@ def test_bad_rows_and_columns_are_named(tmp_path):
 def test_hub_dataset_missing_offline_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(hf.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     monkeypatch.setattr(hf.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DatasetError, match=r"cannot load the Hugging Face dataset nobody/absent-set \[test\].*offline: true"):
+    with pytest.raises(DatasetError,
+                       match=r"cannot load the Hugging Face dataset nobody/absent-set \[test\].*offline: true"):
         load_source({"source": "hf", "name": "nobody/absent-set", "split": "test"})
 
 

@@ -3,8 +3,8 @@
 Sources: ``synthetic`` (the embedded arithmetic set, generated from a seed), ``jsonl`` (GSM8K-style
 ``{"question", "answer"}`` lines with the gold answer after ``####``, or an explicit gold field), ``csv`` and
 ``parquet`` (with a column mapping), ``hf`` (a Hugging Face ``datasets`` dataset by name, subset and split, or a
-folder written by ``save_to_disk``; the optional extra ``hf``). Every row is checked: a bad row raises an error naming the file and the
-row, duplicate item ids are refused. Knows nothing of models.
+folder written by ``save_to_disk``; the optional extra ``hf``). Every row is checked: a bad row raises an error
+naming the file and the row, duplicate item ids are refused. Knows nothing of models.
 """
 
 from __future__ import annotations

@@ -210,11 +210,10 @@ def _check_gguf(source: ModelSource) -> None:
             f"GGUF file {path} holds a {architecture!r} model; the cache code supports "
             f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention)"
         )
-    for package in ("accelerate",):
-        try:
-            __import__(package)
-        except ImportError as exc:
-            raise ModelLoadError(f"loading a GGUF file needs {package}: pip install 'stagereplay[gguf]'") from exc
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loading needs it)
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs accelerate: pip install 'stagereplay[gguf]'") from exc
 
 
 def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
@@ -265,11 +264,13 @@ def load_model(
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{requested.describe()} is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} "
-            "(decoder-only, every layer full attention)"
+            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention)"
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ModelLoadError(f"{requested.describe()} uses sliding-window attention, which the cache code does not support")
+        raise ModelLoadError(
+            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
+        )
     kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation)
     if source.kind != "gguf" and not allow_pickle:
         kwargs["use_safetensors"] = True
