@@ -65,3 +65,37 @@ def test_a_lock_held_by_another_process_is_respected_and_freed_when_it_dies(tmp_
         holder.wait()
     # the killed holder's lock went with it
     assert claim_gpu("auto", n_visible=2, lock_dir=tmp_path, timeout_s=0).device == "cuda:0"
+
+
+def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, tiny_model_dir, monkeypatch):
+    """Two visible GPUs, the first held by another job: the stage loads the model on cuda:1 and says so in
+    provenance (the model itself is moved to the CPU here, where there is no GPU)."""
+    import torch
+
+    import stagereplay.stages as stages
+    from stagereplay.ledger import read_provenance
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    other_job = claim_gpu("auto", lock_dir=tmp_path / "locks")
+    assert other_job.device == "cuda:0"
+    asked = []
+    real_load = stages.load_model
+
+    def load_on_cpu(source, precision, device, *args, **kwargs):
+        asked.append(device)
+        return real_load(source, precision, "cpu", *args, **kwargs)
+
+    monkeypatch.setattr(stages, "load_model", load_on_cpu)
+    stages.select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(tmp_path / "items.parquet"))
+    stages.reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
+                                str(tmp_path / "prefixes.parquet"), model=str(tiny_model_dir), revision="local",
+                                precision="fp32", boundary={"marker": ";"}, max_stage_tokens=4, max_new_tokens=2,
+                                device="auto", progress=False)
+    assert asked == ["cuda:1"]
+    slot = read_provenance(tmp_path / "ledger.parquet")["gpu_slot"]
+    assert (slot["device"], slot["claimed"], slot["gpu"], slot["visible"]) == ("cuda:1", True, "1", ["0", "1"])
+    # the stage let its GPU go when it finished
+    assert claim_gpu("auto", lock_dir=tmp_path / "locks", timeout_s=0).device == "cuda:1"
