@@ -95,4 +95,6 @@ rule transplant_caches:
 
 
 TARGETS.extend(transplants())
-TARGETS.extend(expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS))
+TARGETS.extend(
+    expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS)
+)

@@ -9,7 +9,8 @@ if TRANSPLANT_PRECISION not in config["precisions"]:
         "the fixed prefixes exist only at those precisions"
     )
 TRANSPLANT_REVISIONS = {
-    revision_slug(r): r for r in (config["transplant"]["revisions"] or config["revisions"][:1])
+    revision_slug(r): r
+    for r in (config["transplant"]["revisions"] or config["revisions"][:1])
 }
 ALL_REVISIONS = dict(REVISIONS)
 for _slug, _name in TRANSPLANT_REVISIONS.items():
@@ -64,4 +65,6 @@ def transplant_kwargs(wildcards):
 
 
 def transplants():
-    return expand(f"{RESULTS}/{{revision}}/transplant.parquet", revision=TRANSPLANT_REVISIONS)
+    return expand(
+        f"{RESULTS}/{{revision}}/transplant.parquet", revision=TRANSPLANT_REVISIONS
+    )
