@@ -8,9 +8,12 @@ import torch
 
 from stagereplay import cache_io, compat
 from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
-from stagereplay.ledger import fingerprint_layers, tensor_bytes
+from stagereplay.experiment import ReplicaMismatchError
+from stagereplay.ledger import fingerprint_ids, fingerprint_layers, tensor_bytes
+from stagereplay.report import transplant_section
 from stagereplay.transplant import (SWEEPS, classify, enumerate_sweeps, run_transplants, select_items,
                                     transplant_cache)
+from stagereplay.transplant_stages import rebuild_constructions
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 N_NEW = 12
@@ -184,3 +187,34 @@ def test_tampered_dump_is_refused_naming_file_and_layer(loaded_bf16, tmp_path):
     path.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(cache_io.CacheDumpError, match="not a readable safetensors file"):
         cache_io.load_cache(path)
+
+
+def test_rebuilt_cache_is_called_live_only_when_its_bytes_are_the_ledgers(setup):
+    decoder, stage, prefill = setup
+    incremental = build_cache(decoder, "incremental", PROMPT, stage)
+    row = {"item_id": "x", "prompt_ids": PROMPT, "stage_ids": stage, "precision": "fp32",
+           "prefix_fingerprint": fingerprint_ids(PROMPT + stage)}
+    live = {**row, "construction": "live", "cache_fingerprint": fp(incremental)[0]}
+    pre = {**row, "construction": "prefill", "cache_fingerprint": fp(prefill)[0]}
+    caches, match = rebuild_constructions(decoder, live, pre)
+    assert list(caches) == ["live", "prefill"] and match is True
+    caches, match = rebuild_constructions(decoder, {**live, "cache_fingerprint": "0" * 64}, pre)
+    assert list(caches) == ["incremental", "prefill"] and match is False
+    with pytest.raises(ReplicaMismatchError, match="'x'.*prefill"):
+        rebuild_constructions(decoder, live, {**pre, "cache_fingerprint": "0" * 64})
+
+
+def test_report_section_counts_divergent_items_and_names_misses():
+    rows = []
+    for item, divergent, outcomes in ((0, True, ("donor", "donor")), (1, True, ("donor", "neither")),
+                                      (2, False, ("donor", "donor"))):
+        for direction, outcome in zip(("live->prefill", "prefill->live"), outcomes):
+            rows.append({"item_index": item, "item_id": f"i{item}", "direction": direction, "sweep": "all",
+                         "layer_set": "all", "component": "kv", "positions": "all", "divergent": divergent,
+                         "outcome": outcome, "live_fingerprint_match": True})
+    lines, numbers = transplant_section(pd.DataFrame(rows), "primary", {"rule": "divergent", "seed": 0})
+    assert (numbers["all_layers"]["n"], numbers["all_layers"]["donor"], numbers["all_layers"]["neither"]) == (4, 3, 1)
+    assert numbers["all_layers_by_direction"]["prefill->live"]["donor"] == 1
+    text = "\n".join(lines)
+    assert "3 / 4" in text and "24 / 24" in text and "43 / 43" in text
+    assert "**Finding:**" in text and "`i1` prefill->live (neither)" in text
