@@ -13,7 +13,7 @@ from stagereplay.ledger import fingerprint_ids, fingerprint_layers, tensor_bytes
 from stagereplay.report import transplant_section
 from stagereplay.transplant import (SWEEPS, classify, enumerate_sweeps, run_transplants, select_items,
                                     transplant_cache)
-from stagereplay.transplant_stages import rebuild_constructions
+from stagereplay.transplant_stages import TRANSPLANT_SCHEMA, rebuild_constructions
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 N_NEW = 12
@@ -218,3 +218,8 @@ def test_report_section_counts_divergent_items_and_names_misses():
     text = "\n".join(lines)
     assert "3 / 4" in text and "24 / 24" in text and "43 / 43" in text
     assert "**Finding:**" in text and "`i1` prefill->live (neither)" in text
+
+
+def test_report_section_of_an_empty_transplant_file():
+    lines, numbers = transplant_section(TRANSPLANT_SCHEMA.empty_table().to_pandas(), "later", None)
+    assert numbers["all_layers"]["n"] == 0 and "no donor to follow" in "\n".join(lines)

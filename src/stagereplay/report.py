@@ -130,7 +130,7 @@ def transplant_section(transplant: pd.DataFrame, revision: str, selection: dict 
     Rates count divergent items only (the two constructions' own continuations differ); a non-divergent item has
     no donor to tell apart from its recipient.
     """
-    div = transplant[transplant["divergent"]]
+    div = transplant[transplant["divergent"].astype(bool)]
     whole = div[(div["layer_set"] == "all") & (div["component"] == "kv") & (div["positions"] == "all")]
     headline = stats.follow_rate(whole["outcome"].tolist())
     by_direction = {d: stats.follow_rate(g["outcome"].tolist()) for d, g in whole.groupby("direction", sort=True)}
@@ -158,6 +158,9 @@ def transplant_section(transplant: pd.DataFrame, revision: str, selection: dict 
         lines += ["", "**Finding:** all-layer transplants that did not follow their donor (the cache should be the "
                   "whole state): " + ", ".join(f"`{r.item_id}` {r.direction} ({r.outcome})"
                                                for r in misses.itertuples())]
+    if div.empty:
+        lines += ["", "No selected item has divergent constructions: there is no donor to follow.", ""]
+        return lines, out
     lines += ["", "| sweep | layers | component | positions | direction | donor | recipient | neither |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = ["sweep", "layer_set", "component", "positions", "direction"]

@@ -232,6 +232,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
             continue
         loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
                                                trust_remote_code, allow_pickle, offline, base_dir)
+        file_prov = _provenance(loaded, flags, "dump_caches", config_slice)
         for pair in tqdm(pairs.to_dict("records"), desc=f"dump {revision}/{precision}", disable=not progress):
             caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
             row_a = pair["row_a"]
@@ -241,7 +242,8 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
                     "item_index": pair["item_index"], "item_id": pair["item_id"], "revision": revision,
                     "precision": precision, "construction": construction,
                     "prefix_fingerprint": row_a["prefix_fingerprint"], "prompt_len": len(row_a["prompt_ids"]),
-                    "pending_id": int(row_a["stage_ids"][-1]), "live_fingerprint_match": match})
+                    "pending_id": int(row_a["stage_ids"][-1]), "live_fingerprint_match": match,
+                    "provenance": file_prov})
                 total += written["bytes"]
                 rows.append({"item_index": pair["item_index"], "item_id": pair["item_id"], "revision": revision,
                              "precision": precision, "construction": construction, "path": name,
