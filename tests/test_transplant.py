@@ -223,3 +223,36 @@ def test_report_section_counts_divergent_items_and_names_misses():
 def test_report_section_of_an_empty_transplant_file():
     lines, numbers = transplant_section(TRANSPLANT_SCHEMA.empty_table().to_pandas(), "later", None)
     assert numbers["all_layers"]["n"] == 0 and "no donor to follow" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"transplant": {"select": "sample:0"}}, "sample:0"),
+    ({"transplant": {"select": "largest"}}, "largest"),
+    ({"transplant": {"sweeps": ["all", "thirds"]}}, "thirds"),
+    ({"transplant": {"sweeps": []}}, "sweeps"),
+    ({"transplant": {"seeed": 1}}, "seeed"),
+    ({"dump": {"items": "some"}}, "some"),
+])
+def test_bad_transplant_config_fails_naming_the_value(change, key):
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    from test_config import SCHEMA, default_config
+
+    cfg = default_config()
+    cfg.update(change)
+    with pytest.raises(WorkflowError) as err:
+        validate(cfg, SCHEMA, set_default=True)
+    assert key in str(err.value)
+
+
+def test_partial_transplant_config_gets_the_other_defaults():
+    from snakemake.utils import validate
+
+    from test_config import SCHEMA, default_config
+
+    cfg = default_config()
+    cfg["transplant"] = {"revisions": ["primary", "later"], "select": ["toy-0-000001"]}
+    validate(cfg, SCHEMA, set_default=True)
+    assert cfg["transplant"]["sweeps"][0] == "all" and "single_layers" not in cfg["transplant"]["sweeps"]
+    assert cfg["transplant"]["seed"] == 0 and cfg["dump"] == {"items": "divergent"}

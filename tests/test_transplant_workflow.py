@@ -5,6 +5,7 @@ import hashlib
 import pandas as pd
 import pytest
 
+from stagereplay import cache_io
 from stagereplay.ledger import read_provenance
 from stagereplay.transplant_stages import TRANSPLANT_SCHEMA
 
@@ -48,7 +49,13 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     assert read_provenance(res / "primary/transplant_selection.parquet")["selection"]["rule"] == "sample:2"
     manifest = pd.read_parquet(res / "primary/caches.parquet")
     assert manifest["bytes"].sum() > 0 and len(manifest) == 2 * manifest["item_index"].nunique()
-    assert all((res / "primary/caches" / p).is_file() for p in manifest["path"])
+    ledger = pd.read_parquet(res / "primary/ledger.parquet")
+    live = ledger[(ledger["construction"] == "live") & (ledger["replica"] == 1)].set_index("item_index")
+    for row in manifest.itertuples():
+        dump = cache_io.load_cache(res / "primary/caches" / row.path)  # every layer's bytes checked on load
+        assert dump.meta["cache_fingerprint"] == row.cache_fingerprint
+        if row.construction == "live":  # the dumped cache is the ledger's live cache, byte for byte
+            assert row.cache_fingerprint == live.loc[row.item_index, "cache_fingerprint"]
     report = (res / "report/report.md").read_text()
     assert "Transplants (primary)" in report and "24 / 24" in report
 
