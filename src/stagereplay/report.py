@@ -112,7 +112,12 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
         section, numbers = matched_section(ledger, revision, seed)
         lines += section
         all_stats["revisions"][revision] = {"matched": numbers}
-    for revision, path in (transplants or {}).items():
+    if transplants:
+        lines += ["## K/V transplants", "",
+                  "Each revision's two constructions of the primary revision's prefix ids; a transplant continues from "
+                  "the recipient's boundary cache carrying the donor's K/V in the layers, component and positions named.",
+                  ""]
+    for revision, path in transplants.items() if transplants else ():
         section, numbers = transplant_section(read_parquet(path), revision, read_provenance(path).get("selection"))
         lines += section
         all_stats["revisions"].setdefault(revision, {})["transplant"] = numbers
