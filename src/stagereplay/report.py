@@ -12,7 +12,7 @@ import pandas as pd
 
 from . import stats
 from .engine import first_divergence
-from .ledger import read_parquet, software_versions, write_text_atomic
+from .ledger import read_parquet, read_provenance, software_versions, write_text_atomic
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",
@@ -99,8 +99,9 @@ def matched_section(ledger: pd.DataFrame, revision: str, seed: int) -> tuple[lis
     return lines, out
 
 
-def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0) -> None:
-    """``ledgers`` maps a revision slug to its ledger.parquet."""
+def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
+                 transplants: dict[str, str] | None = None) -> None:
+    """``ledgers`` (and ``transplants``) map a revision slug to its ledger.parquet (transplant.parquet)."""
     lines = [f"# stagereplay report: run `{run}`", "",
              "Built from the ledgers alone. The reference study: a Qwen2.5-derived reasoning model, 48 layers, "
              "200 items.", ""]
@@ -111,5 +112,67 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
         section, numbers = matched_section(ledger, revision, seed)
         lines += section
         all_stats["revisions"][revision] = {"matched": numbers}
+    if transplants:
+        lines += ["## K/V transplants", "",
+                  "Each revision's two constructions of the primary revision's prefix ids; a transplant continues from "
+                  "the recipient's boundary cache carrying the donor's K/V in the layers, component and positions named.",
+                  ""]
+    for revision, path in transplants.items() if transplants else ():
+        section, numbers = transplant_section(read_parquet(path), revision, read_provenance(path).get("selection"))
+        lines += section
+        all_stats["revisions"].setdefault(revision, {})["transplant"] = numbers
     write_text_atomic(out_md, "\n".join(lines) + "\n")
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True) + "\n")
+
+
+TRANSPLANT_REFERENCE = ("24 / 24 (selected set, primary checkpoint); 43 / 43 (outcome-blind selection, later "
+                        "checkpoint)")
+
+
+def transplant_section(transplant: pd.DataFrame, revision: str, selection: dict | None = None) -> tuple[list[str], dict]:
+    """Follow rates of one revision's transplants: the all-layer K/V transplant beside the study, then every sweep.
+
+    Rates count divergent items only (the two constructions' own continuations differ); a non-divergent item has
+    no donor to tell apart from its recipient.
+    """
+    div = transplant[transplant["divergent"].astype(bool)]
+    whole = div[(div["layer_set"] == "all") & (div["component"] == "kv") & (div["positions"] == "all")]
+    headline = stats.follow_rate(whole["outcome"].tolist())
+    by_direction = {d: stats.follow_rate(g["outcome"].tolist()) for d, g in whole.groupby("direction", sort=True)}
+    out = {"all_layers": headline, "all_layers_by_direction": by_direction, "selection": selection or {},
+           "n_items": int(transplant["item_index"].nunique()), "n_divergent_items": int(div["item_index"].nunique()),
+           "sweeps": []}
+    sel = selection or {}
+    lines = [f"### Transplants ({revision})", "",
+             f"Selection `{sel.get('rule', '?')}` (seed {sel.get('seed', '?')}), decided from suffix token ids "
+             f"before any transplant ran: {sel.get('n_selected', out['n_items'])} of {sel.get('n_candidates', '?')} "
+             f"items, {out['n_divergent_items']} with divergent constructions.", ""]
+    live = transplant.drop_duplicates("item_index")["live_fingerprint_match"]
+    if live.notna().any():
+        lines += [f"The rebuilt incremental cache was bit-exact with the ledger's live cache for "
+                  f"{int(live.dropna().astype(bool).sum())} / {int(live.notna().sum())} items (called `live` where it "
+                  "was).", ""]
+    lines += ["| claim | reference study | this run |", "| --- | --- | --- |",
+              f"| all-layer K/V transplant: divergent continuations that follow their cache donor | "
+              f"{TRANSPLANT_REFERENCE} | {_fmt_prop(headline['follows_donor'])} |"]
+    for direction, rate in by_direction.items():
+        lines.append(f"| ... {direction} | | {_fmt_prop(rate['follows_donor'])}; recipient {rate['recipient']}, "
+                     f"neither {rate['neither']} |")
+    if headline["n"] and headline["donor"] < headline["n"]:
+        misses = whole[whole["outcome"] != "donor"]
+        lines += ["", "**Finding:** all-layer transplants that did not follow their donor (the cache should be the "
+                  "whole state): " + ", ".join(f"`{r.item_id}` {r.direction} ({r.outcome})"
+                                               for r in misses.itertuples())]
+    if div.empty:
+        lines += ["", "No selected item has divergent constructions: there is no donor to follow.", ""]
+        return lines, out
+    lines += ["", "| sweep | layers | component | positions | direction | donor | recipient | neither |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = ["sweep", "layer_set", "component", "positions", "direction"]
+    for key, group in div.groupby(keys, sort=False):
+        rate = stats.follow_rate(group["outcome"].tolist())
+        out["sweeps"].append({**dict(zip(keys, key)), **rate})
+        lines.append("| " + " | ".join(str(k) for k in key)
+                     + f" | {rate['donor']} | {rate['recipient']} | {rate['neither']} |")
+    lines.append("")
+    return lines, out

@@ -1,6 +1,7 @@
 rule build_report:
     input:
         ledgers=ledgers(),
+        transplants=transplants(),
     output:
         report=f"{RESULTS}/report/report.md",
         stats=f"{RESULTS}/report/stats.json",
@@ -12,6 +13,7 @@ rule build_report:
         "../../envs/stagereplay.yaml"
     params:
         revisions=list(REVISIONS),
+        transplant_revisions=list(TRANSPLANT_REVISIONS),
         run=RUN,
         seed=config["seed"],
         version=CODE_VERSION,
