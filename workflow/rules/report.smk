@@ -1,6 +1,8 @@
 rule build_report:
     input:
         ledgers=ledgers(),
+        bridges=expand(f"{RESULTS}/{{revision}}/bridge.parquet", revision=REVISIONS),
+        audits=expand(f"{RESULTS}/{{revision}}/audit.parquet", revision=REVISIONS),
     output:
         report=f"{RESULTS}/report/report.md",
         stats=f"{RESULTS}/report/stats.json",
@@ -14,6 +16,7 @@ rule build_report:
         revisions=list(REVISIONS),
         run=RUN,
         seed=config["seed"],
+        reference_precision=config["reference_precision"],
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"
