@@ -121,13 +121,14 @@ class BridgeRecorder:
         prefill = build_cache(self.decoder, "prefill", prompt_ids, boundary.stage_ids)
         exact = compare_caches(boundary.cache, incremental)
         contrast = compare_caches(boundary.cache, prefill)
+        incremental_fp = fingerprint_layers(compat.cache_layers(incremental))[0]  # before the continuation grows it
         cont = continue_greedy(self.decoder, incremental, boundary.stage_ids[-1], self.max_new_tokens,
                                copy_cache=False)
         self._pending[base["item_index"]] = cont.suffix_ids
         self.rows.append({
             **base, **exact,
             "live_cache_fingerprint": live_fp,
-            "incremental_cache_fingerprint": fingerprint_layers(compat.cache_layers(incremental))[0],
+            "incremental_cache_fingerprint": incremental_fp,
             "incremental_suffix_fingerprint": fingerprint_ids(cont.suffix_ids),
             **{f"prefill_{k}": v for k, v in contrast.items() if k != "n_layers_differ"},
         })
