@@ -18,7 +18,9 @@ TARGETS.extend(
 
 
 def fixed_prefix_kwargs(wildcards):
-    return dict(model_kwargs(wildcards), reference_precision=config["reference_precision"])
+    return dict(
+        model_kwargs(wildcards), reference_precision=config["reference_precision"]
+    )
 
 
 def bridge_parts(wildcards):
