@@ -97,3 +97,11 @@ def test_corrupted_ledger_fails_the_pipeline_and_names_the_rows(run_a):
     audit = pd.read_parquet(run_a / "results/tiny/primary/audit.parquet")
     assert (~audit["reproduced"]).sum() == 2
     assert not (run_a / "results/tiny/primary/audit_check.json").exists()
+
+
+@pytest.mark.slow
+def test_reference_precision_must_be_a_run_precision(tmp_path):
+    tiny_config(tmp_path, precisions=["bf16"], reference_precision="fp32")
+    proc = snakemake(tmp_path, "--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "reference_precision: 'fp32' is not one of precisions ['bf16']" in proc.stdout + proc.stderr
