@@ -267,6 +267,13 @@ def test_fp16_overflow_rows_are_marked_counted_and_reproduced(tmp_path):
     assert any(line.startswith("| fp16 | 1 | 4 | 0 / 0") for line in lines)
     records = audit_item(fp16.recomputer(item, stage), rows, {"fixed_prefix"})
     assert all(r["reproduced"] for r in records)
+    # generating at fp16 overflows within the stage: live rows marked, no prefix, nothing built on it
+    matched, prefix = matched_item(fp16.decoder, fp16.tokenizer, fp16.prompter, fp16.matcher, item, fp16.settings)
+    assert [(r["construction"], r["status"]) for r in matched] == [("live", "nonfinite")] * 2
+    assert prefix["status"] == "nonfinite" and prefix["stage_ids"] == []
+    assert fixed_prefix_item(fp16.decoder, fp16.tokenizer, item, prefix, fp16.settings) == []
+    records = audit_item(fp16.recomputer(item, None), matched, {"matched", "fixed_prefix"})
+    assert len(records) == 2 and all(r["reproduced"] for r in records)
 
 
 def test_report_sections_from_frames():
