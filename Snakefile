@@ -20,6 +20,7 @@ wildcard_constraints:
 include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/transplant.smk"
+include: "workflow/rules/controls.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 

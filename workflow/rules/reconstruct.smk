@@ -4,6 +4,7 @@ rule reconstruct_prefixes:
     output:
         ledger=f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet",
         prefixes=f"{RESULTS}/{{revision}}/parts/prefixes_{{precision}}_{{shard}}.parquet",
+        bridge=f"{RESULTS}/{{revision}}/parts/bridge_{{precision}}_{{shard}}.parquet",
     log:
         f"{LOGS}/{{revision}}/reconstruct_prefixes_{{precision}}_{{shard}}.log",
     benchmark:
@@ -17,6 +18,7 @@ rule reconstruct_prefixes:
         runtime=config["runtime_per_job"],
     params:
         kwargs=model_kwargs,
+        bridge=config["bridge"],
         version=CODE_VERSION,
     script:
         "../scripts/reconstruct_prefixes.py"
