@@ -44,9 +44,11 @@ def test_default_workflow_end_to_end(tmp_path):
     ledger = pd.read_parquet(res / "primary/ledger.parquet")
     assert len(items) == 6
     # one row per (item, construction, replica) of the matched experiment; missing boundaries keep their live rows
-    ok = ledger[ledger["status"] == "ok"]["item_index"].nunique()
-    assert len(ledger) == 4 * ok + 2 * (6 - ok)
-    assert set(ledger["construction"]) <= {"live", "prefill"}
+    for precision in ("bf16", "fp32"):  # the default precisions
+        matched = ledger[(ledger["experiment"] == "matched") & (ledger["precision"] == precision)]
+        ok = matched[matched["status"] == "ok"]["item_index"].nunique()
+        assert len(matched) == 4 * ok + 2 * (6 - ok)
+        assert set(matched["construction"]) <= {"live", "prefill"}
     prov = read_provenance(res / "primary/ledger.parquet")
     part = prov["parts"][0]
     assert part["numerics"]["deterministic_algorithms"] is True and part["numerics"]["tf32_matmul"] is False

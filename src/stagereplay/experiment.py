@@ -153,8 +153,13 @@ def check_replicas(rows: list[dict], item_id: str) -> None:
 
 
 def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: BoundaryMatcher, item: dict,
-                 settings: Settings, context_limit: int | None = None) -> tuple[list[dict], dict]:
-    """Ledger rows of the matched experiment for one item, and its prefixes row."""
+                 settings: Settings, context_limit: int | None = None,
+                 on_live_boundary=None) -> tuple[list[dict], dict]:
+    """Ledger rows of the matched experiment for one item, and its prefixes row.
+
+    ``on_live_boundary(item, prompt_ids, boundary)``, when given, sees replica 1's live boundary (its retained
+    cache included) before the cache is continued: the only moment a live cache exists (the bridge uses it).
+    """
     prompt_ids = prompter(item["question"])
     if context_limit is not None and len(prompt_ids) + settings.max_stage_tokens + settings.max_new_tokens > context_limit:
         raise PromptTooLongError(
@@ -167,9 +172,13 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
     for replica in (1, 2):
         boundary = generate_to_boundary(decoder, prompt_ids, matcher, settings.max_stage_tokens)
         if boundary.status != "ok":
+            if on_live_boundary is not None and replica == 1:
+                on_live_boundary(item, prompt_ids, boundary)
             live_rows.append(_row(item, settings, "matched", "live", replica, boundary.status, prompt_ids, [], {},
                                   boundary.generated_ids, [], boundary.status, tokenizer))
             continue
+        if on_live_boundary is not None and replica == 1:
+            on_live_boundary(item, prompt_ids, boundary)
         fields = _cache_fields(boundary.cache)
         cont = continue_greedy(decoder, boundary.cache, boundary.stage_ids[-1], settings.max_new_tokens,
                                copy_cache=False)
@@ -190,7 +199,7 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
         "prefix_fingerprint": reference["prefix_fingerprint"],
         "gold_answer": item["gold_answer"],
     }
-    if reference["status"] == "boundary_missing":
+    if not reference["stage_ids"]:  # no boundary reached (missing, or non-finite logits during the stage)
         return rows, prefix_row
     stage_ids = reference["stage_ids"]
     prefill_rows = []

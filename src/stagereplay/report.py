@@ -12,14 +12,29 @@ import pandas as pd
 
 from . import stats
 from .engine import first_divergence
-from .ledger import read_parquet, software_versions, write_text_atomic
+from .ledger import read_parquet, read_provenance, software_versions, write_text_atomic
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",
     "matched_label_flips": "20 / 200",
     "matched_accuracy_difference": "+1 point, paired 95% CI [-3.5, +5.5]",
     "replicas_exact": "yes",
+    "fixed_prefix": "bf16 disagreements recur; fp32: 0 / 200 (95% Wilson upper bound 1.88%)",
+    "bridge_exact": "12 / 12",
+    "audit_reproduced": "all 200 retained trajectories and comparison fingerprints",
 }
+
+BRIDGE_NOTE = (
+    "What the bridge shows on CPU: the live generation feeds the prompt in one forward pass and then one token per "
+    "step. An `incremental` rebuild that feeds the same ids in the same chunks reproduces the live cache bit for "
+    "bit at every layer (K and V), and with it the live continuation. A one-shot `prefill` of the very same ids "
+    "(the contrast column) computes other matrix shapes, hence other kernels and summation orders, and its cache is "
+    "in general not the live one (in bf16, rounding can absorb the difference on some rows; in fp32 it rarely "
+    "does). A "
+    "construction matches `live` bit for bit only if it feeds tokens in the same chunks as the original "
+    "generation did; that is what lets the fixed-prefix 2x2 use `incremental` in place of `live` at a precision "
+    "that did not generate the prefix."
+)
 
 
 def compare_constructions(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.DataFrame:
@@ -101,8 +116,95 @@ def matched_section(ledger: pd.DataFrame, revision: str, seed: int) -> tuple[lis
     return lines, out
 
 
-def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0) -> None:
-    """``ledgers`` maps a revision slug to its ledger.parquet."""
+def fixed_prefix_section(ledger: pd.DataFrame, revision: str,
+                         reference_precision: str | None = None) -> tuple[list[str], dict]:
+    """The fixed-prefix 2x2 per precision: incremental vs prefill over the same prefix ids."""
+    fixed = ledger[ledger["experiment"] == "fixed_prefix"]
+    if fixed.empty:
+        return [], {}
+    source = f"the {reference_precision} generation" if reference_precision else "the reference generation"
+    lines = [f"### Fixed-prefix 2x2 ({revision})", "",
+             f"Every item's prefix ids are held fixed (taken from {source}); at each precision the boundary cache is "
+             "built `incremental` (prompt prefill, then the stage tokens one at a time) and by one-shot `prefill`, "
+             "two bit-exact replicas each. Rows with non-finite logits are counted and never compared.", "",
+             "| precision | items | non-finite rows | suffixes that differ (incremental vs prefill) | "
+             "labels that differ | first divergence: median [q1, q3] (min-max) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    out = {}
+    for precision in sorted(fixed["precision"].unique()):
+        sub = fixed[fixed["precision"] == precision]
+        n_items = int(sub["item_index"].nunique())
+        nonfinite = sub[sub["status"] == "nonfinite"]
+        cmp = compare_constructions(sub, "fixed_prefix", "incremental", "prefill")
+        n = len(cmp)
+        dis = stats.proportion(int(cmp["disagree"].sum()) if n else 0, n)
+        flips = stats.proportion(int(cmp["label_differs"].sum()) if n else 0, n)
+        positions = [int(p) for p in cmp["first_divergence"].dropna()] if n else []
+        summary = stats.first_divergence_summary(positions)
+        out[precision] = {"n_items": n_items, "n_compared": n, "nonfinite_rows": int(len(nonfinite)),
+                          "nonfinite_items": int(nonfinite["item_index"].nunique()),
+                          "suffix_disagreements": dis, "label_flips": flips, "first_divergence": summary}
+        where = ("-" if summary["n"] == 0 else
+                 f"{summary['median']:g} [{summary['q1']:g}, {summary['q3']:g}] ({summary['min']}-{summary['max']})")
+        lines.append(f"| {precision} | {n_items} | {len(nonfinite)} | {_fmt_prop(dis)} | {_fmt_prop(flips)} | {where} |")
+    lines += ["", f"Reference study: {REFERENCE['fixed_prefix']}.", ""]
+    return lines, out
+
+
+def bridge_section(bridge: pd.DataFrame, revision: str) -> tuple[list[str], dict]:
+    """The bridge per precision: incremental rebuilds bit-exact with the retained live cache."""
+    lines = [f"### Bridge: incremental rebuild vs retained live cache ({revision})", ""]
+    out = {}
+    if bridge.empty:
+        return lines + ["No bridge rows (bridge.n_rows is 0).", ""], out
+    lines += ["| precision | rows drawn | with a boundary | incremental bit-exact | continuations equal | "
+              "one-shot prefill bit-exact (contrast) |", "| --- | --- | --- | --- | --- | --- |"]
+    inexact = []
+    for precision in sorted(bridge["precision"].unique()):
+        sub = bridge[bridge["precision"] == precision]
+        ok = sub[sub["status"] == "ok"]
+        exact, equal = int(ok["bit_exact"].astype(bool).sum()), int(ok["suffix_equal"].astype(bool).sum())
+        prefill_exact = int(ok["prefill_bit_exact"].astype(bool).sum())
+        out[precision] = {"n_rows": int(len(sub)), "n_with_boundary": int(len(ok)), "bit_exact": exact,
+                          "suffix_equal": equal, "prefill_bit_exact": prefill_exact}
+        lines.append(f"| {precision} | {len(sub)} | {len(ok)} | {exact} / {len(ok)} | {equal} / {len(ok)} | "
+                     f"{prefill_exact} / {len(ok)} |")
+        inexact += ok[~ok["bit_exact"].astype(bool)].to_dict("records")
+    lines += ["", f"Reference study: bit-exact on {REFERENCE['bridge_exact']} rows.", ""]
+    for row in inexact:
+        lines.append(f"- NOT bit-exact: `{row['item_id']}` ({row['precision']}): first differs at layer "
+                     f"{int(row['first_layer_differs'])}, {row['component_differs']}, position "
+                     f"{int(row['first_position_differs'])}")
+    if inexact:
+        lines.append("")
+    lines += [BRIDGE_NOTE, ""]
+    return lines, out
+
+
+def audit_section(audit: pd.DataFrame, revision: str) -> tuple[list[str], dict]:
+    """The saved-ledger audit: how many ledger rows were recomputed to the same ids and fingerprints."""
+    n, k = len(audit), int(audit["reproduced"].astype(bool).sum()) if len(audit) else 0
+    failed = audit[~audit["reproduced"].astype(bool)] if n else audit
+    out = {"n_rows": n, "reproduced": k, "failed": [
+        {"item_id": r["item_id"], "experiment": r["experiment"], "precision": r["precision"],
+         "construction": r["construction"], "replica": int(r["replica"]), "differed": list(r["differed"])}
+        for r in failed.to_dict("records")]}
+    lines = [f"### Saved-ledger audit ({revision})", "",
+             f"Every ledger row recomputed from the selection, the model and the ledger's ids alone: **{k} / {n} "
+             f"reproduced** (token ids, cache and suffix fingerprints, margins, answers). Reference study: "
+             f"{REFERENCE['audit_reproduced']} reproduced.", ""]
+    for r in out["failed"][:50]:
+        lines.append(f"- did not reproduce: `{r['item_id']}` {r['experiment']}/{r['precision']}/{r['construction']} "
+                     f"replica {r['replica']}: {', '.join(r['differed'])}")
+    if out["failed"]:
+        lines.append("")
+    return lines, out
+
+
+def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
+                 bridges: dict[str, str] | None = None, audits: dict[str, str] | None = None,
+                 reference_precision: str | None = None, transplants: dict[str, str] | None = None) -> None:
+    """``ledgers`` maps a revision slug to its ledger.parquet (``bridges``, ``audits``: to those files)."""
     lines = [f"# stagereplay report: run `{run}`", "",
              "Built from the ledgers alone. The reference study: a Qwen2.5-derived reasoning model, 48 layers, "
              "200 items.", ""]
@@ -113,5 +215,79 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
         section, numbers = matched_section(ledger, revision, seed)
         lines += section
         all_stats["revisions"][revision] = {"matched": numbers}
+        section, numbers = fixed_prefix_section(ledger, revision, reference_precision)
+        lines += section
+        if numbers:
+            all_stats["revisions"][revision]["fixed_prefix"] = numbers
+        if bridges and revision in bridges:
+            section, all_stats["revisions"][revision]["bridge"] = bridge_section(read_parquet(bridges[revision]),
+                                                                                  revision)
+            lines += section
+        if audits and revision in audits:
+            section, all_stats["revisions"][revision]["audit"] = audit_section(read_parquet(audits[revision]),
+                                                                                revision)
+            lines += section
+    if transplants:
+        lines += ["## K/V transplants", "",
+                  "Each revision's two constructions of the primary revision's prefix ids; a transplant continues from "
+                  "the recipient's boundary cache carrying the donor's K/V in the layers, component and positions named.",
+                  ""]
+    for revision, path in transplants.items() if transplants else ():
+        section, numbers = transplant_section(read_parquet(path), revision, read_provenance(path).get("selection"))
+        lines += section
+        all_stats["revisions"].setdefault(revision, {})["transplant"] = numbers
     write_text_atomic(out_md, "\n".join(lines) + "\n")
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True) + "\n")
+
+
+TRANSPLANT_REFERENCE = ("24 / 24 (selected set, primary checkpoint); 43 / 43 (outcome-blind selection, later "
+                        "checkpoint)")
+
+
+def transplant_section(transplant: pd.DataFrame, revision: str, selection: dict | None = None) -> tuple[list[str], dict]:
+    """Follow rates of one revision's transplants: the all-layer K/V transplant beside the study, then every sweep.
+
+    Rates count divergent items only (the two constructions' own continuations differ); a non-divergent item has
+    no donor to tell apart from its recipient.
+    """
+    div = transplant[transplant["divergent"].astype(bool)]
+    whole = div[(div["layer_set"] == "all") & (div["component"] == "kv") & (div["positions"] == "all")]
+    headline = stats.follow_rate(whole["outcome"].tolist())
+    by_direction = {d: stats.follow_rate(g["outcome"].tolist()) for d, g in whole.groupby("direction", sort=True)}
+    out = {"all_layers": headline, "all_layers_by_direction": by_direction, "selection": selection or {},
+           "n_items": int(transplant["item_index"].nunique()), "n_divergent_items": int(div["item_index"].nunique()),
+           "sweeps": []}
+    sel = selection or {}
+    lines = [f"### Transplants ({revision})", "",
+             f"Selection `{sel.get('rule', '?')}` (seed {sel.get('seed', '?')}), decided from suffix token ids "
+             f"before any transplant ran: {sel.get('n_selected', out['n_items'])} of {sel.get('n_candidates', '?')} "
+             f"items, {out['n_divergent_items']} with divergent constructions.", ""]
+    live = transplant.drop_duplicates("item_index")["live_fingerprint_match"]
+    if live.notna().any():
+        lines += [f"The rebuilt incremental cache was bit-exact with the ledger's live cache for "
+                  f"{int(live.dropna().astype(bool).sum())} / {int(live.notna().sum())} items (called `live` where it "
+                  "was).", ""]
+    lines += ["| claim | reference study | this run |", "| --- | --- | --- |",
+              f"| all-layer K/V transplant: divergent continuations that follow their cache donor | "
+              f"{TRANSPLANT_REFERENCE} | {_fmt_prop(headline['follows_donor'])} |"]
+    for direction, rate in by_direction.items():
+        lines.append(f"| ... {direction} | | {_fmt_prop(rate['follows_donor'])}; recipient {rate['recipient']}, "
+                     f"neither {rate['neither']} |")
+    if headline["n"] and headline["donor"] < headline["n"]:
+        misses = whole[whole["outcome"] != "donor"]
+        lines += ["", "**Finding:** all-layer transplants that did not follow their donor (the cache should be the "
+                  "whole state): " + ", ".join(f"`{r.item_id}` {r.direction} ({r.outcome})"
+                                               for r in misses.itertuples())]
+    if div.empty:
+        lines += ["", "No selected item has divergent constructions: there is no donor to follow.", ""]
+        return lines, out
+    lines += ["", "| sweep | layers | component | positions | direction | donor | recipient | neither |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = ["sweep", "layer_set", "component", "positions", "direction"]
+    for key, group in div.groupby(keys, sort=False):
+        rate = stats.follow_rate(group["outcome"].tolist())
+        out["sweeps"].append({**dict(zip(keys, key)), **rate})
+        lines.append("| " + " | ".join(str(k) for k in key)
+                     + f" | {rate['donor']} | {rate['recipient']} | {rate['neither']} |")
+    lines.append("")
+    return lines, out
