@@ -18,6 +18,7 @@ wildcard_constraints:
 
 include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
+include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 

@@ -214,18 +214,56 @@ def transplant_row_key(row) -> tuple:
 
 
 def cache_difference_profile(differences: pd.DataFrame) -> pd.DataFrame:
-    """Per (revision, precision, component, layer): median and 90th percentile over items of max-abs and RMS
-    differences, and how many items' layers are bit-identical."""
-    cols = ["revision", "precision", "component", "layer", "n", "bit_equal", "max_abs_median", "max_abs_p90",
-            "max_abs_max", "rms_median", "rms_p90"]
+    """Per (revision, precision, component, layer): over how many items the layer's bytes differ, and the spread of
+    the max-abs and RMS differences among those items (quantiles of an empty set are None).
+
+    Differences in bf16 are sparse (rounding to bf16 absorbs most of them), so statistics over all items would be
+    mostly zeros; they are taken over the items whose bytes differ and the share of such items is reported beside.
+    """
+    cols = ["revision", "precision", "component", "layer", "n", "bit_equal", "n_differ", "share_differ",
+            "max_abs_median", "max_abs_p10", "max_abs_p90", "max_abs_max", "rms_median"]
     if differences is None or differences.empty:
         return pd.DataFrame(columns=cols)
     rows = []
     for (revision, precision, component, layer), g in differences.groupby(
             ["revision", "precision", "component", "layer"], sort=True):
+        differ = g[~g["bit_equal"].astype(bool)]
+        q = (lambda col, x: float(differ[col].quantile(x)) if len(differ) else None)
         rows.append({"revision": revision, "precision": precision, "component": component, "layer": int(layer),
-                     "n": len(g), "bit_equal": int(g["bit_equal"].sum()),
-                     "max_abs_median": float(g["max_abs"].median()), "max_abs_p90": float(g["max_abs"].quantile(0.9)),
-                     "max_abs_max": float(g["max_abs"].max()), "rms_median": float(g["rms"].median()),
-                     "rms_p90": float(g["rms"].quantile(0.9))})
+                     "n": len(g), "bit_equal": len(g) - len(differ), "n_differ": len(differ),
+                     "share_differ": len(differ) / len(g), "max_abs_median": q("max_abs", 0.5),
+                     "max_abs_p10": q("max_abs", 0.1), "max_abs_p90": q("max_abs", 0.9),
+                     "max_abs_max": float(g["max_abs"].max()), "rms_median": q("rms", 0.5)})
     return pd.DataFrame(rows, columns=cols)
+
+
+EXCLUSION_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "reason"]
+_REASONS = {
+    "boundary_missing": "never reached the stage boundary within max_stage_tokens",
+    "nonfinite": "non-finite logits",
+}
+
+
+def exclusions(ledger: pd.DataFrame) -> pd.DataFrame:
+    """Items of each comparison that :func:`pair_table` leaves out, with the reason (one row per item and cell)."""
+    if ledger is None or ledger.empty:
+        return pd.DataFrame(columns=EXCLUSION_COLUMNS)
+    rows = []
+    for experiment, a, b in COMPARISONS:
+        sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
+        for (revision, precision), cell in sel.groupby(["revision", "precision"], sort=True):
+            for item_index, item in cell.groupby("item_index", sort=True):
+                by_construction = {r["construction"]: r for _, r in item.iterrows()}
+                reasons = []
+                for construction in (a, b):
+                    row = by_construction.get(construction)
+                    if row is None:
+                        if not reasons:  # a boundary_missing item has no rebuilt construction by design
+                            reasons.append(f"no {construction} row")
+                    elif row["status"] != "ok":
+                        reasons.append(f"{row['status']} ({construction}): {_REASONS.get(row['status'], row['status'])}")
+                if reasons:
+                    rows.append({"item_index": int(item_index), "item_id": item["item_id"].iloc[0],
+                                 "revision": revision, "experiment": experiment, "precision": precision,
+                                 "reason": "; ".join(reasons)})
+    return pd.DataFrame(rows, columns=EXCLUSION_COLUMNS)

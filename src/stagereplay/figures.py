@@ -51,10 +51,11 @@ WIDTH = 6.75  # inches: a two-column paper's full text width
 
 
 def _save(fig, paths: dict[str, str]) -> None:
-    """Write ``fig`` to each format's path atomically. Metadata without dates keeps the PDF reproducible."""
+    """Write ``fig`` to each format's path atomically. A tight bounding box keeps a long title on a narrow figure;
+    metadata without dates keeps the PDF reproducible."""
     for fmt, path in paths.items():
         with atomic_path(path) as tmp:
-            fig.savefig(tmp, format=fmt, metadata={"CreationDate": None} if fmt == "pdf" else {"Software": None})
+            fig.savefig(tmp, format=fmt, bbox_inches="tight", pad_inches=0.05, metadata={"CreationDate": None} if fmt == "pdf" else {"Software": None})
     plt.close(fig)
 
 
@@ -91,9 +92,20 @@ def _panel_keys(frame: pd.DataFrame, order) -> list[tuple[str, str]]:
     return sorted(keys, key=lambda k: (by_revision(k[0]), precisions.index(k[1])))
 
 
-def _panels(n: int, height: float, width: float = WIDTH, sharey: bool = True):
-    fig, axes = plt.subplots(1, n, figsize=(width, height), sharey=sharey, squeeze=False)
-    return fig, list(axes[0])
+def _panels(n: int, height: float, width: float = WIDTH, sharey: bool = True, max_columns: int = 3):
+    """``n`` panels, at most ``max_columns`` to a row; ``height`` is per row. Unused grid cells are hidden."""
+    columns = min(n, max_columns)
+    rows = -(-n // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(width, height * rows), sharey=sharey, squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _width(n: int, per_panel: float = 2.8, extra: float = 1.2) -> float:
+    """Figure width for ``n`` panels in rows of at most three: at least 4.8 in, at most the text width."""
+    return max(4.8, min(WIDTH, extra + per_panel * min(n, 3)))
 
 
 def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order=()) -> None:
@@ -107,8 +119,8 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
     experiments = [e for e, *_ in analysis.COMPARISONS if e in set(cells["experiment"])]
     precisions = analysis.sort_precisions(cells["precision"])
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(revisions), 2.6, width=min(WIDTH, 1.2 + 2.8 * len(revisions)))
-        width = 0.8 / len(experiments)
+        fig, axes = _panels(len(revisions), 2.6, width=_width(len(revisions)))
+        width = min(0.35, 0.8 / len(experiments))
         for ax, revision in zip(axes, revisions):
             sub = cells[cells["revision"] == revision]
             for j, experiment in enumerate(experiments):
@@ -141,15 +153,17 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
             h, l_ = ax.get_legend_handles_labels()
             handles, labels = handles + h, labels + l_
         unique = dict(zip(labels, handles))
-        fig.legend(unique.values(), unique.keys(), loc="outside lower center", ncol=len(unique), frameon=False)
-        fig.suptitle(title + " (bars: this run, Wilson 95% CI; ◇: reference study)", x=0.01, ha="left",
+        labels = {("this run, " + k if k != "reference study" else k): v for k, v in unique.items()}
+        fig.legend(labels.values(), labels.keys(), loc="outside lower center", ncol=min(2, len(labels)),
+                   frameon=False)
+        fig.suptitle(title, x=0.01, ha="left",
                      fontweight="bold", fontsize=8)
         _save(fig, paths)
 
 
 def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_order=()) -> None:
     """Figure 2: ECDF of the first-divergence position (suffix token index) among disagreeing items, per precision
-    (colour) and experiment (line style), one panel per revision."""
+    (colour) and experiment (line style), one panel per revision; the x axis spans the longest compared suffix."""
     title = "Figure 2. Where suffixes first diverge"
     div = pairs[pairs["disagree"]] if pairs is not None and not pairs.empty else None
     if div is None or div.empty:
@@ -158,19 +172,22 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
     revisions = _revisions(div, revision_order)
     styles = {"matched": "-", "fixed_prefix": "--"}
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(revisions), 2.5, width=min(WIDTH, 1.2 + 2.8 * len(revisions)))
+        fig, axes = _panels(len(revisions), 2.5, width=_width(len(revisions)))
         for ax, revision in zip(axes, revisions):
             sub = div[div["revision"] == revision]
             for (experiment, precision), g in sub.groupby(["experiment", "precision"], sort=True):
                 x = np.sort(g["first_divergence"].to_numpy(dtype=float))
                 y = np.arange(1, x.size + 1) / x.size
                 ax.step(np.concatenate([[0], x]), np.concatenate([[0], y]), where="post",
-                        color=COLORS.get(precision, "0.3"), ls=styles.get(experiment, ":"),
+                        color=COLORS.get(precision, "0.3"), ls=styles.get(experiment, ":"), marker="o", ms=2.5,
+                        markevery=list(range(1, x.size + 1)),
                         label=f"{analysis.COMPARISON_LABELS.get(experiment, experiment)}, {precision} (n={x.size})")
             ax.set_title(f"revision {revision}", loc="left")
             ax.set_xlabel("first-divergence position (suffix token)")
             ax.set_ylim(0, 1.02)
-            ax.set_xlim(left=0)
+            # The axis spans the whole suffix, so early and late divergences read at their place in it.
+            longest = pairs.loc[pairs["revision"] == revision, ["suffix_length_a", "suffix_length_b"]].to_numpy().max()
+            ax.set_xlim(0, max(float(longest), float(sub["first_divergence"].max()) + 1))
             ax.legend(frameon=False, loc="upper left")
         axes[0].set_ylabel("share of disagreeing items (ECDF)")
         fig.suptitle(title, x=0.01, ha="left", fontweight="bold", fontsize=8)
@@ -188,7 +205,7 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
     positive = margins["margin"][margins["margin"] > 0]
     linthresh = float(10 ** np.floor(np.log10(positive.min()))) if len(positive) else 1e-3
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(panels), 2.5, width=min(WIDTH, 1.2 + 2.8 * len(panels)))
+        fig, axes = _panels(len(panels), 2.5, width=_width(len(panels)))
         for ax, (revision, precision) in zip(axes, panels):
             sub = margins[(margins["revision"] == revision) & (margins["precision"] == precision)]
             for (experiment, kind), g in sub.groupby(["experiment", "kind"], sort=True):
@@ -198,9 +215,11 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
                 y = np.arange(1, x.size + 1) / x.size
                 label = (f"{'first divergence' if kind == 'divergence' else 'all decode steps'}, "
                          f"{experiment.replace('_', '-')} (n={x.size})")
-                ax.step(x, y, where="post", lw=1.6 if kind == "divergence" else 1.0,
-                        color=COLORS["v"] if kind == "divergence" else "0.45",
-                        ls="-" if experiment == "matched" else "--", label=label)
+                divergence = kind == "divergence"
+                # Each divergence is also drawn as a point: there are few, and a jump at 0 would hide on the spine.
+                ax.step(x, y, where="post", lw=1.6 if divergence else 1.0, color=COLORS["v"] if divergence else "0.45",
+                        ls="-" if experiment == "matched" else "--", marker="o" if divergence else None, ms=3,
+                        clip_on=False, label=label)
             ax.set_xscale("symlog", linthresh=linthresh)
             ax.set_xlim(left=0)
             ax.set_ylim(0, 1.02)
@@ -213,58 +232,49 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
 
 
 def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revision_order=()) -> None:
-    """Figure 4: per layer, the median over items of the max-abs (top) and RMS (bottom) difference between the
-    constructions' boundary caches, K solid and V dashed, one colour per precision, shaded up to the 90th percentile;
-    a layer bit-identical in every item is marked on the axis floor instead (a log axis has no zero)."""
-    title = "Figure 4. Per-layer difference between incremental and prefill boundary caches"
+    """Figure 4: per layer, the share of items whose boundary-cache bytes differ between the constructions (top) and,
+    among those items, the max-abs difference (bottom: median line, 10th-90th percentile band), K solid and V dashed,
+    one colour per precision, one column per revision."""
+    title = "Figure 4. Per-layer cache differences, incremental vs prefill"
     if profile is None or profile.empty:
         return _placeholder(paths, title, "No data yet for figure 4: cache_differences.parquet is absent or empty "
                             "(rule measure_cache_differences).")
     revisions = _revisions(profile, revision_order)
     precisions = analysis.sort_precisions(profile["precision"])
-    positive = profile[["max_abs_median", "max_abs_p90", "rms_median", "rms_p90"]].to_numpy(dtype=float)
-    positive = positive[positive > 0]
-    floor = float(10 ** np.floor(np.log10(positive.min()) - 1)) if positive.size else 1e-8
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(2, len(revisions), figsize=(min(WIDTH, 1.4 + 3.0 * len(revisions)), 4.0),
+        fig, axes = plt.subplots(2, len(revisions), figsize=(max(4.8, min(WIDTH, 1.4 + 3.0 * len(revisions))), 4.4),
                                  sharex=True, sharey="row", squeeze=False)
         for col, revision in enumerate(revisions):
             sub = profile[profile["revision"] == revision]
-            for row, (stat, label) in enumerate((("max_abs", "max |Δ| over positions"), ("rms", "RMS Δ"))):
-                ax = axes[row][col]
-                for precision in precisions:
-                    for component, style in (("k", "-"), ("v", "--")):
-                        g = sub[(sub["precision"] == precision) & (sub["component"] == component)].sort_values("layer")
-                        if g.empty:
-                            continue
-                        med = g[f"{stat}_median"].to_numpy(dtype=float)
-                        p90 = g[f"{stat}_p90"].to_numpy(dtype=float)
-                        color = COLORS.get(precision, "0.3")
-                        ax.plot(g["layer"], np.where(med > 0, med, np.nan), ls=style, marker=MARKERS.get(precision, "o"),
-                                color=color, ms=3.5, mfc=color if component == "k" else "white",
-                                label=f"{precision} {component.upper()} (n={int(g['n'].max())})")
-                        ax.fill_between(g["layer"], med, p90, where=(med > 0) & (p90 > 0), color=color, alpha=0.12,
-                                        lw=0)
-                        same = g[g["bit_equal"] == g["n"]]
-                        if not same.empty:
-                            ax.plot(same["layer"], [floor] * len(same), ls="none", marker="x", ms=5, color=color,
-                                    clip_on=False, label=f"{precision} {component.upper()}: bit-identical in every item")
-                ax.set_yscale("log")
-                ax.set_ylim(bottom=floor)
-                if row == 0:
-                    ax.set_title(f"revision {revision}", loc="left")
-                if col == 0:
-                    ax.set_ylabel(label)
-                if row == 1:
-                    ax.set_xlabel("layer")
-                ax.xaxis.get_major_locator().set_params(integer=True)
+            top, bottom = axes[0][col], axes[1][col]
+            for precision in precisions:
+                for component, style in (("k", "-"), ("v", "--")):
+                    g = sub[(sub["precision"] == precision) & (sub["component"] == component)].sort_values("layer")
+                    if g.empty:
+                        continue
+                    color = COLORS.get(precision, "0.3")
+                    kw = dict(ls=style, marker=MARKERS.get(precision, "o"), color=color, ms=3.5,
+                              mfc=color if component == "k" else "white")
+                    top.plot(g["layer"], g["share_differ"], label=f"{precision} {component.upper()} "
+                             f"(n={int(g['n'].max())} items)", **kw)
+                    med = g["max_abs_median"].to_numpy(dtype=float)  # NaN where no item differs
+                    bottom.plot(g["layer"], med, **kw)
+                    bottom.fill_between(g["layer"], g["max_abs_p10"].to_numpy(dtype=float),
+                                        g["max_abs_p90"].to_numpy(dtype=float), color=color, alpha=0.12, lw=0)
+            top.set_ylim(-0.03, 1.03)
+            top.set_title(f"revision {revision}", loc="left")
+            bottom.set_yscale("log")
+            bottom.set_xlabel("layer")
+            bottom.xaxis.get_major_locator().set_params(integer=True)
+        axes[0][0].set_ylabel("share of items whose\nlayer bytes differ")
+        axes[1][0].set_ylabel("max |Δ| among those items")
         handles, labels = axes[0][0].get_legend_handles_labels()
         for ax in axes[0][1:]:
             h, l_ = ax.get_legend_handles_labels()
             handles, labels = handles + h, labels + l_
         unique = dict(zip(labels, handles))
-        fig.legend(unique.values(), unique.keys(), loc="outside lower center", ncol=min(3, len(unique)),
-                   frameon=False, handlelength=3)
+        fig.legend(unique.values(), unique.keys(), loc="outside lower center", ncol=2, frameon=False,
+                   handlelength=3)
         fig.suptitle(title, x=0.01, ha="left", fontweight="bold", fontsize=8)
         _save(fig, paths)
 
@@ -279,7 +289,7 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
     panels = _panel_keys(matrix, revision_order)
     n_rows = matrix["label"].nunique()
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(panels), 0.9 + 0.22 * n_rows, width=min(WIDTH, 2.2 + 2.4 * len(panels)),
+        fig, axes = _panels(len(panels), 0.9 + 0.22 * n_rows, width=_width(len(panels), 2.4, 2.2),
                             sharey=False)
         image = None
         for ax, (revision, precision) in zip(axes, panels):
@@ -369,13 +379,18 @@ PLOTTERS = {
 }
 
 
-def plot_figures(inputs: dict[str, dict[str, str]], out_dir: str, seed: int = 0) -> list[str]:
-    """Write every figure of :data:`FIGURES` as ``<out_dir>/<name>.pdf`` and ``.png``; returns the paths written."""
+def plot_figures(inputs: dict[str, dict[str, str]], outputs: dict[str, dict[str, str]] | str, seed: int = 0) -> list[str]:
+    """Write the figures. ``outputs`` maps a figure's name (a key of :data:`FIGURES`) to {format: path}, or is a
+    folder where every figure goes as ``<name>.pdf`` and ``<name>.png``. Returns the paths written."""
+    if isinstance(outputs, (str, Path)):
+        outputs = {name: {fmt: str(Path(outputs) / f"{name}.{fmt}") for fmt in FORMATS} for name in FIGURES}
+    unknown = sorted(set(outputs) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figures {unknown}; the figures are {sorted(FIGURES)}")
     data = tables(inputs, seed)
     order = list((inputs.get("ledger") or {}).keys())
     written = []
-    for name, plot in PLOTTERS.items():
-        paths = {fmt: str(Path(out_dir) / f"{name}.{fmt}") for fmt in FORMATS}
-        plot(data[name], paths, revision_order=order)
+    for name, paths in outputs.items():
+        PLOTTERS[name](data[name], paths, revision_order=order)
         written += paths.values()
     return written
