@@ -188,7 +188,7 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
             # The axis spans the whole suffix, so early and late divergences read at their place in it.
             longest = pairs.loc[pairs["revision"] == revision, ["suffix_length_a", "suffix_length_b"]].to_numpy().max()
             ax.set_xlim(0, max(float(longest), float(sub["first_divergence"].max()) + 1))
-            ax.legend(frameon=False, loc="upper left")
+            ax.legend(frameon=False, loc="lower right")
         axes[0].set_ylabel("share of disagreeing items (ECDF)")
         fig.suptitle(title, x=0.01, ha="left", fontweight="bold", fontsize=8)
         _save(fig, paths)

@@ -22,5 +22,5 @@ rule measure_cache_differences:
         "../scripts/measure_cache_differences.py"
 
 
-REPORT_INPUTS["cache_differences"] = RESULTS + "/{revision}/cache_differences.parquet"
+REPORT_INPUTS["cache_differences"] = f"{RESULTS}/{{revision}}/cache_differences.parquet"
 TARGETS.extend(expand(f"{RESULTS}/{{revision}}/cache_differences.parquet", revision=REVISIONS))

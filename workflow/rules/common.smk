@@ -72,7 +72,7 @@ def dataset_config():
 
 # Ledger parts that gather_ledger joins into ledger.parquet; a stage that adds ledger rows appends its pattern
 # (with {revision}, {precision}, {shard} placeholders) in its own .smk file.
-LEDGER_PARTS = [RESULTS + "/{revision}/parts/matched_{precision}_{shard}.parquet"]
+LEDGER_PARTS = [f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet"]
 # Files of every stage that `rule all` asks for; each stage's .smk appends its own.
 TARGETS = []
 
@@ -110,9 +110,9 @@ def all_outputs():
 
 
 # Per-revision files the report and the figures read, by kind. A stage whose output they should show registers its
-# pattern from its own .smk, e.g. REPORT_INPUTS["bridge"] = RESULTS + "/{revision}/bridge.parquet"; the report
+# pattern from its own .smk, e.g. REPORT_INPUTS["bridge"] = f"{RESULTS}/{{revision}}/bridge.parquet"; the report
 # skips, with a note, the sections of a kind that is not registered.
-REPORT_INPUTS = {"ledger": RESULTS + "/{revision}/ledger.parquet"}
+REPORT_INPUTS = {"ledger": f"{RESULTS}/{{revision}}/ledger.parquet"}
 FIGURE_NAMES = [
     "fig1_disagreement",
     "fig2_first_divergence",
