@@ -34,6 +34,7 @@ REFERENCE = {
     "transplant": "every divergent continuation follows its cache donor: 24 / 24 (selected set, primary "
                   "checkpoint), 43 / 43 (outcome-blind, later checkpoint)",
 }
+FIXED_PREFIX_REFERENCE = {"bf16": "recur (no count given)", "fp32": "0 / 200 (Wilson upper bound 1.88%)"}
 # Where each kind of input comes from, for the note of a skipped section.
 PRODUCERS = {
     "ledger": "ledger.parquet (rule gather_ledger)",
@@ -140,7 +141,8 @@ def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]
         out.setdefault(r.precision, {})[r.construction] = {
             "n": int(r.n), "identical": int(r.identical), "seed": data.seed,
             "method": "replica pairs compared on stage ids, cache fingerprint and suffix fingerprint (sha256 bytes)"}
-        lines.append(f"| {r.precision} | {r.construction} | {r.identical} / {r.n} bit-identical |")
+        ref = REFERENCE["replicas_exact"] if (experiment, r.precision) == ("matched", "bf16") else "—"
+        lines.append(f"| {r.precision} | {r.construction} | {ref} | {r.identical} / {r.n} bit-identical |")
     return lines, out
 
 
@@ -154,8 +156,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {}
     rep_lines, rep = _replica_rows(data, "matched")
     claim1 = ["#### Claim: matched experiment, replicas on both sides exact", "",
-              f"Reference study (bf16): {REFERENCE['replicas_exact']}.", "",
-              "| precision | construction | this run: replica pairs |", "| --- | --- | --- |", *rep_lines, ""]
+              "| precision | construction | reference study | this run: replica pairs |", "| --- | --- | --- | --- |",
+              *rep_lines, ""]
     claim2 = ["#### Claim: live cache vs one-shot prefill of identical tokens, suffixes that differ", "",
               "| precision | reference study | this run |", "| --- | --- | --- |"]
     claim3 = ["#### Claim: correctness labels that differ, and the accuracy difference", "",
@@ -202,9 +204,10 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {}
     lines = ["#### Claim: fixed-prefix 2x2 (construction x precision), all token states held fixed", "",
              f"Reference study: {REFERENCE['fixed_prefix']}.", "",
-             "| precision | incremental vs prefill: suffixes that differ | Wilson 95% upper bound | labels that differ "
-             "| accuracy incremental / prefill, difference | first divergence (median [IQR]) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| precision | reference study: suffixes that differ | this run: incremental vs prefill, suffixes that "
+             "differ | Wilson 95% upper bound | labels that differ | accuracy incremental / prefill, difference | "
+             "first divergence (median [IQR]) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
@@ -216,10 +219,11 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         out[precision] = {"n_compared": n, "suffix_disagreements": dis, "label_flips": flips,
                           "accuracy_difference": acc, "first_divergence": fd, "replicas": rep.get(precision, {})}
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
-        lines.append(f"| {precision} | {_fmt_prop(dis)} | {_pct(dis['wilson_high'])}% | {_fmt_prop(flips)} | "
+        lines.append(f"| {precision} | {FIXED_PREFIX_REFERENCE.get(precision, '—')} | {_fmt_prop(dis)} | "
+                     f"{_pct(dis['wilson_high'])}% | {_fmt_prop(flips)} | "
                      f"{_fmt_acc(acc) if acc else 'no compared items'} | {fd_text} |")
-    lines += ["", "Replicas of each cell:", "", "| precision | construction | this run: replica pairs |",
-              "| --- | --- | --- |", *rep_lines, ""]
+    lines += ["", "Replicas of each cell:", "", "| precision | construction | reference study | this run: replica pairs |",
+              "| --- | --- | --- | --- |", *rep_lines, ""]
     return lines, out
 
 
