@@ -104,7 +104,7 @@ def measure_cache_differences(prefixes_path: str, out_path: str, *, model: str, 
     flags = set_determinism(threads)
     rows, infos = [], []
     a, b = constructions
-    for precision in precisions:
+    for precision in precisions if len(chosen) else []:  # n_items 0: an empty table, no model loaded
         loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
                             trust_remote_code, allow_pickle, offline)
         infos.append(loaded.info)

@@ -255,8 +255,9 @@ def audit_section(data: RevisionData) -> tuple[list[str], dict]:
              f"| ledger rows reproduced (trajectories and fingerprints) | {REFERENCE['audit']} | {ok} / {len(audit)} |"]
     bad = audit[~audit["reproduced"].astype(bool)]
     if len(bad):
+        keys = [c for c in ("item_id", "experiment", "precision", "construction", "replica") if c in bad.columns]
         lines += ["", "Rows not reproduced: " + _ids(
-            f"{r.item_id} {r.experiment}/{r.precision}/{r.construction}/{r.replica}" for r in bad.itertuples(index=False))]
+            " ".join(str(v) for v in row) for row in bad[keys].itertuples(index=False, name=None))]
     return lines + [""], {"reproduced": stat}
 
 
