@@ -143,3 +143,17 @@ def test_replica_agreement_counts_a_differing_replica():
     rep = analysis.replica_agreement(ledger)
     row = rep[(rep["experiment"] == "matched") & (rep["construction"] == "prefill")].iloc[0]
     assert row["identical"] == row["n"] - 1
+
+
+def test_figure_tables_carry_the_reports_numbers(built):
+    ledger, _, stats_json = built
+    pairs = analysis.all_pairs(ledger)
+    cells = analysis.disagreement_cells(pairs)
+    accuracy = analysis.accuracy_differences(pairs, seed=3)
+    for experiment in ("matched", "fixed_prefix"):
+        for precision, numbers in stats_json["revisions"]["primary"][experiment].items():
+            cell = cells[(cells["experiment"] == experiment) & (cells["precision"] == precision)].iloc[0]
+            assert (cell["k"], cell["n"]) == (numbers["suffix_disagreements"]["k"], numbers["suffix_disagreements"]["n"])
+            acc = accuracy[(accuracy["experiment"] == experiment) & (accuracy["precision"] == precision)].iloc[0]
+            for key in ("difference", "bootstrap_low", "bootstrap_high", "mcnemar_p"):
+                assert acc[key] == numbers["accuracy_difference"][key], (experiment, precision, key)
