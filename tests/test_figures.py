@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from report_data import (synthetic_cache_differences, synthetic_ledger, synthetic_transplant, write)
-from stagereplay import analysis, figures
+from report_data import synthetic_cache_differences, synthetic_ledger, synthetic_transplant, write
+from stagereplay import figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
