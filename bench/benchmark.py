@@ -196,9 +196,33 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
         dev = rate_device_loop(graph, prompts, n)
         row["batched"][b] = {"continue_batch_tok_s": agg, "device_loop_tok_s": dev}
         log(f"  {shape} {precision}: batch {b}: continue_batch {agg:.0f} tok/s, device loop {dev:.0f} tok/s")
+    if shape == args.bridge_shape:
+        row["batch_control"] = batch_control(graph, vocab, args)
     graph.graphs.clear()
     del graph
     return row
+
+
+def batch_control(decoder, vocab, args) -> dict:
+    """Batched live runs of prompts of different lengths: replicas of one plan, and rows against batch 1."""
+    plan = fd.batch_plan([f"item-{i}" for i in range(args.control_items)], args.control_items, seed=0)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(args.bridge_prompt // 2, args.bridge_prompt, (args.control_items,), generator=g).tolist()
+    by_id = {f"item-{i}": prompts_for(1, n, vocab, 200 + i)[0] for i, n in enumerate(lengths)}
+    prompts = [by_id[i] for i in plan.batches[0]]
+    reached = lambda ids: len(ids) == args.bridge_stage  # noqa: E731  (random weights: a fixed-length stage)
+    run = lambda: fd.generate_batch(decoder, prompts, reached, args.bridge_stage, args.bridge_suffix)  # noqa: E731
+    a, b = run(), run()
+    replicas = all(fingerprint_layers(x.cache_layers) == fingerprint_layers(y.cache_layers)
+                   and x.suffix_ids == y.suffix_ids for x, y in zip(a, b))
+    records = fd.batch_invariance(decoder, prompts, a, reached, args.bridge_stage, args.bridge_suffix,
+                                  sample=args.control_sample, seed=0)
+    out = {"rows": len(prompts), "plan_seed": plan.seed, "replicas_equal": replicas, "sampled": len(records),
+           "suffix_disagreements": sum(not r["suffix_equal"] for r in records),
+           "cache_disagreements": sum(not r["cache_equal"] for r in records), "records": records}
+    log(f"  batch control: {out['rows']} rows, replicas equal {replicas}; vs batch 1 on {len(records)} sampled "
+        f"rows: {out['suffix_disagreements']} suffix and {out['cache_disagreements']} cache disagreements")
+    return out
 
 
 # -- projection of the paper-scale run --------------------------------------------------------------------------
@@ -214,6 +238,9 @@ def projection_measure(model, shape, precision, args) -> dict:
     cache dumps to disk and back."""
     P, S, N = args.proj_prompt, args.proj_stage, args.proj_suffix
     max_len = P + S + N + 8
+    gc.collect()  # decoders of earlier measurements hold buffers until their reference cycles are collected
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     per_row = kv_bytes_per_position(model) * max_len
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 8 * 2**30
     rows = max(1, min(args.proj_max_rows, int((free * 0.8 - 6 * 2**30) // per_row)))
@@ -280,23 +307,25 @@ def projection_measure(model, shape, precision, args) -> dict:
 def project(measures: list[dict], items: int, divergent: float) -> dict:
     """Wall time of the paper-scale experiment from the measured rates.
 
-    Per item and precision (P prompt, S stage, N suffix tokens): live x2 (S+N decode steps each), matched
-    prefill x2 (a P+S prefill and N steps each), bridge / 2x2 incremental x2 (S teacher-forced steps and N steps
-    each), 2x2 prefill at the other precision x2 (reused from the matched prefill at the same precision), and in
-    bf16 the bidirectional all-layer transplants of the divergent items (2 x N steps; fp32 had 0 divergences in
-    the study), each with its two caches dumped and read back.
+    Per item (P prompt, S stage, N suffix tokens), at every precision: the fixed-prefix 2x2 arm, incremental
+    x2 (a P prefill, S teacher-forced steps and N steps each) and prefill x2 (a P+S prefill and N steps each).
+    At the primary precision (bf16) besides: the matched experiment's live x2 (a P prefill and S+N steps each;
+    its prefill rows are the 2x2's), the bridge (live vs the 2x2's incremental caches: no extra work) and the
+    bidirectional all-layer transplants of the divergent items (2 x N steps, two caches dumped and read back;
+    fp32 had 0 divergences in the study, so none there).
     """
     total = 0.0
     parts = {}
     for m in measures:
         P, S, N = m["P"], m["S"], m["N"]
-        steps = 2 * (S + N) + 2 * N + 2 * (S + N)
+        steps = 2 * (S + N) + 2 * N
+        prefill_tokens = items * (2 * (P + S) + 2 * P)
         dumps = 0
         if m["precision"] == "bf16":
-            steps += 2 * divergent * N
+            steps += 2 * (S + N) + 2 * divergent * N
+            prefill_tokens += items * 2 * P
             dumps = 2 * divergent
         decode_s = items * steps / m["decode_tok_s"]
-        prefill_tokens = items * (2 * (P + S) + 4 * P)  # matched prefills + prompt prefills of live/incremental
         prefill_s = prefill_tokens / m["prefill_tokens_s"]
         dump_s = items * dumps * m["dump_GB"] * (1 / m["dump_GB_s"] + 1 / m["load_GB_s"])
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
@@ -363,6 +392,15 @@ def render(meta: dict) -> str:
         for b, v in r["batched"].items():
             L.append(f"| {r['shape']} | {r['precision']} | {b} | {v['continue_batch_tok_s']:.0f} | "
                      f"{v['continue_batch_tok_s'] / r['generate_tok_s']:.0f}x | {v['device_loop_tok_s']:.0f} |")
+    controls = [r for r in RESULTS["decode"] if r.get("batch_control")]
+    if controls:
+        L += ["", "### Batch control (cuda_graph; batched live run of prompts of different lengths, left-padded)", "",
+              "| shape | prec | rows | plan seed | replicas of the plan equal | rows sampled vs batch 1 | suffix disagreements | "
+              "cache disagreements |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in controls:
+            c = r["batch_control"]
+            L.append(f"| {r['shape']} | {r['precision']} | {c['rows']} | {c['plan_seed']} | {c['replicas_equal']} | "
+                     f"{c['sampled']} | {c['suffix_disagreements']} | {c['cache_disagreements']} |")
     if RESULTS["projection"]:
         L += ["", "### Reduced run of every stage, paper-scale lengths", "",
               "| shape | prec | P/S/N | rows | step ms | decode tok/s | prefill tok/s | dump GB | dump GB/s | load GB/s |",
@@ -406,6 +444,8 @@ def main(argv=None):
     ap.add_argument("--bridge-prompt", type=int, default=200)
     ap.add_argument("--bridge-stage", type=int, default=32)
     ap.add_argument("--bridge-suffix", type=int, default=48)
+    ap.add_argument("--control-items", type=int, default=16)
+    ap.add_argument("--control-sample", type=int, default=8)
     ap.add_argument("--project-shape", default="14B")
     ap.add_argument("--proj-prompt", type=int, default=256)
     ap.add_argument("--proj-stage", type=int, default=2048)
@@ -421,6 +461,7 @@ def main(argv=None):
         args.shapes = args.bridge_shape = args.project_shape = "tiny"
         args.prompt_len, args.new_tokens, args.batches = 24, 6, "2,3"
         args.bridge_prompts, args.bridge_prompt, args.bridge_stage, args.bridge_suffix = 1, 12, 4, 4
+        args.control_items, args.control_sample = 3, 2
         args.proj_prompt, args.proj_stage, args.proj_suffix, args.proj_max_rows, args.proj_steps = 8, 16, 8, 3, 2
     args.batches = [int(b) for b in args.batches.split(",")]
     out = Path(args.out)
