@@ -49,6 +49,7 @@ LEDGER_SCHEMA = pa.schema([
     ("answer", pa.string()),
     ("gold_answer", pa.string()),
     ("correct", pa.bool_()),
+    ("decode_regime", pa.string()),  # eager | static | cuda_graph (stagereplay.fastdecode): part of the construction
 ])
 
 
@@ -94,6 +95,7 @@ class Settings:
     max_new_tokens: int
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
+    decode_regime: str = "eager"
 
 
 def _cache_fields(cache) -> dict:
@@ -128,6 +130,7 @@ def _row(item, settings: Settings, experiment, construction, replica, status, pr
         "answer": answer,
         "gold_answer": item["gold_answer"],
         "correct": is_correct(answer, item["gold_answer"]) if status == "ok" else None,
+        "decode_regime": settings.decode_regime,
     }
 
 

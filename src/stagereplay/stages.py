@@ -14,7 +14,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from . import datasets
-from .engine import Decoder
+from .fastdecode import make_decoder, regime_info
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
@@ -55,7 +55,8 @@ def provenance(loaded, flags: dict, config_slice: dict, stage: str) -> dict:
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, *, model: str, revision: str,
                          precision: str, boundary: dict, max_stage_tokens: int, max_new_tokens: int,
                          shard: int = 0, n_shards: int = 1, threads: int = 1, device: str = "auto",
-                         attn_implementation: str = "eager", answer_format: str = "last_number",
+                         attn_implementation: str = "eager", decode_regime: str = "eager",
+                         answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
                          base_dir: str = ".", seed: int = 0, progress: bool = True) -> None:
@@ -64,16 +65,22 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        answer_format=answer_format, prompt=prompt, seed=seed)
+                        decode_regime=decode_regime, answer_format=answer_format, prompt=prompt, seed=seed)
     flags = set_determinism(threads)
-    items = shard_of(read_parquet(items_path), shard, n_shards)
+    selection = read_parquet(items_path)
+    items = shard_of(selection, shard, n_shards)
     loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
-    decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
-    matcher = make_matcher(boundary, loaded.tokenizer)
-    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
     context = getattr(loaded.model.config, "max_position_embeddings", None)
+    # The static regimes hold one buffer for the longest prompt plus both budgets. Its length shapes the
+    # attention reduction, so it comes from the whole selection (not this shard) and is recorded.
+    longest = max((len(prompter(q)) for q in selection["question"]), default=0)
+    decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), decode_regime,
+                           max_len=longest + max_stage_tokens + max_new_tokens)
+    matcher = make_matcher(boundary, loaded.tokenizer)
+    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
+                        decode_regime)
     rows, prefix_rows = [], []
     bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}", disable=not progress,
                mininterval=2)
@@ -81,7 +88,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
         item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context)
         rows += item_rows
         prefix_rows.append(prefix_row)
-    prov = provenance(loaded, flags, config_slice, "reconstruct_prefixes")
+    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder)}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
 

@@ -53,6 +53,7 @@ def model_kwargs(wildcards):
         threads=config["threads"],
         device=config["device"],
         attn_implementation=config["attn_implementation"],
+        decode_regime=config["decode_regime"],
         answer_format=config["answer_format"],
         stage_end=config["stage_end"],
         prompt=config["prompt"],
