@@ -247,20 +247,32 @@ def projection_measure(model, shape, precision, args) -> dict:
     out = {"shape": shape, "precision": precision, "P": P, "S": S, "N": N, "max_len": max_len, "rows": rows,
            "kv_GB_per_row": per_row / 1e9}
     regime = "cuda_graph" if torch.cuda.is_available() else "static"
-    dec = fd.StaticDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime)
+    bucket = args.proj_bucket
+    dec = fd.StaticDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime, bucket=bucket)
     vocab = model.config.vocab_size
     prompts = prompts_for(rows, 16, vocab, 7)
     cache = dec.new_cache(rows)
     dec.prefill_rows(prompts, cache)
     ids = torch.ones(rows, 1, dtype=torch.long, device=dec.device)
-    dec.forward_rows(ids, cache)
-    # a step costs the same at every position (it attends over the whole buffer), so a few steps suffice
+    # A step's cost depends on the span it attends over (the whole buffer, or the position's bucket), not on
+    # the content: time a few steps at a few spans and fit time = a + b * span.
     steps = args.proj_steps
-    dt, _ = timed(lambda: [dec.forward_rows(ids, cache) for _ in range(steps)])
-    out["step_s"] = dt / steps
-    out["decode_tok_s"] = rows * steps / dt
-    log(f"  projection {shape} {precision}: {rows} rows x max_len {max_len}: step {1e3 * dt / steps:.1f} ms, "
-        f"{out['decode_tok_s']:.0f} tok/s aggregate")
+    spans = sorted({dec.span(e) for e in (bucket, max_len // 3, 2 * max_len // 3, max_len)})
+    out["span_step_s"] = {}
+    for span in spans:
+        cache.length = span - steps - 1  # positions before hold zeros: timing only
+        dec.forward_rows(ids, cache)  # capture this span's graph
+        dt, _ = timed(lambda: [dec.forward_rows(ids, cache) for _ in range(steps)])
+        out["span_step_s"][span] = dt / steps
+    xs, ys = list(out["span_step_s"]), list(out["span_step_s"].values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
+    out["step_fit"] = {"a_s": my - b * mx, "b_s_per_position": b, "bucket": bucket}
+    out["step_s"] = out["span_step_s"][spans[-1]]
+    out["decode_tok_s"] = rows / out["step_s"]
+    log(f"  projection {shape} {precision}: {rows} rows x max_len {max_len}: step ms by span "
+        f"{ {k: round(1e3 * v, 1) for k, v in out['span_step_s'].items()} }; full buffer {out['decode_tok_s']:.0f} "
+        "tok/s aggregate")
     dec.graphs.clear()
     del dec, cache
     gc.collect()
@@ -296,15 +308,35 @@ def projection_measure(model, shape, precision, args) -> dict:
         size = os.path.getsize(path)
         dt_load, loaded = timed(lambda: {k: t.to(model.device) for k, t in load_file(path).items()})
         same = all(torch.equal(loaded[f"k.{i}"].cpu(), k.cpu()) for i, (k, _) in enumerate(layers))
+        # the disk's own rate: the same bytes from host memory, written and synced
+        raw = os.urandom(1 << 20) * max(1, size >> 20)
+        raw_path = os.path.join(tmp, "raw.bin")
+
+        def write_raw():
+            with open(raw_path, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+
+        dt_raw, _ = timed(write_raw)
     out.update(dump_GB=size / 1e9, dump_GB_s=size / 1e9 / dt_dump, load_GB_s=size / 1e9 / dt_load,
-               dump_roundtrip_exact=bool(same))
-    log(f"  projection {shape} {precision}: cache dump {size / 1e9:.2f} GB at {out['dump_GB_s']:.2f} GB/s, "
-        f"load at {out['load_GB_s']:.2f} GB/s, exact {same}")
+               dump_roundtrip_exact=bool(same), disk_write_GB_s=len(raw) / 1e9 / dt_raw)
+    log(f"  projection {shape} {precision}: cache dump {size / 1e9:.2f} GB at {out['dump_GB_s']:.2f} GB/s "
+        f"(disk alone {out['disk_write_GB_s']:.2f} GB/s), load at {out['load_GB_s']:.2f} GB/s, exact {same}")
     del pdec, pcache, layers, loaded
     return out
 
 
-def project(measures: list[dict], items: int, divergent: float) -> dict:
+def decode_seconds(m: dict, start: int, count: int, bucketed: bool) -> float:
+    """Wall time of ``count`` batched decode steps from cache length ``start``, per row."""
+    if not bucketed:
+        return count * m["step_s"] / m["rows"]
+    fit, B, L = m["step_fit"], m["step_fit"]["bucket"], m["max_len"]
+    spans = sum(min(L, -(-(p + 1) // B) * B) for p in range(start, start + count))
+    return (count * fit["a_s"] + fit["b_s_per_position"] * spans) / m["rows"]
+
+
+def project(measures: list[dict], items: int, divergent: float, bucketed: bool = False) -> dict:
     """Wall time of the paper-scale experiment from the measured rates.
 
     Per item (P prompt, S stage, N suffix tokens), at every precision: the fixed-prefix 2x2 arm, incremental
@@ -319,19 +351,24 @@ def project(measures: list[dict], items: int, divergent: float) -> dict:
     for m in measures:
         P, S, N = m["P"], m["S"], m["N"]
         steps = 2 * (S + N) + 2 * N
+        per_item = 2 * decode_seconds(m, P, S + N, bucketed) + 2 * decode_seconds(m, P + S - 1, N, bucketed)
         prefill_tokens = items * (2 * (P + S) + 2 * P)
         dumps = 0
         if m["precision"] == "bf16":
             steps += 2 * (S + N) + 2 * divergent * N
+            per_item += 2 * decode_seconds(m, P, S + N, bucketed) + 2 * divergent * decode_seconds(m, P + S - 1, N,
+                                                                                                   bucketed)
             prefill_tokens += items * 2 * P
             dumps = 2 * divergent
-        decode_s = items * steps / m["decode_tok_s"]
+        decode_s = items * per_item
         prefill_s = prefill_tokens / m["prefill_tokens_s"]
         dump_s = items * dumps * m["dump_GB"] * (1 / m["dump_GB_s"] + 1 / m["load_GB_s"])
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
                                  "decode_steps_per_item": steps}
         total += decode_s + prefill_s + dump_s
-    return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts}
+    return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts,
+            "attention": f"span bucketed by {measures[0]['step_fit']['bucket']} positions" if bucketed
+            else "whole buffer"}
 
 
 # -- the bridge on the device -------------------------------------------------------------------------------------
@@ -403,16 +440,20 @@ def render(meta: dict) -> str:
                      f"{c['sampled']} | {c['suffix_disagreements']} | {c['cache_disagreements']} |")
     if RESULTS["projection"]:
         L += ["", "### Reduced run of every stage, paper-scale lengths", "",
-              "| shape | prec | P/S/N | rows | step ms | decode tok/s | prefill tok/s | dump GB | dump GB/s | load GB/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| shape | prec | P/S/N | rows | step ms (whole buffer) | step ms by attended span | decode tok/s | "
+              "prefill tok/s | dump GB | dump GB/s | disk alone GB/s | load GB/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for m in RESULTS["projection"]:
+            by_span = ", ".join(f"{k}: {1e3 * v:.1f}" for k, v in m["span_step_s"].items())
             L.append(f"| {m['shape']} | {m['precision']} | {m['P']}/{m['S']}/{m['N']} | {m['rows']} | "
-                     f"{1e3 * m['step_s']:.1f} | {m['decode_tok_s']:.0f} | {m['prefill_tokens_s']:.0f} | "
-                     f"{m['dump_GB']:.2f} | {m['dump_GB_s']:.2f} | {m['load_GB_s']:.2f} |")
-        pr = RESULTS.get("projected")
-        if pr:
-            L += ["", f"Projected paper-scale run ({pr['items']} items, divergent fraction {pr['divergent_fraction']:.2f}): "
-                  f"**{pr['total_s'] / 3600:.2f} h**"]
+                     f"{1e3 * m['step_s']:.1f} | {by_span} | {m['decode_tok_s']:.0f} | {m['prefill_tokens_s']:.0f} | "
+                     f"{m['dump_GB']:.2f} | {m['dump_GB_s']:.2f} | {m['disk_write_GB_s']:.2f} | {m['load_GB_s']:.2f} |")
+        for key in ("projected", "projected_bucketed"):
+            pr = RESULTS.get(key)
+            if not pr:
+                continue
+            L += ["", f"Projected paper-scale run ({pr['items']} items, divergent fraction {pr['divergent_fraction']:.2f}, "
+                  f"decode attention: {pr['attention']}): **{pr['total_s'] / 3600:.2f} h**"]
             for prec, p in pr["parts"].items():
                 L.append(f"- {prec}: decode {p['decode_s'] / 60:.1f} min ({p['decode_steps_per_item']:.0f} steps/item), "
                          f"prefill {p['prefill_s'] / 60:.1f} min, dumps {p['dump_s'] / 60:.1f} min")
@@ -453,6 +494,8 @@ def main(argv=None):
     ap.add_argument("--proj-max-rows", type=int, default=64)
     ap.add_argument("--proj-prefill-rows", type=int, default=4)
     ap.add_argument("--proj-steps", type=int, default=8)
+    ap.add_argument("--proj-bucket", type=int, default=256, help="attention span bucket of the projection's decoder")
+    ap.add_argument("--only-projection", action="store_true", help="skip the decode-rate and bridge sections")
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--divergent", type=float, default=166 / 200)
     ap.add_argument("--scratch", default=None, help="folder for the cache-dump measurement (default: temp dir)")
@@ -463,6 +506,7 @@ def main(argv=None):
         args.bridge_prompts, args.bridge_prompt, args.bridge_stage, args.bridge_suffix = 1, 12, 4, 4
         args.control_items, args.control_sample = 3, 2
         args.proj_prompt, args.proj_stage, args.proj_suffix, args.proj_max_rows, args.proj_steps = 8, 16, 8, 3, 2
+        args.proj_bucket = 8
     args.batches = [int(b) for b in args.batches.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -490,9 +534,10 @@ def main(argv=None):
             try:
                 dt, model = timed(lambda: build_model(shape, precision, device))
                 log(f"{shape} {precision}: built in {dt:.1f} s")
-                RESULTS["decode"].append(decode_rates(model, shape, precision, args, meta["copy_TB_s"] * 1e12))
-                save()
-                if shape == args.bridge_shape:
+                if not args.only_projection:
+                    RESULTS["decode"].append(decode_rates(model, shape, precision, args, meta["copy_TB_s"] * 1e12))
+                    save()
+                if shape == args.bridge_shape and not args.only_projection:
                     RESULTS["bridge"] += bridge_study(model, precision, args, Decoder(model, ()), "eager")
                     max_len = args.bridge_prompt + args.bridge_stage + args.bridge_suffix + 8
                     regime = "cuda_graph" if device == "cuda" else "static"
@@ -512,6 +557,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     if RESULTS["projection"]:
         RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent)
+        RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True)
     save()
     log(render(meta))
 

@@ -80,9 +80,11 @@ def test_fusing_weights_leaves_the_eager_regime_bit_identical(tiny_model_dir):
     assert fp(after_cache) == fp(before_cache)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bridge_and_replicas_hold_within_the_static_regime(models, precision):
-    decoder = fd.make_decoder(models[precision], (), "static", max_len=48)
+@pytest.mark.parametrize("precision,bucket", [("fp32", None), ("bf16", None), ("fp32", 4), ("bf16", 4)])
+def test_bridge_and_replicas_hold_within_the_static_regime(models, precision, bucket):
+    """With a bucket, the attended span changes along the run (every 4 positions): still exact, because a
+    span depends on the position alone."""
+    decoder = fd.make_decoder(models[precision], (), "static", max_len=48, bucket=bucket)
     matcher, free = boundary_at(decoder, 8)
     live = generate_to_boundary(decoder, PROMPT, matcher, 12)
     assert live.status == "ok" and live.stage_ids == free[:8]
@@ -138,7 +140,10 @@ def test_regime_errors_are_clear(models):
     with pytest.raises(ValueError, match="raise decode_max_len"):
         continue_greedy(decoder, build_cache(decoder, "prefill", PROMPT, [3]), 3, 10)
     assert isinstance(fd.make_decoder(models["fp32"], (), "eager"), Decoder)
-    assert fd.regime_info(decoder) == {"decode_regime": "static", "decode_max_len": 12, "decode_max_rows": 1}
+    assert fd.regime_info(decoder) == {"decode_regime": "static", "decode_max_len": 12, "decode_max_rows": 1,
+                                       "decode_bucket": None}
+    bucketed = fd.make_decoder(models["fp32"], (), "static", max_len=12, bucket=5)
+    assert [bucketed.span(e) for e in (1, 5, 6, 11, 12)] == [5, 5, 10, 12, 12]
 
 
 def test_batch_plan_is_seeded_and_recorded():
@@ -161,9 +166,9 @@ def stage_of(n):
     return lambda ids: len(ids) == n
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_batched_replicas_and_bridge(models, precision):
-    decoder = fd.StaticDecoder(models[precision], (), max_len=40, max_rows=4)
+@pytest.mark.parametrize("precision,bucket", [("fp32", None), ("bf16", None), ("bf16", 8)])
+def test_batched_replicas_and_bridge(models, precision, bucket):
+    decoder = fd.StaticDecoder(models[precision], (), max_len=40, max_rows=4, bucket=bucket)
     a = fd.generate_batch(decoder, PROMPTS, stage_of(5), 8, 6)
     b = fd.generate_batch(decoder, PROMPTS, stage_of(5), 8, 6)
     for x, y in zip(a, b):
@@ -200,10 +205,10 @@ def test_batch_invariance_control_reports_each_sampled_row(models):
 
 
 @needs_cuda
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cuda_graph_regime_replicas_and_bridge(tiny_model_dir, precision):
+@pytest.mark.parametrize("precision,bucket", [("fp32", None), ("bf16", None), ("bf16", 8)])
+def test_cuda_graph_regime_replicas_and_bridge(tiny_model_dir, precision, bucket):
     model = fresh_model(tiny_model_dir, precision, "cuda")
-    decoder = fd.make_decoder(model, (), "cuda_graph", max_len=48, max_rows=4)
+    decoder = fd.make_decoder(model, (), "cuda_graph", max_len=48, max_rows=4, bucket=bucket)
     matcher, free = boundary_at(decoder, 8)
     live = generate_to_boundary(decoder, PROMPT, matcher, 12)
     assert fp(build_cache(decoder, "incremental", PROMPT, live.stage_ids)) == fp(live.cache)

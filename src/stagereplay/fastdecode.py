@@ -177,7 +177,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
-                 regime: str = "static", pad_id: int = 0):
+                 regime: str = "static", pad_id: int = 0, bucket: int | None = None):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
         self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
@@ -192,6 +192,9 @@ class StaticDecoder:
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise RegimeError("the static regime does not support sliding-window attention")
         self.max_len, self.max_rows, self.pad_id = int(max_len), int(max_rows), int(pad_id)
+        if bucket is not None and bucket < 1:
+            raise RegimeError("decode_bucket must be a positive number of positions")
+        self.bucket = int(bucket) if bucket else None
         self.dtype = next(model.parameters()).dtype
         shape = (self.max_rows, self.n_kv, self.max_len, self.head_dim)  # (rows, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
@@ -199,12 +202,22 @@ class StaticDecoder:
         self.pads = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.arange(self.max_len, device=self.device)
         self.resident: StaticKV | None = None
-        self.graphs: dict[int, tuple] = {}  # rows -> (graph, ids, index, logits)
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, span) -> (graph, ids, index, logits)
         self.cache_kw = "static"
         self.fused = [_fuse_layer(layer) for layer in model.model.layers]
 
     def describe(self) -> dict:
-        return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows}
+        return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
+                "decode_bucket": self.bucket}
+
+    def span(self, end: int) -> int:
+        """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, or
+        with ``bucket`` the next multiple of it. A function of the position alone, so that live and incremental
+        steps at one position still share every kernel shape (the bridge holds), while short contexts do not
+        pay for reading the whole buffer."""
+        if self.bucket is None:
+            return self.max_len
+        return min(self.max_len, -(-end // self.bucket) * self.bucket)
 
     # -- caches -------------------------------------------------------------------------------------------
     def new_cache(self, rows: int = 1) -> StaticKV:
@@ -236,10 +249,10 @@ class StaticDecoder:
         self.resident = cache
 
     # -- forwards -----------------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int) -> torch.Tensor:
         """Feed ``ids`` (rows, T) at buffer positions ``index`` (T,); return fp32 logits of the last position.
 
-        Every query attends over the whole buffer under an additive mask: keys at or after the row's padding
+        Every query attends over the first ``span`` buffer positions under an additive mask: keys at or after the row's padding
         and at or before the query's own position (a padding query sees itself only, so it stays finite).
         Written for few kernels per layer (a graph replays them all, but each still costs a launch on the
         device): fused RMSNorm, one RoPE over q and k together, scale and mask folded into one batched GEMM.
@@ -256,11 +269,11 @@ class StaticDecoder:
         half = D // 2
         cos = cos[:, None]
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]  # (rows, 1, T, D)
-        keys = self.positions[None, None, :]  # (1, 1, max_len)
+        keys = self.positions[None, None, :span]  # (1, 1, span)
         allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-        # (rows*KV, group*T, max_len): the query heads sharing a K/V head side by side, T innermost
-        bias = bias[:, None, None].expand(rows, KV, group, T, self.max_len).reshape(rows * KV, group * T, self.max_len)
+        # (rows*KV, group*T, span): the query heads sharing a K/V head side by side, T innermost
+        bias = bias[:, None, None].expand(rows, KV, group, T, span).reshape(rows * KV, group * T, span)
         hidden = h.shape[-1]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
@@ -277,9 +290,10 @@ class StaticDecoder:
                 kb.index_copy_(2, index, k)
                 vb.index_copy_(2, index, v)
             qg = q.reshape(rows * KV, group * T, D)
-            scores = torch.baddbmm(bias, qg, kb.view(rows * KV, self.max_len, D).transpose(1, 2), alpha=attn.scaling)
+            kspan = kb.view(rows * KV, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
+            scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=attn.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D))  # (rows*KV, group*T, D)
+            out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
             out = out.view(rows, H, T, D).transpose(1, 2).reshape(rows, T, H * D)
             h = h + attn.o_proj(out)
             norm = layer.post_attention_layernorm
@@ -290,25 +304,25 @@ class StaticDecoder:
         h = torch.nn.functional.rms_norm(h[:, -1:], (hidden,), norm.weight, norm.variance_epsilon)
         return self.model.lm_head(h)[:, 0].float()  # (rows, vocab)
 
-    def _capture(self, rows: int):
+    def _capture(self, rows: int, span: int):
         ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=self.device)
-        # The warm-up really runs: it writes the last buffer position, which no cache uses before it is full
+        # The warm-up really runs: it writes the span's last position, which no cache of this span has used yet
         # and which is zeroed again below (positions past a cache's length stay zero).
-        index = torch.full((1,), self.max_len - 1, dtype=torch.long, device=self.device)
+        index = torch.full((1,), span - 1, dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph: allocator pools, cuBLAS handles
             for _ in range(2):
-                self._forward(ids, index, rows)
+                self._forward(ids, index, rows, span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._forward(ids, index, rows)
+            logits = self._forward(ids, index, rows, span)
         for k, v in zip(self.k, self.v):
-            k[:, :, -1].zero_()
-            v[:, :, -1].zero_()
-        self.graphs[rows] = (graph, ids, index, logits)
-        return self.graphs[rows]
+            k[:rows, :, span - 1].zero_()
+            v[:rows, :, span - 1].zero_()
+        self.graphs[rows, span] = (graph, ids, index, logits)
+        return self.graphs[rows, span]
 
     @torch.inference_mode()
     def forward_rows(self, ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
@@ -322,14 +336,15 @@ class StaticDecoder:
         self._make_resident(cache)
         ids = ids.to(self.device)
         if T == 1 and self.regime == "cuda_graph":
-            graph, g_ids, g_index, g_logits = self.graphs.get(rows) or self._capture(rows)
+            span = self.span(cache.length + 1)
+            graph, g_ids, g_index, g_logits = self.graphs.get((rows, span)) or self._capture(rows, span)
             g_ids.copy_(ids)
             g_index.fill_(cache.length)
             graph.replay()
             logits = g_logits.clone()
         else:
             index = torch.arange(cache.length, cache.length + T, device=self.device)
-            logits = self._forward(ids, index, rows)
+            logits = self._forward(ids, index, rows, self.span(cache.length + T))
         cache.length += T
         return logits
 
@@ -349,7 +364,8 @@ class StaticDecoder:
         return self.forward_rows(ids, cache)
 
 
-def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1):
+def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
+                 bucket: int | None = None):
     """The decoder of a regime: the engine's eager Decoder, or a StaticDecoder for ``static``/``cuda_graph``."""
     if regime not in REGIMES:
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
@@ -359,14 +375,14 @@ def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None =
         return Decoder(model, tuple(eos_ids))
     if max_len is None:
         raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
-    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime)
+    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket)
 
 
 def regime_info(decoder) -> dict:
     """What the ledger and provenance record about the regime a decoder runs."""
     if isinstance(decoder, StaticDecoder):
         return decoder.describe()
-    return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1}
+    return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1, "decode_bucket": None}
 
 
 # -- batching -------------------------------------------------------------------------------------------------
