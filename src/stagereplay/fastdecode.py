@@ -12,7 +12,9 @@ module is a second numerical regime that every construction of a run can use ins
 
 A regime is part of a construction: compiled or graph-replayed kernels, masked full-buffer attention and the
 buffer length ``max_len`` all change the bits against the eager regime, so results are only comparable within
-one regime (the ledger records it). Within a regime, replicas are bit-exact and ``live`` equals ``incremental``
+one regime (the ledger records it). An optional ``bucket`` makes each forward attend over the next multiple
+of ``bucket`` positions rather than the whole buffer (one graph per span): faster at long buffers, exact within
+itself because the span is a function of the position alone, but another regime parameter (recorded too). Within a regime, replicas are bit-exact and ``live`` equals ``incremental``
 byte for byte, because both feed stage tokens through the same one-token step.
 
 Batching: several items share one buffer, left-padded so that every row writes the same buffer position at
