@@ -250,3 +250,49 @@ def test_benchmark_script_runs_every_section(tmp_path):
     assert all(b["live_equals_incremental"] and b["prefill_replicas_equal"] for b in results["bridge"])
     assert results["decode"][0]["batch_control"]["replicas_equal"]
     assert "random weights" in (tmp_path / "results.md").read_text()
+
+
+def test_generate_batch_of_one_row_is_the_engine_path(models):
+    """At batch 1, the batched live run and the engine's generate_to_boundary + continue_greedy are one schedule."""
+    decoder = fd.make_decoder(models["bf16"], (), "static", max_len=48)
+    matcher, _ = boundary_at(decoder, 6)
+    live = generate_to_boundary(decoder, PROMPT, matcher, 10)
+    cont = continue_greedy(decoder, live.cache, live.stage_ids[-1], 5)
+    row = fd.generate_batch(decoder, [PROMPT], matcher.reached, 10, 5)[0]
+    assert row.stage_ids == live.stage_ids and row.suffix_ids == cont.suffix_ids and row.margins == cont.margins
+    assert fingerprint_layers(row.cache_layers) == fp(live.cache)
+
+
+def test_pipeline_stage_runs_batched_with_a_recorded_plan(tmp_path):
+    from stagereplay.ledger import read_parquet, read_provenance
+    from stagereplay.stages import reconstruct_prefixes, select_items
+
+    items = tmp_path / "items.parquet"
+    select_items({"source": "synthetic", "size": 50, "seed": 0}, 5, 0, str(items))
+    common = dict(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
+                  boundary={"marker": ";", "occurrence": 1}, max_stage_tokens=24, max_new_tokens=12, device="cpu",
+                  attn_implementation="sdpa", decode_regime="static", progress=False)
+    for name, shards in (("a", 1), ("b", 2)):
+        for shard in range(shards):
+            reconstruct_prefixes(str(items), str(tmp_path / f"{name}{shard}.parquet"),
+                                 str(tmp_path / f"{name}{shard}_p.parquet"), batch_size=2, shard=shard,
+                                 n_shards=shards, **common)
+    one = read_parquet(tmp_path / "a0.parquet")
+    two = pd_concat([read_parquet(tmp_path / f"b{s}.parquet") for s in range(2)])
+    assert len(one) == len(two) and (one["status"] == "ok").any()
+    assert sorted(one["batch_rows"].unique()) == [1, 2]  # 5 items in batches of 2
+    key = ["item_index", "construction", "replica"]
+    one, two = one.sort_values(key).reset_index(drop=True), two.sort_values(key).reset_index(drop=True)
+    for col in ("suffix_fingerprint", "cache_fingerprint", "batch_index", "batch_row"):
+        assert list(one[col]) == list(two[col])  # the shard count changes nothing
+    plan = read_provenance(tmp_path / "a0.parquet")["batch_plan"]
+    assert plan["batch_size"] == 2 and sorted(i for b in plan["batches"] for i in b) == sorted(one["item_id"].unique())
+    with pytest.raises(ValueError, match="decode_regime"):
+        reconstruct_prefixes(str(items), str(tmp_path / "x.parquet"), str(tmp_path / "y.parquet"), batch_size=2,
+                             **{**common, "decode_regime": "eager"})
+
+
+def pd_concat(frames):
+    import pandas as pd
+
+    return pd.concat(frames, ignore_index=True)

@@ -50,6 +50,9 @@ LEDGER_SCHEMA = pa.schema([
     ("gold_answer", pa.string()),
     ("correct", pa.bool_()),
     ("decode_regime", pa.string()),  # eager | static | cuda_graph (stagereplay.fastdecode): part of the construction
+    ("batch_index", pa.int32()),  # batched runs: the item's batch in the seeded plan, its row, the batch's size
+    ("batch_row", pa.int16()),
+    ("batch_rows", pa.int16()),
 ])
 
 

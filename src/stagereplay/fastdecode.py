@@ -581,3 +581,71 @@ def batch_invariance(decoder: StaticDecoder, prompts: list[list[int]], batched: 
     single = [generate_batch(decoder, [prompts[r]], boundary_reached, max_stage_tokens, max_new_tokens)[0]
               for r in rows]
     return compare_rows(batched, single, rows)
+
+
+# -- the matched experiment, batched ----------------------------------------------------------------------------
+
+def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: list[dict], settings,
+                  batch_index: int) -> tuple[list[dict], list[dict]]:
+    """Ledger rows of the matched experiment for the items of one batch, decoded together.
+
+    ``live`` replicas 1 and 2 are two batched greedy runs of the same rows; ``prefill`` replicas 1 and 2 are
+    two batched one-shot prefills of the items whose boundary was found, continued together. Replicas must be
+    bit-exact as at batch 1 (:class:`stagereplay.experiment.ReplicaMismatchError` otherwise). Every row records
+    its batch (index, row, size): batch composition is part of the construction.
+    """
+    from .experiment import _row, check_replicas
+    from .ledger import fingerprint_layers
+
+    def fields(layers):
+        whole, ks, vs = fingerprint_layers(layers)
+        return {"cache_fingerprint": whole, "cache_k_fingerprints": ks, "cache_v_fingerprints": vs}
+
+    def tag(row, r, n):
+        row.update(batch_index=batch_index, batch_row=r, batch_rows=n)
+        return row
+
+    prompts = [prompter(item["question"]) for item in items]
+    runs = [generate_batch(decoder, prompts, matcher.reached, settings.max_stage_tokens, settings.max_new_tokens)
+            for _ in (1, 2)]
+    rows, prefix_rows, ok = [], [], []
+    for r, item in enumerate(items):
+        live_rows = []
+        for replica, run in enumerate(runs, start=1):
+            res = run[r]
+            if not res.stage_ids:
+                status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
+                row = _row(item, settings, "matched", "live", replica, status, prompts[r], [], {}, res.suffix_ids, [],
+                           status, tokenizer)
+            else:
+                status = "nonfinite" if res.stop_reason == "nonfinite" else "ok"
+                row = _row(item, settings, "matched", "live", replica, status, prompts[r], res.stage_ids,
+                           fields(res.cache_layers), res.suffix_ids, res.margins, res.stop_reason, tokenizer)
+            live_rows.append(tag(row, r, len(items)))
+        check_replicas(live_rows, item["item_id"])
+        rows += live_rows
+        reference = live_rows[0]
+        prefix_rows.append({"item_index": int(item["item_index"]), "item_id": item["item_id"],
+                            "revision": settings.revision, "precision": settings.precision,
+                            "status": reference["status"], "prompt_ids": list(prompts[r]),
+                            "stage_ids": reference["stage_ids"], "prefix_fingerprint": reference["prefix_fingerprint"],
+                            "gold_answer": item["gold_answer"]})
+        if reference["status"] != "boundary_missing" and reference["stage_ids"]:
+            ok.append(r)
+    if ok:
+        stages = [runs[0][r].stage_ids for r in ok]
+        replicas = []
+        for replica in (1, 2):
+            cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in ok], stages)
+            layers = row_caches(cache, ends)
+            fps = [fields(lay) for lay in layers]
+            conts = continue_batch(decoder, cache, [s[-1] for s in stages], settings.max_new_tokens)
+            replicas.append([
+                tag(_row(items[r], settings, "matched", "prefill", replica,
+                         "nonfinite" if stop == "nonfinite" else "ok", prompts[r], stage, fp, suffix, margins, stop,
+                         tokenizer), r, len(items))
+                for r, stage, fp, (suffix, margins, stop) in zip(ok, stages, fps, conts)])
+        for one, two in zip(*replicas):
+            check_replicas([one, two], one["item_id"])
+            rows += [one, two]
+    return rows, prefix_rows

@@ -14,7 +14,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from . import datasets
-from .fastdecode import make_decoder, regime_info
+from .fastdecode import batch_plan, make_decoder, matched_batch, regime_info
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
@@ -56,7 +56,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                          precision: str, boundary: dict, max_stage_tokens: int, max_new_tokens: int,
                          shard: int = 0, n_shards: int = 1, threads: int = 1, device: str = "auto",
                          attn_implementation: str = "eager", decode_regime: str = "eager",
-                         answer_format: str = "last_number",
+                         batch_size: int = 1, answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
                          base_dir: str = ".", seed: int = 0, progress: bool = True) -> None:
@@ -65,10 +65,21 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        decode_regime=decode_regime, answer_format=answer_format, prompt=prompt, seed=seed)
+                        decode_regime=decode_regime, batch_size=batch_size, answer_format=answer_format,
+                        prompt=prompt, seed=seed)
+    if batch_size > 1 and decode_regime == "eager":
+        raise ValueError("batch_size > 1 decodes items together over a static buffer: set decode_regime to "
+                         "static or cuda_graph (or batch_size: 1)")
     flags = set_determinism(threads)
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)
+    plan = None
+    if batch_size > 1:
+        # The plan covers the whole selection and shards take whole batches, so an item's batch (and its bits)
+        # does not depend on the shard count.
+        plan = batch_plan(list(selection["item_id"]), batch_size, seed)
+        mine = {i for j, batch in enumerate(plan.batches) if j % n_shards == shard for i in batch}
+        items = selection[selection["item_id"].isin(mine)]
     loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
@@ -77,18 +88,29 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     # attention reduction, so it comes from the whole selection (not this shard) and is recorded.
     longest = max((len(prompter(q)) for q in selection["question"]), default=0)
     decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), decode_regime,
-                           max_len=longest + max_stage_tokens + max_new_tokens)
+                           max_len=longest + max_stage_tokens + max_new_tokens, max_rows=batch_size)
     matcher = make_matcher(boundary, loaded.tokenizer)
     settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
                         decode_regime)
     rows, prefix_rows = [], []
-    bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}", disable=not progress,
-               mininterval=2)
-    for item in bar:
-        item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context)
-        rows += item_rows
-        prefix_rows.append(prefix_row)
-    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder)}
+    if plan is None:
+        bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}",
+                   disable=not progress, mininterval=2)
+        for item in bar:
+            item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context)
+            rows += item_rows
+            prefix_rows.append(prefix_row)
+    else:
+        by_id = {item["item_id"]: item for item in items.to_dict("records")}
+        mine = [j for j in range(len(plan.batches)) if j % n_shards == shard]
+        for j in tqdm(mine, desc=f"matched {revision}/{precision} shard {shard} (batches)", disable=not progress):
+            batch_rows, batch_prefixes = matched_batch(decoder, loaded.tokenizer, prompter, matcher,
+                                                       [by_id[i] for i in plan.batches[j]], settings, j)
+            rows += batch_rows
+            prefix_rows += batch_prefixes
+    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder),
+            "batch_plan": None if plan is None else {"seed": plan.seed, "batch_size": plan.batch_size,
+                                                     "batches": [list(b) for b in plan.batches]}}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
 

@@ -54,6 +54,7 @@ def model_kwargs(wildcards):
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         decode_regime=config["decode_regime"],
+        batch_size=config["batch_size"],
         answer_format=config["answer_format"],
         stage_end=config["stage_end"],
         prompt=config["prompt"],
