@@ -19,7 +19,8 @@ import pyarrow as pa
 import torch
 
 from . import compat
-from .engine import Decoder, build_cache
+from .engine import build_cache
+from .fastdecode import decoder_from_record, recorded_regime
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import load_model, resolve_source, set_determinism
 
@@ -108,7 +109,7 @@ def measure_cache_differences(prefixes_path: str, out_path: str, *, model: str, 
         loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
                             trust_remote_code, allow_pickle, offline)
         infos.append(loaded.info)
-        decoder = Decoder(loaded.model)
+        decoder = decoder_from_record(loaded.model, (), recorded_regime(prefixes_path))
         for item in chosen.itertuples(index=False):
             prompt, stage = [int(i) for i in item.prompt_ids], [int(i) for i in item.stage_ids]
             cache_a = build_cache(decoder, a, prompt, stage)
