@@ -21,6 +21,7 @@ include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/controls.smk"
+include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 

@@ -16,7 +16,7 @@ from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, make_match
 from stagereplay.fixed_prefix import fixed_prefix_item
 from stagereplay.ledger import fingerprint_layers, write_parquet
 from stagereplay.models import ModelSource, eos_token_ids, load_model, set_determinism
-from stagereplay.report import audit_section, bridge_section, fixed_prefix_section
+from stagereplay.report import RevisionData, audit_section, bridge_section, fixed_prefix_section
 from stagereplay.toy import synthetic_items
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,10 +261,10 @@ def test_fp16_overflow_rows_are_marked_counted_and_reproduced(tmp_path):
     assert all(r["status"] == "nonfinite" and r["stop_reason"] == "nonfinite" and r["correct"] is None
                for r in rows)
     ledger = pd.DataFrame(rows + finite)
-    lines, numbers = fixed_prefix_section(ledger, "primary", "fp32")
+    lines, numbers = fixed_prefix_section(RevisionData("primary", {}, _frames={"ledger": ledger}))
     assert numbers["fp16"]["nonfinite_rows"] == 4 and numbers["fp16"]["n_compared"] == 0
     assert numbers["fp32"]["nonfinite_rows"] == 0 and numbers["fp32"]["n_compared"] == 1
-    assert any(line.startswith("| fp16 | 1 | 4 | 0 / 0") for line in lines)
+    assert "fp16: 4 rows of 1 items" in "\n".join(lines)
     records = audit_item(fp16.recomputer(item, stage), rows, {"fixed_prefix"})
     assert all(r["reproduced"] for r in records)
     # generating at fp16 overflows within the stage: live rows marked, no prefix, nothing built on it
@@ -288,20 +288,18 @@ def test_report_sections_from_frames():
          "suffix_equal": None, "prefill_bit_exact": None, "first_layer_differs": None,
          "component_differs": None, "first_position_differs": None},
     ])
-    lines, numbers = bridge_section(bridge, "primary")
-    assert numbers["bf16"] == {"n_rows": 3, "n_with_boundary": 2, "bit_exact": 1, "suffix_equal": 1,
-                               "prefill_bit_exact": 0}
+    lines, numbers = bridge_section(RevisionData("primary", {}, _frames={"bridge": bridge}))
+    assert (numbers["bit_exact"]["k"], numbers["bit_exact"]["n"]) == (1, 2)  # the missing boundary is not counted
+    assert numbers["not_bit_exact_items"] == ["b"]
     text = "\n".join(lines)
-    assert "| bf16 | 3 | 2 | 1 / 2 | 1 / 2 | 0 / 2 |" in text
-    assert "NOT bit-exact: `b` (bf16): first differs at layer 3, V, position 17" in text
-    assert "same chunks" in text
+    assert "| `b` | bf16 | 3 | V | 17 |" in text
+    assert "same chunks" in text and "not counted" in text
     audit = pd.DataFrame([
         {"item_id": "a", "experiment": "matched", "precision": "bf16", "construction": "live", "replica": 1,
          "reproduced": True, "differed": []},
         {"item_id": "b", "experiment": "fixed_prefix", "precision": "fp32", "construction": "prefill", "replica": 2,
          "reproduced": False, "differed": ["suffix_ids"]},
     ])
-    lines, numbers = audit_section(audit, "primary")
-    assert numbers["n_rows"] == 2 and numbers["reproduced"] == 1
-    assert "**1 / 2 reproduced**" in "\n".join(lines)
-    assert "`b` fixed_prefix/fp32/prefill replica 2: suffix_ids" in "\n".join(lines)
+    lines, numbers = audit_section(RevisionData("primary", {}, _frames={"audit": audit}))
+    assert (numbers["reproduced"]["k"], numbers["reproduced"]["n"]) == (1, 2)
+    assert "1 / 2" in "\n".join(lines) and "b fixed_prefix fp32 prefill 2" in "\n".join(lines)

@@ -10,7 +10,7 @@ from stagereplay import cache_io, compat
 from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
 from stagereplay.experiment import ReplicaMismatchError
 from stagereplay.ledger import fingerprint_ids, fingerprint_layers, tensor_bytes
-from stagereplay.report import transplant_section
+from stagereplay.report import RevisionData, transplant_section
 from stagereplay.transplant import (SWEEPS, classify, enumerate_sweeps, run_transplants, select_items,
                                     transplant_cache)
 from stagereplay.transplant_stages import TRANSPLANT_SCHEMA, rebuild_constructions
@@ -212,17 +212,20 @@ def test_report_section_counts_divergent_items_and_names_misses():
             rows.append({"item_index": item, "item_id": f"i{item}", "direction": direction, "sweep": "all",
                          "layer_set": "all", "component": "kv", "positions": "all", "divergent": divergent,
                          "outcome": outcome, "live_fingerprint_match": True})
-    lines, numbers = transplant_section(pd.DataFrame(rows), "primary", {"rule": "divergent", "seed": 0})
-    assert (numbers["all_layers"]["n"], numbers["all_layers"]["donor"], numbers["all_layers"]["neither"]) == (4, 3, 1)
-    assert numbers["all_layers_by_direction"]["prefill->live"]["donor"] == 1
+    frame = pd.DataFrame(rows).assign(revision="primary", precision="bf16")
+    lines, numbers = transplant_section(RevisionData("primary", {}, _frames={"transplant": frame}))
+    rates = numbers["all_layers"]["bf16"]
+    assert (rates["live->prefill"]["donor"], rates["prefill->live"]["donor"]) == (2, 1)  # item 2 is not divergent
+    assert rates["prefill->live"]["neither"] == 1
     text = "\n".join(lines)
-    assert "3 / 4" in text and "24 / 24" in text and "43 / 43" in text
-    assert "**Finding:**" in text and "`i1` prefill->live (neither)" in text
+    assert "24 / 24" in text and "43 / 43" in text
+    assert "**Finding:**" in text and "`i1 prefill->live (neither)`" in text
 
 
 def test_report_section_of_an_empty_transplant_file():
-    lines, numbers = transplant_section(TRANSPLANT_SCHEMA.empty_table().to_pandas(), "later", None)
-    assert numbers["all_layers"]["n"] == 0 and "no donor to follow" in "\n".join(lines)
+    empty = TRANSPLANT_SCHEMA.empty_table().to_pandas()
+    lines, numbers = transplant_section(RevisionData("later", {}, _frames={"transplant": empty}))
+    assert numbers == {} and "no rows" in "\n".join(lines)
 
 
 @pytest.mark.parametrize("change,key", [

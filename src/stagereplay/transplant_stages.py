@@ -30,6 +30,8 @@ from . import cache_io, compat
 from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
 from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
+from .fastdecode import decoder_from_record, recorded_regime, regime_info
+from .invariant import recorded_numerics
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .transplant import enumerate_sweeps, run_transplants, select_items
 
@@ -90,11 +92,14 @@ TRANSPLANT_SCHEMA = pa.schema([
 
 
 def _load_decoder(model, revision, precision, device, attn_implementation, threads, trust_remote_code,
-                  allow_pickle, offline, base_dir, numerics="default"):
+                  allow_pickle, offline, base_dir, regime_from):
+    """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
     flags = set_determinism(threads)
     loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
-                        trust_remote_code, allow_pickle, offline, numerics=numerics)
-    return loaded, Decoder(loaded.model, tuple(eos_token_ids(loaded))), flags
+                        trust_remote_code, allow_pickle, offline, numerics=recorded_numerics(regime_from))
+    decoder = decoder_from_record(loaded.model, eos_token_ids(loaded), recorded_regime(regime_from))
+    loaded.info.update(regime_info(decoder))  # recorded with the model in every output's provenance
+    return loaded, decoder, flags
 
 
 def _provenance(loaded, flags, stage, config_slice):
@@ -158,17 +163,17 @@ def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revi
                           max_new_tokens: int, device: str = "auto", attn_implementation: str = "sdpa",
                           threads: int = 1, answer_format: str = "last_number", stage_end: str | None = "</think>",
                           trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
-                          base_dir: str = ".", progress: bool = True, numerics: str = "default") -> None:
+                          base_dir: str = ".", progress: bool = True) -> None:
     """The baseline of a non-primary revision: its incremental and prefill constructions on the primary revision's
     prefix ids (``prefixes_path``, rows at ``precision`` with status ok), each continued, two replicas each."""
     config_slice = dict(model=model, revision=revision, precision=precision, max_new_tokens=max_new_tokens,
-                        attn_implementation=attn_implementation, threads=threads, prefixes=str(prefixes_path),
-                        numerics=numerics)
+                        attn_implementation=attn_implementation, threads=threads, prefixes=str(prefixes_path))
     prefixes = read_parquet(prefixes_path)
     prefixes = prefixes[(prefixes["precision"] == precision) & (prefixes["status"] == "ok")]
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                           trust_remote_code, allow_pickle, offline, base_dir, numerics)
-    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end, numerics=numerics)
+                                           trust_remote_code, allow_pickle, offline, base_dir, prefixes_path)
+    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end,
+                        regime_info(decoder)["decode_regime"], numerics=loaded.info["numerics_regime"]["numerics"])
     rows = []
     for item in tqdm(prefixes.to_dict("records"), desc=f"baseline {revision}/{precision}", disable=not progress,
                      mininterval=2):
@@ -214,7 +219,7 @@ def select_transplant_items(baseline_path: str, out_path: str, *, revision: str,
 def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: str, model: str, revision: str,
                 device: str = "auto", attn_implementation: str = "sdpa", threads: int = 1,
                 trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
-                base_dir: str = ".", progress: bool = True, numerics: str = "default") -> int:
+                base_dir: str = ".", progress: bool = True) -> int:
     """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) at every
     precision of the baseline; returns the bytes written (also logged and recorded in the manifest)."""
     if items not in ("divergent", "all", "none"):
@@ -223,7 +228,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
     out.mkdir(parents=True, exist_ok=True)
     baseline = read_parquet(baseline_path)
     config_slice = dict(model=model, revision=revision, items=items, attn_implementation=attn_implementation,
-                        threads=threads, numerics=numerics)
+                        threads=threads)
     rows, total, loaded, flags = [], 0, None, {}
     for precision in ([] if items == "none" else sorted(baseline["precision"].unique())):
         pairs = construction_pairs(baseline, precision)
@@ -232,7 +237,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
         if pairs.empty:
             continue
         loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                               trust_remote_code, allow_pickle, offline, base_dir, numerics)
+                                               trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
         file_prov = _provenance(loaded, flags, "dump_caches", config_slice)
         for pair in tqdm(pairs.to_dict("records"), desc=f"dump {revision}/{precision}", disable=not progress):
             caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
@@ -260,15 +265,14 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
                      revision: str, precision: str, max_new_tokens: int, device: str = "auto",
                      attn_implementation: str = "sdpa", threads: int = 1, trust_remote_code: bool = False,
                      allow_pickle: bool = False, offline: bool = True, base_dir: str = ".",
-                     progress: bool = True, numerics: str = "default") -> pd.DataFrame:
+                     progress: bool = True) -> pd.DataFrame:
     """Bidirectional transplants of every selected item, for every transplant the sweeps ask for."""
     config_slice = dict(model=model, revision=revision, precision=precision, sweeps=list(sweeps),
-                        max_new_tokens=max_new_tokens, attn_implementation=attn_implementation, threads=threads,
-                        numerics=numerics)
+                        max_new_tokens=max_new_tokens, attn_implementation=attn_implementation, threads=threads)
     selection = read_parquet(selection_path)
     pairs = construction_pairs(read_parquet(baseline_path), precision).set_index("item_index")
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                           trust_remote_code, allow_pickle, offline, base_dir, numerics)
+                                           trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
     specs = enumerate_sweeps(sweeps, int(loaded.model.config.num_hidden_layers))
     rows = []
     for item in tqdm(selection.to_dict("records"), desc=f"transplant {revision}/{precision}", disable=not progress):

@@ -8,6 +8,8 @@ if config["reference_precision"] not in config["precisions"]:
 LEDGER_PARTS.append(
     f"{RESULTS}/{{revision}}/parts/fixed_prefix_{{precision}}_{{shard}}.parquet"
 )
+REPORT_INPUTS["bridge"] = f"{RESULTS}/{{revision}}/bridge.parquet"
+REPORT_INPUTS["audit"] = f"{RESULTS}/{{revision}}/audit.parquet"
 TARGETS.extend(
     expand(
         f"{RESULTS}/{{revision}}/{{name}}",

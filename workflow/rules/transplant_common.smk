@@ -18,6 +18,8 @@ for _slug, _name in TRANSPLANT_REVISIONS.items():
         raise ValueError(
             f"transplant.revisions: {_name!r} and {ALL_REVISIONS[_slug]!r} share the folder name {_slug!r}; rename one"
         )
+REPORT_INPUTS["transplant"] = f"{RESULTS}/{{revision}}/transplant.parquet"
+REPORT_REVISIONS["transplant"] = list(TRANSPLANT_REVISIONS)
 
 
 def revision_name(wildcards):
@@ -38,7 +40,6 @@ def replay_model_kwargs(wildcards):
         revision=ALL_REVISIONS[wildcards.revision],
         device=config["device"],
         attn_implementation=config["attn_implementation"],
-        numerics=config["numerics"],
         threads=config["threads"],
         trust_remote_code=config["trust_remote_code"],
         allow_pickle=config["allow_pickle"],
