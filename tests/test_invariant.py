@@ -248,3 +248,25 @@ def test_cost_benchmark_runs_and_checks_the_regime(tiny_model_dir, tmp_path):
     assert result["invariant"]["prefill_equals_incremental"] is True
     assert result["default"]["prefill_equals_incremental"] is False  # the tiny model's fp32 control, as above
     assert json.loads(out.read_text())["decode_time_ratio"] == result["decode_time_ratio"] > 0
+
+
+def test_later_stages_read_the_recorded_regime(tmp_path):
+    import pandas as pd
+
+    from stagereplay.ledger import write_parquet
+
+    frame = pd.DataFrame({"item_index": [0]})
+    regime = {"numerics": "invariant", "kernels": "reference", "attention_block_size": 64, "rotary_chunk": 256}
+    write_parquet(frame, tmp_path / "gathered.parquet", {"stage": "gather", "parts": [{"numerics_regime": regime}]})
+    write_parquet(frame, tmp_path / "old.parquet", {"stage": "gather", "parts": [{"stage": "reconstruct_prefixes"}]})
+    assert invariant.recorded_numerics(tmp_path / "gathered.parquet") == "invariant"
+    assert invariant.recorded_numerics(tmp_path / "old.parquet") == "default"
+
+
+def test_invariant_with_a_static_decode_regime_is_refused(tmp_path):
+    from stagereplay.stages import reconstruct_prefixes
+
+    with pytest.raises(ValueError, match="decode_regime: eager only"):
+        reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "l.parquet"), str(tmp_path / "p.parquet"),
+                             model="data/toy", revision="primary", precision="bf16", boundary={"marker": ";"},
+                             max_stage_tokens=8, max_new_tokens=8, decode_regime="static", numerics="invariant")
