@@ -22,6 +22,7 @@ from . import compat
 from .engine import build_cache
 from .fastdecode import decoder_from_record, recorded_regime
 from .ledger import read_parquet, software_versions, write_parquet
+from .invariant import recorded_numerics
 from .models import load_model, resolve_source, set_determinism
 
 log = logging.getLogger("stagereplay")
@@ -107,7 +108,7 @@ def measure_cache_differences(prefixes_path: str, out_path: str, *, model: str, 
     a, b = constructions
     for precision in precisions if len(chosen) else []:  # n_items 0: an empty table, no model loaded
         loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
-                            trust_remote_code, allow_pickle, offline)
+                            trust_remote_code, allow_pickle, offline, numerics=recorded_numerics(prefixes_path))
         infos.append(loaded.info)
         decoder = decoder_from_record(loaded.model, (), recorded_regime(prefixes_path))
         for item in chosen.itertuples(index=False):
