@@ -21,8 +21,8 @@ import torch
 from . import compat
 from .engine import build_cache
 from .fastdecode import decoder_from_record, recorded_regime
-from .ledger import read_parquet, software_versions, write_parquet
 from .invariant import recorded_numerics
+from .ledger import read_parquet, software_versions, write_parquet
 from .models import load_model, resolve_source, set_determinism
 
 log = logging.getLogger("stagereplay")
