@@ -263,7 +263,11 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
                                         g["max_abs_p90"].to_numpy(dtype=float), color=color, alpha=0.12, lw=0)
             top.set_ylim(-0.03, 1.03)
             top.set_title(f"revision {revision}", loc="left")
-            bottom.set_yscale("log")
+            spread = sub[["max_abs_median", "max_abs_p10", "max_abs_p90"]].to_numpy(dtype=float)
+            if np.any(np.isfinite(spread) & (spread > 0)):
+                bottom.set_yscale("log")
+            else:  # no layer differs in any item (numerics: invariant): nothing to put on a log axis
+                bottom.text(0.5, 0.5, "no layer differs", transform=bottom.transAxes, ha="center", va="center")
             bottom.set_xlabel("layer")
             bottom.xaxis.get_major_locator().set_params(integer=True)
         axes[0][0].set_ylabel("share of items whose\nlayer bytes differ")
