@@ -17,8 +17,9 @@ from .bridge import BRIDGE_SCHEMA
 from .fastdecode import decoder_from_record, recorded_regime, regime_info
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher
 from .fixed_prefix import fixed_prefix_item
-from .ledger import read_parquet, write_parquet, write_text_atomic
+from .gpus import claim_gpu
 from .invariant import recorded_numerics
+from .ledger import read_parquet, write_parquet, write_text_atomic
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .stages import gather, provenance, shard_of
 
@@ -31,8 +32,10 @@ def _setup(model, revision, precision, threads, device, attn_implementation, tru
            offline, base_dir, regime_from):
     """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
     flags = set_determinism(threads)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline, numerics=recorded_numerics(regime_from))
+    loaded.info["gpu_slot"] = gpu.record()
     decoder = decoder_from_record(loaded.model, eos_token_ids(loaded), recorded_regime(regime_from))
     return flags, loaded, decoder
 

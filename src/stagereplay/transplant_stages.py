@@ -30,6 +30,7 @@ from . import cache_io, compat
 from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
 from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
+from .gpus import claim_gpu
 from .fastdecode import decoder_from_record, recorded_regime, regime_info
 from .invariant import recorded_numerics
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
@@ -95,10 +96,11 @@ def _load_decoder(model, revision, precision, device, attn_implementation, threa
                   allow_pickle, offline, base_dir, regime_from):
     """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
     flags = set_determinism(threads)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline, numerics=recorded_numerics(regime_from))
     decoder = decoder_from_record(loaded.model, eos_token_ids(loaded), recorded_regime(regime_from))
-    loaded.info.update(regime_info(decoder))  # recorded with the model in every output's provenance
+    loaded.info.update(regime_info(decoder), gpu_slot=gpu.record())  # recorded with the model in every output's provenance
     return loaded, decoder, flags
 
 
