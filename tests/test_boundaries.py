@@ -80,4 +80,4 @@ def test_report_counts_and_names_items_that_never_reach_the_boundary(tiny_model_
     matched = json.loads((tmp_path / "stats.json").read_text())["revisions"]["primary"]["matched"]["fp32"]
     assert (matched["n_items"], matched["boundary_missing"], matched["n_compared"]) == (2, 1, 1)
     report = (tmp_path / "report.md").read_text()
-    assert "1 never reached the stage boundary" in report and "Items without a stage boundary: `runs-out`" in report
+    assert "| `runs-out` | matched | fp32 | boundary_missing (live): never reached the stage boundary" in report

@@ -21,7 +21,7 @@ def test_one_shard_and_three_shards_give_byte_identical_ledgers(tmp_path):
         tiny_config(workdir, shards=shards, n_items=5, max_new_tokens=6, max_stage_tokens=16)
         snakemake(workdir, "--cores", "2", "results/tiny/primary/ledger.parquet")
         res = workdir / "results/tiny/primary"
-        assert len(list((res / "parts").glob("matched_*.parquet"))) == shards
+        assert len(list((res / "parts").glob("matched_bf16_*.parquet"))) == shards
         outputs[shards] = res
     ledger = pd.read_parquet(outputs[3] / "ledger.parquet")
     assert sorted(ledger["item_index"].unique()) == list(range(5))  # every item, once per shard count

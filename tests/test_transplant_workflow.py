@@ -48,22 +48,23 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     assert len(selection) == 2 and set(selection["item_index"]) == set(df["item_index"])
     assert read_provenance(res / "primary/transplant_selection.parquet")["selection"]["rule"] == "sample:2"
     manifest = pd.read_parquet(res / "primary/caches.parquet")
-    assert manifest["bytes"].sum() > 0 and len(manifest) == 2 * manifest["item_index"].nunique()
+    # one file per item x precision x construction (two constructions)
+    assert manifest["bytes"].sum() > 0 and len(manifest) == 2 * len(manifest[["item_index", "precision"]].drop_duplicates())
     ledger = pd.read_parquet(res / "primary/ledger.parquet")
-    live = ledger[(ledger["construction"] == "live") & (ledger["replica"] == 1)].set_index("item_index")
+    live = ledger[(ledger["construction"] == "live") & (ledger["replica"] == 1)].set_index(["item_index", "precision"])
     for row in manifest.itertuples():
         dump = cache_io.load_cache(res / "primary/caches" / row.path)  # every layer's bytes checked on load
         assert dump.meta["cache_fingerprint"] == row.cache_fingerprint
         if row.construction == "live":  # the dumped cache is the ledger's live cache, byte for byte
-            assert row.cache_fingerprint == live.loc[row.item_index, "cache_fingerprint"]
+            assert row.cache_fingerprint == live.loc[(row.item_index, row.precision), "cache_fingerprint"]
     report = (res / "report/report.md").read_text()
-    assert "Transplants (primary)" in report and "24 / 24" in report
+    assert "### Transplants" in report and "24 / 24" in report
 
-    # a changed transplant setting reruns transplants (and the report) only, never generation or selection
+    # a changed transplant setting reruns transplants (and the report and figures) only, never generation
     assert jobs_planned(tmp_path, "--config", "transplant={sweeps: [all, v_only]}") == {
-        "transplant_caches", "build_report", "all"}
+        "transplant_caches", "plot_figures", "build_report", "all"}
     assert jobs_planned(tmp_path, "--config", "transplant={select: 'sample:3'}") == {
-        "select_transplant_items", "transplant_caches", "build_report", "all"}
+        "select_transplant_items", "transplant_caches", "plot_figures", "build_report", "all"}
     assert jobs_planned(tmp_path, "--config", "dump={items: none}") == {"dump_caches", "all"}
 
     # the later revision: its own constructions of the primary's prefixes; nothing already done is touched
@@ -79,7 +80,8 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     assert later["live_fingerprint_match"].isna().all()
     baseline = pd.read_parquet(res / "later/replay_baseline.parquet")
     prefixes = pd.read_parquet(res / "primary/prefixes.parquet")
-    ok = prefixes[prefixes["status"] == "ok"]
+    ok = prefixes[(prefixes["status"] == "ok") & (prefixes["precision"] == "bf16")]  # the transplant precision
     assert sorted(baseline["prefix_fingerprint"].unique()) == sorted(ok["prefix_fingerprint"])
-    assert "Transplants (later)" in (res / "report/report.md").read_text()
+    report = (res / "report/report.md").read_text()
+    assert "## Revision `later`" in report and "transplant of all K/V layers" in report.split("## Revision `later`")[1]
     assert not (res / "later/ledger.parquet").exists()  # no generation at the later revision

@@ -303,7 +303,13 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     no donor to tell apart from its recipient."""
     matrix = analysis.transplant_matrix(data.frame("transplant"))
     if matrix.empty:
-        return ["_transplant.parquet holds no rows._", ""], {}
+        transplant = data.frame("transplant")
+        n_items = int(transplant["item_index"].nunique()) if len(transplant) else 0
+        return ["#### Claim: bidirectional transplant of all K/V layers", "",
+                f"Reference study: {REFERENCE['transplant']}.", "",
+                f"_No divergent item to transplant: {n_items} item(s) were transplanted and on none do the two "
+                "constructions' own continuations differ, so following the donor cannot be told apart from "
+                "following the recipient._", ""], {"n_items": n_items, "n_divergent": 0}
     full = matrix[(matrix["layer_set"] == "all") & (matrix["component"] == "kv") & (matrix["positions"] == "all")]
     out: dict = {"all_layers": {}, "sweep": []}
     lines = ["#### Claim: bidirectional transplant of all K/V layers", "",
