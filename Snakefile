@@ -20,6 +20,7 @@ include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
+include: "workflow/rules/preflight.smk"
 
 
 rule all:

@@ -95,6 +95,12 @@ class Settings:
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
 
+    def __post_init__(self):
+        for key in ("max_stage_tokens", "max_new_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} is {value!r}; it must be a whole number of tokens, at least 1")
+
 
 def _cache_fields(cache) -> dict:
     whole, ks, vs = fingerprint_layers(compat.cache_layers(cache))
@@ -149,16 +155,22 @@ def check_replicas(rows: list[dict], item_id: str) -> None:
                 )
 
 
+def check_context(item_id: str, n_prompt: int, max_stage_tokens: int, max_new_tokens: int,
+                  context_limit: int | None) -> None:
+    """Raise :class:`PromptTooLongError` naming the item if its prompt and both budgets overrun the context."""
+    if context_limit is not None and n_prompt + max_stage_tokens + max_new_tokens > context_limit:
+        raise PromptTooLongError(
+            f"item {item_id!r}: prompt of {n_prompt} tokens + max_stage_tokens {max_stage_tokens} + "
+            f"max_new_tokens {max_new_tokens} exceeds the model's context of {context_limit}; lower the budgets "
+            "or drop the item"
+        )
+
+
 def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: BoundaryMatcher, item: dict,
                  settings: Settings, context_limit: int | None = None) -> tuple[list[dict], dict]:
     """Ledger rows of the matched experiment for one item, and its prefixes row."""
     prompt_ids = prompter(item["question"])
-    if context_limit is not None and len(prompt_ids) + settings.max_stage_tokens + settings.max_new_tokens > context_limit:
-        raise PromptTooLongError(
-            f"item {item['item_id']!r}: prompt of {len(prompt_ids)} tokens + max_stage_tokens "
-            f"{settings.max_stage_tokens} + max_new_tokens {settings.max_new_tokens} exceeds the model's context "
-            f"of {context_limit}; lower the budgets or drop the item"
-        )
+    check_context(item["item_id"], len(prompt_ids), settings.max_stage_tokens, settings.max_new_tokens, context_limit)
     rows: list[dict] = []
     live_rows = []
     for replica in (1, 2):
@@ -187,7 +199,7 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
         "prefix_fingerprint": reference["prefix_fingerprint"],
         "gold_answer": item["gold_answer"],
     }
-    if reference["status"] == "boundary_missing":
+    if not reference["stage_ids"]:  # boundary_missing, or logits that overflowed before the boundary
         return rows, prefix_row
     stage_ids = reference["stage_ids"]
     prefill_rows = []

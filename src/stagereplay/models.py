@@ -94,6 +94,8 @@ class ModelSource:
     def describe(self) -> str:
         if self.kind == "hub":
             return f"{self.path}@{self.revision}"
+        if self.kind == "gguf":
+            return str(Path(self.path) / self.gguf_file)
         return self.path
 
 
@@ -133,6 +135,19 @@ def resolve_source(model: str, revision: str | None, base_dir: str | Path = ".")
             "check the path"
         )
     return ModelSource("hub", str(model), revision=revision or "main")
+
+
+def go_offline() -> None:
+    """No network for the hub, in this process and its children.
+
+    huggingface_hub reads ``HF_HUB_OFFLINE`` once, when it is imported (transformers imports it), so setting
+    the variable afterwards alone would leave this process online: the flag it read is set too.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
 @dataclass
@@ -175,7 +190,7 @@ def load_model(
     if precision not in PRECISIONS:
         raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
     if offline:
-        os.environ["HF_HUB_OFFLINE"] = "1"
+        go_offline()
     dev = resolve_device(device)
     _check_weights_format(source, allow_pickle)
     common = {"trust_remote_code": trust_remote_code}
