@@ -207,7 +207,7 @@ def load_model(
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{source.describe()} is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} "
-            "(decoder-only, every layer full attention)"
+            "(decoder-only, every layer full attention): point model at one of those"
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         raise ModelLoadError(f"{source.describe()} uses sliding-window attention, which the cache code does not support")
