@@ -72,7 +72,7 @@ def dataset_config():
 
 # Ledger parts that gather_ledger joins into ledger.parquet; a stage that adds ledger rows appends its pattern
 # (with {revision}, {precision}, {shard} placeholders) in its own .smk file.
-LEDGER_PARTS = [RESULTS + "/{revision}/parts/matched_{precision}_{shard}.parquet"]
+LEDGER_PARTS = [f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet"]
 # Files of every stage that `rule all` asks for; each stage's .smk appends its own.
 TARGETS = []
 
