@@ -129,6 +129,14 @@ def test_bad_dataset_rows_are_named_by_selection_and_preflight(tmp_path, rows, m
         check_run(valid_config(dataset=dataset, n_items=1))
 
 
+def test_missing_dataset_file_and_too_few_items(tmp_path):
+    missing = {"source": "jsonl", "path": str(tmp_path / "missing.jsonl")}
+    with pytest.raises(DatasetError, match="missing.jsonl' does not exist"):
+        check_run(valid_config(dataset=missing))
+    with pytest.raises(DatasetError, match="n_items is 6000 but the dataset has only 5000 items; lower n_items"):
+        check_run(valid_config(n_items=6000))
+
+
 def test_non_numeric_gold_is_fine_where_no_number_is_needed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "#### seven"}])
     selected = stages.select_items({"source": "jsonl", "path": str(path)}, 1, 0, str(tmp_path / "i.parquet"),
@@ -147,6 +155,12 @@ def test_model_path_that_does_not_exist(tmp_path):
             check_run(valid_config(model=model, n_items=2))
     with pytest.raises(ModelLoadError, match="'nope' is neither a subfolder.*name one of: \\['later', 'primary'\\]"):
         check_run(valid_config(revisions=["nope"], n_items=2))
+
+
+def test_boundary_token_id_outside_the_vocabulary():
+    with pytest.raises(ModelLoadError, match="boundary.token_id 5000 is outside the vocabulary of .*primary "
+                                             "\\(2[0-9] ids\\): the boundary could never appear"):
+        check_run(valid_config(boundary={"token_id": 5000}, n_items=2))
 
 
 def write_gguf(path, architecture):

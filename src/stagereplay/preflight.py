@@ -68,6 +68,13 @@ def check_run(config: dict, base_dir: str | Path = ".") -> dict:
         source = resolve_source(config["model"], revision, base_dir)
         model_config, tokenizer = check_model(source, config["trust_remote_code"], config["allow_pickle"],
                                               config["offline"])
+        token_id = (config.get("boundary") or {}).get("token_id")
+        vocab = getattr(model_config, "vocab_size", None)
+        if token_id is not None and vocab is not None and token_id >= vocab:
+            raise ModelLoadError(
+                f"boundary.token_id {token_id} is outside the vocabulary of {source.describe()} ({vocab} ids): the "
+                "boundary could never appear; give an id the model can produce, or a marker string"
+            )
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
         context = getattr(model_config, "max_position_embeddings", None)
         longest = 0
