@@ -8,6 +8,7 @@ configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/transplant_common.smk"
 
 
 wildcard_constraints:
@@ -18,6 +19,9 @@ wildcard_constraints:
 
 include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
+include: "workflow/rules/transplant.smk"
+include: "workflow/rules/controls.smk"
+include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 include: "workflow/rules/preflight.smk"

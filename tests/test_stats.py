@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from stagereplay.stats import first_divergence_summary, follow_rate, paired_accuracy_difference, proportion
+from stagereplay.stats import (first_divergence_summary, follow_rate, margin_comparison, paired_accuracy_difference,
+                               proportion)
 
 
 def wilson_bounds(k, n, alpha=0.05):
@@ -138,3 +139,22 @@ def test_results_are_json_ready():
     for result in results:
         assert json.loads(json.dumps(result, allow_nan=False)) == result
         assert "n" in result and "method" in result
+
+
+def test_margin_comparison_against_hand_counts():
+    # No ties: U of the divergence sample counts pairs (d, a) with d > a: only 0.2 > 0.1, so U = 1. Under the null,
+    # the 2 divergence ranks are a uniform 2-subset of 7, and U <= 1 in 2 of the C(7, 2) = 21 subsets.
+    result = margin_comparison([0.05, 0.2], [0.1, 0.5, 1.0, 2.0, 3.0])
+    assert (result["n"], result["n_steps"]) == (2, 5)
+    assert result["median_divergence"] == pytest.approx(0.125) and result["median_all"] == 1.0
+    assert result["share_of_steps_at_or_below_median_divergence"] == pytest.approx(1 / 5)
+    assert result["mann_whitney_u"] == 1.0
+    assert result["mann_whitney_p_less"] == pytest.approx(2 / 21, abs=1e-12)
+    assert json.loads(json.dumps(result, allow_nan=False)) == result
+
+
+def test_margin_comparison_without_divergences():
+    result = margin_comparison([], [1.0, 2.0])
+    assert result["n"] == 0 and result["median_divergence"] is None and result["mann_whitney_p_less"] is None
+    assert result["median_all"] == 1.5
+    assert margin_comparison([None, float("nan")], [])["n"] == 0

@@ -11,6 +11,8 @@ import yaml
 from stagereplay.ledger import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]
+FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
+           "fig5_transplant", "fig6_accuracy"]
 
 
 def snakemake(workdir, *args, check=True):
@@ -25,7 +27,7 @@ def snakemake(workdir, *args, check=True):
 def tiny_config(workdir, **overrides):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(run="tiny", n_items=6, max_new_tokens=12, device="cpu",
-               dataset={"source": "synthetic", "size": 100, "seed": 0})
+               dataset={"source": "synthetic", "size": 100, "seed": 0}, cache_differences={"n_items": 2})
     cfg.update(overrides)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -44,15 +46,27 @@ def test_default_workflow_end_to_end(tmp_path):
     ledger = pd.read_parquet(res / "primary/ledger.parquet")
     assert len(items) == 6
     # one row per (item, construction, replica) of the matched experiment; missing boundaries keep their live rows
-    ok = ledger[ledger["status"] == "ok"]["item_index"].nunique()
-    assert len(ledger) == 4 * ok + 2 * (6 - ok)
-    assert set(ledger["construction"]) <= {"live", "prefill"}
+    for precision in ("bf16", "fp32"):  # the default precisions
+        matched = ledger[(ledger["experiment"] == "matched") & (ledger["precision"] == precision)]
+        ok = matched[matched["status"] == "ok"]["item_index"].nunique()
+        assert len(matched) == 4 * ok + 2 * (6 - ok)
+        assert set(matched["construction"]) <= {"live", "prefill"}
     prov = read_provenance(res / "primary/ledger.parquet")
     part = prov["parts"][0]
     assert part["numerics"]["deterministic_algorithms"] is True and part["numerics"]["tf32_matmul"] is False
     assert part["attn_implementation"] == "sdpa" and part["dtype"] == "bfloat16"
     report = (res / "report/report.md").read_text()
     assert "166 / 200" in report and "suffixes that differ" in report
+    # The paper figures, the cache differences behind figure 4, and `snakemake --report` with their captions.
+    for name in FIGURES:
+        for fmt, magic in (("pdf", b"%PDF-"), ("png", b"\x89PNG")):
+            data = (res / f"report/figures/{name}.{fmt}").read_bytes()
+            assert len(data) > 1000 and data.startswith(magic), (name, fmt)
+        assert f"![{name}](figures/{name}.png)" in report
+    differences = pd.read_parquet(res / "primary/cache_differences.parquet")
+    assert set(differences["precision"]) == {"bf16", "fp32"} and differences["item_index"].nunique() == min(2, ok)
+    snakemake(tmp_path, "--report", str(tmp_path / "report.html"))
+    assert "Paired accuracy difference between constructions" in (tmp_path / "report.html").read_text(errors="replace")
 
 
 @pytest.mark.slow

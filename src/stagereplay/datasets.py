@@ -2,13 +2,15 @@
 
 Sources: ``synthetic`` (the embedded arithmetic set, generated from a seed), ``jsonl`` (GSM8K-style
 ``{"question", "answer"}`` lines with the gold answer after ``####``, or an explicit gold field), ``csv`` and
-``parquet`` (with a column mapping). Every row is checked: a bad row raises an error naming the file and the
-row, duplicate item ids are refused. Knows nothing of models.
+``parquet`` (with a column mapping), ``hf`` (a Hugging Face ``datasets`` dataset by name, subset and split, or a
+folder written by ``save_to_disk``; the optional extra ``hf``). Every row is checked: a bad row raises an error
+naming the file and the row, duplicate item ids are refused. Knows nothing of models.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -106,6 +108,43 @@ def load_table(path: str | Path, fields: dict, numeric: bool = True) -> list[dic
     return _check_rows(rows, str(path))
 
 
+def load_hf(dataset: dict, fields: dict, numeric: bool = True, base_dir: str | Path = ".",
+            offline: bool = True) -> list[dict]:
+    """Rows of a Hugging Face dataset split: ``name`` is a hub id (``openai/gsm8k`` with ``subset: main``), a
+    local folder of data files, or a folder written by ``save_to_disk``. Offline, only the local cache is read."""
+    name, split = dataset.get("name"), dataset.get("split") or "test"
+    if not name:
+        raise DatasetError("dataset.source hf needs dataset.name: a hub dataset id such as openai/gsm8k, or a folder")
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when datasets is first imported, just below
+    try:
+        import datasets as hf
+    except ImportError:
+        raise DatasetError("dataset.source hf needs the Hugging Face datasets package: "
+                           "pip install 'stagereplay[hf]' (or pip install datasets)") from None
+    where = f"{name} [{split}]"
+    local = Path(name) if Path(name).is_absolute() else Path(base_dir) / name
+    if local.is_dir() and ((local / "dataset_dict.json").is_file() or (local / "state.json").is_file()):
+        data = hf.load_from_disk(str(local))
+        if isinstance(data, hf.DatasetDict):
+            if split not in data:
+                raise DatasetError(f"{name}: no split {split!r}; set dataset.split to one of {sorted(data)}")
+            data = data[split]
+    else:
+        try:
+            data = hf.load_dataset(str(local) if local.is_dir() else name, dataset.get("subset"), split=split,
+                                   revision=dataset.get("revision"))
+        except Exception as exc:  # DatasetNotFoundError, ValueError (unknown split or subset), ConnectionError
+            hint = (" With offline: true the dataset must already be in the local Hugging Face cache; load it once "
+                    "on a machine with network access, or set offline: false.") if offline else ""
+            raise DatasetError(f"cannot load the Hugging Face dataset {where}: {exc}.{hint}") from exc
+    if fields["question"] not in data.column_names:
+        raise DatasetError(f"{where}: no column {fields['question']!r}; set dataset.fields to the dataset's column "
+                           f"names (it has {data.column_names})")
+    rows = [_row(rec, i + 1, where, fields, numeric, unit="row") for i, rec in enumerate(data)]
+    return _check_rows(rows, where)
+
+
 def load_synthetic(size: int, seed: int) -> list[dict]:
     from .toy import synthetic_items
 
@@ -118,11 +157,13 @@ def load_synthetic(size: int, seed: int) -> list[dict]:
 DEFAULT_FIELDS = {"question": "question", "answer": "answer", "gold": None, "id": None}
 
 
-def load_source(dataset: dict, base_dir: str | Path = ".", numeric: bool = True) -> list[dict]:
+def load_source(dataset: dict, base_dir: str | Path = ".", numeric: bool = True, offline: bool = True) -> list[dict]:
     source = dataset.get("source", "synthetic")
     fields = {**DEFAULT_FIELDS, **(dataset.get("fields") or {})}
     if source == "synthetic":
         return load_synthetic(int(dataset.get("size", 5000)), int(dataset.get("seed", 0)))
+    if source == "hf":
+        return load_hf(dataset, fields, numeric, base_dir, offline)
     path = dataset.get("path")
     if not path:
         raise DatasetError(f"dataset.source {source!r} needs dataset.path")
@@ -131,7 +172,7 @@ def load_source(dataset: dict, base_dir: str | Path = ".", numeric: bool = True)
         return load_jsonl(path, fields, numeric)
     if source in ("csv", "parquet"):
         return load_table(path, fields, numeric)
-    raise DatasetError(f"dataset.source {source!r} is not one of synthetic, jsonl, csv, parquet")
+    raise DatasetError(f"dataset.source {source!r} is not one of synthetic, jsonl, csv, parquet, hf")
 
 
 def select_items(rows: list[dict], n_items: int, seed: int) -> pd.DataFrame:

@@ -167,8 +167,13 @@ def check_context(item_id: str, n_prompt: int, max_stage_tokens: int, max_new_to
 
 
 def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: BoundaryMatcher, item: dict,
-                 settings: Settings, context_limit: int | None = None) -> tuple[list[dict], dict]:
-    """Ledger rows of the matched experiment for one item, and its prefixes row."""
+                 settings: Settings, context_limit: int | None = None,
+                 on_live_boundary=None) -> tuple[list[dict], dict]:
+    """Ledger rows of the matched experiment for one item, and its prefixes row.
+
+    ``on_live_boundary(item, prompt_ids, boundary)``, when given, sees replica 1's live boundary (its retained
+    cache included) before the cache is continued: the only moment a live cache exists (the bridge uses it).
+    """
     prompt_ids = prompter(item["question"])
     check_context(item["item_id"], len(prompt_ids), settings.max_stage_tokens, settings.max_new_tokens, context_limit)
     rows: list[dict] = []
@@ -176,9 +181,13 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
     for replica in (1, 2):
         boundary = generate_to_boundary(decoder, prompt_ids, matcher, settings.max_stage_tokens)
         if boundary.status != "ok":
+            if on_live_boundary is not None and replica == 1:
+                on_live_boundary(item, prompt_ids, boundary)
             live_rows.append(_row(item, settings, "matched", "live", replica, boundary.status, prompt_ids, [], {},
                                   boundary.generated_ids, [], boundary.status, tokenizer))
             continue
+        if on_live_boundary is not None and replica == 1:
+            on_live_boundary(item, prompt_ids, boundary)
         fields = _cache_fields(boundary.cache)
         cont = continue_greedy(decoder, boundary.cache, boundary.stage_ids[-1], settings.max_new_tokens,
                                copy_cache=False)
@@ -199,7 +208,7 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
         "prefix_fingerprint": reference["prefix_fingerprint"],
         "gold_answer": item["gold_answer"],
     }
-    if not reference["stage_ids"]:  # boundary_missing, or logits that overflowed before the boundary
+    if not reference["stage_ids"]:  # no boundary reached (missing, or non-finite logits during the stage)
         return rows, prefix_row
     stage_ids = reference["stage_ids"]
     prefill_rows = []

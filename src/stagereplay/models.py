@@ -24,6 +24,11 @@ class ModelLoadError(ValueError):
     """A model source that cannot be loaded, with what to do about it."""
 
 
+# Files a hub snapshot needs: config, tokenizer, chat template, safetensors weights (pickles only when allowed).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+
+
 def revision_slug(name: str) -> str:
     """Filesystem-safe slug of a revision name (no path separators, no leading dots)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-.")
@@ -145,6 +150,7 @@ def go_offline() -> None:
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
     import huggingface_hub.constants
 
     huggingface_hub.constants.HF_HUB_OFFLINE = True
@@ -158,6 +164,70 @@ class LoadedModel:
     precision: str
     device: torch.device
     info: dict = field(default_factory=dict)
+
+
+def hub_cache_dir() -> str | None:
+    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None
+
+
+def fetch_hub_snapshot(source: ModelSource, offline: bool, allow_pickle: bool = False) -> tuple[ModelSource, str]:
+    """A hub source as the local snapshot folder holding it, and the commit that revision resolved to.
+
+    Offline, only the local Hugging Face cache is read; online, missing files are downloaded (and a hub that
+    cannot be reached falls back to the cache). Only config, tokenizer and safetensors files are fetched.
+    """
+    from huggingface_hub import snapshot_download
+
+    patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        folder = snapshot_download(source.path, revision=source.revision, cache_dir=hub_cache_dir(),
+                                   local_files_only=offline, allow_patterns=patterns)
+    except Exception as exc:  # LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, ...
+        where = hub_cache_dir() or "the default Hugging Face cache (~/.cache/huggingface/hub)"
+        if offline:
+            raise ModelLoadError(
+                f"model {source.describe()} is not in the local Hugging Face cache ({where}) and offline: true "
+                f"forbids downloading it. Download it first on a machine with network access "
+                f"(huggingface-cli download {source.path} --revision {source.revision}) into that cache, "
+                f"or set offline: false ({type(exc).__name__}: {exc})"
+            ) from exc
+        raise ModelLoadError(f"cannot fetch {source.describe()} from the hub or find it in {where}: {exc}") from exc
+    return ModelSource("local", folder), Path(folder).name
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The ``general.architecture`` a GGUF file declares (reads the header only)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs the optional packages gguf and accelerate: "
+                             "pip install 'stagereplay[gguf]'") from exc
+    try:
+        field = GGUFReader(str(path)).get_field("general.architecture")
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    if field is None:
+        raise ModelLoadError(f"{path} declares no general.architecture; it is not a model GGUF file")
+    return field.contents()
+
+
+def _check_gguf(source: ModelSource) -> None:
+    path = Path(source.path) / source.gguf_file
+    architecture = gguf_architecture(path)
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"GGUF file {path} holds a {architecture!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
+        )
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loading needs it)
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs accelerate: pip install 'stagereplay[gguf]'") from exc
 
 
 def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
@@ -192,25 +262,29 @@ def load_model(
     if offline:
         go_offline()
     dev = resolve_device(device)
+    requested, resolved_commit = source, None
+    if source.kind == "hub":
+        source, resolved_commit = fetch_hub_snapshot(source, offline, allow_pickle)
+    if source.kind == "gguf":
+        _check_gguf(source)
     _check_weights_format(source, allow_pickle)
     common = {"trust_remote_code": trust_remote_code}
-    if source.kind == "hub":
-        common["revision"] = source.revision
     if source.kind == "gguf":
         common["gguf_file"] = source.gguf_file
     try:
         config = AutoConfig.from_pretrained(source.path, **common)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
-        hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
-        raise ModelLoadError(f"cannot read the model config of {source.describe()}{hint}: {exc}") from exc
+        raise ModelLoadError(f"cannot read the model config of {requested.describe()}: {exc}") from exc
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{source.describe()} is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} "
-            "(decoder-only, every layer full attention): point model at one of those"
+            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ModelLoadError(f"{source.describe()} uses sliding-window attention, which the cache code does not support")
+        raise ModelLoadError(
+            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
+        )
     kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation)
     if source.kind != "gguf" and not allow_pickle:
         kwargs["use_safetensors"] = True
@@ -218,12 +292,12 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except ImportError as exc:
-        raise ModelLoadError(f"loading {source.describe()} needs an optional package: {exc}") from exc
+        raise ModelLoadError(f"loading {requested.describe()} needs an optional package: {exc}") from exc
     except Exception as exc:
-        raise ModelLoadError(f"cannot load {source.describe()}: {exc}") from exc
+        raise ModelLoadError(f"cannot load {requested.describe()}: {exc}") from exc
     if len(tokenizer) > model.config.vocab_size:
         raise ModelLoadError(
-            f"the tokenizer of {source.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
             f"{model.config.vocab_size}: they do not belong together; point model at a folder holding both"
         )
     model.to(dev).eval()
@@ -231,11 +305,12 @@ def load_model(
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        source=source,
+        source=requested,
         precision=precision,
         device=dev,
         info={
-            "model_source": source.describe(),
+            "model_source": requested.describe(),
+            **({"model_commit": resolved_commit} if resolved_commit else {}),
             "model_type": model_type,
             "num_layers": int(config.num_hidden_layers),
             "attn_implementation": model.config._attn_implementation,

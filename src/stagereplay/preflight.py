@@ -14,8 +14,8 @@ from pathlib import Path
 
 from . import datasets
 from .experiment import Prompter, check_context
-from .models import (SUPPORTED_MODEL_TYPES, ModelLoadError, ModelSource, _check_weights_format, go_offline,
-                     resolve_source)
+from .models import (SUPPORTED_MODEL_TYPES, ModelLoadError, ModelSource, _check_gguf, _check_weights_format,
+                     fetch_hub_snapshot, go_offline, resolve_source)
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -25,31 +25,37 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
 
     if offline:
         go_offline()
+    requested = source
+    if source.kind == "hub":  # offline, the local cache only; online, the snapshot the job would fetch anyway
+        source, _ = fetch_hub_snapshot(source, offline, allow_pickle)
+    if source.kind == "gguf":
+        _check_gguf(source)
     _check_weights_format(source, allow_pickle)
     common = {"trust_remote_code": trust_remote_code}
-    if source.kind == "hub":
-        common["revision"] = source.revision
     if source.kind == "gguf":
         common["gguf_file"] = source.gguf_file
     try:
         config = AutoConfig.from_pretrained(source.path, **common)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
-        hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
-        raise ModelLoadError(f"cannot read the model config of {source.describe()}{hint}: {exc}") from exc
+        raise ModelLoadError(f"cannot read the model config of {requested.describe()}: {exc}") from exc
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{source.describe()} is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} "
-            "(decoder-only, every layer full attention): point model at one of those"
+            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
+        )
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ModelLoadError(
+            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {source.describe()}: {exc}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         raise ModelLoadError(
-            f"the tokenizer of {source.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
             f"{vocab}: they do not belong together; point model at a folder holding both"
         )
     return config, tokenizer
@@ -61,7 +67,9 @@ def check_run(config: dict, base_dir: str | Path = ".") -> dict:
     ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
     """
     numeric = config["answer_format"] != "boxed"
-    rows = datasets.load_source(config["dataset"], base_dir, numeric=numeric)
+    if config["offline"]:
+        go_offline()
+    rows = datasets.load_source(config["dataset"], base_dir, numeric=numeric, offline=config["offline"])
     selected = datasets.select_items(rows, config["n_items"], config["seed"])
     summary = {"n_items": len(selected), "revisions": {}}
     for revision in config["revisions"]:

@@ -14,8 +14,10 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from . import datasets
+from .bridge import BRIDGE_SCHEMA, BridgeRecorder, choose_bridge_items
 from .engine import Decoder
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
+from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 
@@ -40,8 +42,8 @@ def shard_of(items: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
 
 
 def select_items(dataset: dict, n_items: int, seed: int, out_path: str, base_dir: str = ".",
-                 answer_format: str = "last_number") -> pd.DataFrame:
-    rows = datasets.load_source(dataset, base_dir, numeric=answer_format != "boxed")
+                 answer_format: str = "last_number", offline: bool = True) -> pd.DataFrame:
+    rows = datasets.load_source(dataset, base_dir, numeric=answer_format != "boxed", offline=offline)
     selected = datasets.select_items(rows, n_items, seed)
     write_parquet(selected, out_path, {**software_versions(), "stage": "select_items", "seed": seed,
                                        "config": {"dataset": dataset, "n_items": n_items}})
@@ -58,32 +60,50 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                          attn_implementation: str = "eager", answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
-                         base_dir: str = ".", seed: int = 0, progress: bool = True) -> None:
+                         base_dir: str = ".", seed: int = 0, progress: bool = True,
+                         bridge_path: str | None = None, bridge: dict | None = None) -> None:
     """Stage 2 + the matched experiment: reconstruct each item's prefix with the live cache and run the matched
-    live-vs-prefill experiment while that cache exists (a live cache cannot cross a process boundary)."""
+    live-vs-prefill experiment while that cache exists (a live cache cannot cross a process boundary).
+
+    With ``bridge_path``, the bridge rows (``bridge: {n_rows, seed}``, chosen from the whole selection before
+    any generation) compare their live cache with an incremental rebuild there (stagereplay.bridge)."""
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
                         answer_format=answer_format, prompt=prompt, seed=seed)
+    if bridge_path is not None:
+        config_slice["bridge"] = bridge
     flags = set_determinism(threads)
-    items = shard_of(read_parquet(items_path), shard, n_shards)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    selection = read_parquet(items_path)
+    items = shard_of(selection, shard, n_shards)
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
     decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
     matcher = make_matcher(boundary, loaded.tokenizer)
     settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
     context = getattr(loaded.model.config, "max_position_embeddings", None)
+    recorder = None
+    if bridge_path is not None:
+        chosen = choose_bridge_items(selection["item_index"], int(bridge["n_rows"]), int(bridge["seed"]))
+        recorder = BridgeRecorder(decoder, chosen, revision, precision, max_new_tokens)
     rows, prefix_rows = [], []
     bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}", disable=not progress,
                mininterval=2)
     for item in bar:
-        item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context)
+        item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context,
+                                             on_live_boundary=recorder.observe if recorder else None)
+        if recorder is not None:
+            recorder.complete(item, item_rows[0])  # item_rows[0]: live replica 1
         rows += item_rows
         prefix_rows.append(prefix_row)
-    prov = provenance(loaded, flags, config_slice, "reconstruct_prefixes")
+    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), "gpu_slot": gpu.record()}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
+    if recorder is not None:
+        write_parquet(pd.DataFrame(recorder.records(), columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)
+    gpu.release()
 
 
 SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import numpy as np
+from scipy.stats import mannwhitneyu
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
@@ -130,4 +131,29 @@ def first_divergence_summary(positions: Sequence[int | None]) -> dict:
         q1, median, q3 = np.quantile(values, [0.25, 0.5, 0.75])
         result.update(median=float(median), q1=float(q1), q3=float(q3),
                       min=int(values.min()), max=int(values.max()))
+    return result
+
+
+def margin_comparison(divergence_margins: Sequence[float], all_margins: Sequence[float]) -> dict:
+    """Are first divergences near-ties? Margins at the first divergence against the margins at every decode step.
+
+    Reports both medians, the share of all decode steps whose margin is at most the median divergence margin (its
+    percentile among all steps), and the one-sided Mann-Whitney U test that divergence margins are stochastically
+    smaller (scipy, exact where it can be, else the normal approximation). None throughout a part with no values.
+    """
+    div = np.asarray([m for m in divergence_margins if m is not None and not math.isnan(m)], dtype=float)
+    every = np.asarray([m for m in all_margins if m is not None and not math.isnan(m)], dtype=float)
+    result = {"n": int(div.size), "n_steps": int(every.size), "median_divergence": None, "median_all": None,
+              "share_of_steps_at_or_below_median_divergence": None, "mann_whitney_u": None,
+              "mann_whitney_p_less": None,
+              "method": "medians; one-sided Mann-Whitney U test, divergence margins < all-step margins "
+                        "(scipy.stats.mannwhitneyu, method='auto')"}
+    if div.size:
+        result["median_divergence"] = float(np.median(div))
+    if every.size:
+        result["median_all"] = float(np.median(every))
+    if div.size and every.size:
+        result["share_of_steps_at_or_below_median_divergence"] = float(np.mean(every <= np.median(div)))
+        test = mannwhitneyu(div, every, alternative="less")
+        result.update(mann_whitney_u=float(test.statistic), mann_whitney_p_less=float(test.pvalue))
     return result

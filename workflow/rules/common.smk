@@ -107,3 +107,53 @@ def all_outputs():
         f"{RESULTS}/report/stats.json",
         *TARGETS,
     ]
+
+
+# Per-revision files the report and the figures read, by kind. A stage whose output they should show registers its
+# pattern from its own .smk, e.g. REPORT_INPUTS["bridge"] = f"{RESULTS}/{{revision}}/bridge.parquet"; the report
+# skips, with a note, the sections of a kind that is not registered.
+REPORT_INPUTS = {"ledger": f"{RESULTS}/{{revision}}/ledger.parquet"}
+# Revisions each kind exists for (default: every generated revision); transplants may run at more revisions.
+REPORT_REVISIONS = {}
+FIGURE_NAMES = [
+    "fig1_disagreement",
+    "fig2_first_divergence",
+    "fig3_margins",
+    "fig4_cache_differences",
+    "fig5_transplant",
+    "fig6_accuracy",
+]
+
+
+def report_inputs(wildcards):
+    return {
+        kind: expand(pattern, revision=REPORT_REVISIONS.get(kind, REVISIONS))
+        for kind, pattern in REPORT_INPUTS.items()
+    }
+
+
+def report_revisions():
+    return {kind: list(REPORT_REVISIONS.get(kind, REVISIONS)) for kind in REPORT_INPUTS}
+
+
+def figure_files(fmt):
+    return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
+
+
+def cache_difference_kwargs(wildcards):
+    settings = config["cache_differences"]
+    return dict(
+        model=resolve_path(config["model"]),
+        revision=REVISIONS[wildcards.revision],
+        revision_slug=wildcards.revision,
+        precisions=settings["precisions"],
+        prefix_precision=settings["prefix_precision"] or config["precisions"][0],
+        n_items=settings["n_items"],
+        seed=config["seed"],
+        threads=config["threads"],
+        device=config["device"],
+        attn_implementation=config["attn_implementation"],
+        trust_remote_code=config["trust_remote_code"],
+        allow_pickle=config["allow_pickle"],
+        offline=config["offline"],
+    )

@@ -4,6 +4,7 @@ rule reconstruct_prefixes:
     output:
         ledger=f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet",
         prefixes=f"{RESULTS}/{{revision}}/parts/prefixes_{{precision}}_{{shard}}.parquet",
+        bridge=f"{RESULTS}/{{revision}}/parts/bridge_{{precision}}_{{shard}}.parquet",
     log:
         f"{LOGS}/{{revision}}/reconstruct_prefixes_{{precision}}_{{shard}}.log",
     benchmark:
@@ -13,10 +14,11 @@ rule reconstruct_prefixes:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=model_kwargs,
+        bridge=config["bridge"],
         version=CODE_VERSION,
     script:
         "../scripts/reconstruct_prefixes.py"

@@ -1,6 +1,36 @@
+rule plot_figures:
+    input:
+        unpack(report_inputs),
+    output:
+        **{
+            f"{name}_{fmt}": report(
+                f"{RESULTS}/report/figures/{name}.{fmt}",
+                caption=f"../report/{name}.rst",
+                category="Figures",
+                subcategory=name.split("_", 1)[0],
+                labels={"figure": name, "format": fmt.upper()},
+            )
+            for name in FIGURE_NAMES
+            for fmt in ("pdf", "png")
+        },
+    log:
+        f"{LOGS}/plot_figures.log",
+    benchmark:
+        f"{BENCH}/plot_figures.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        revisions=report_revisions(),
+        seed=config["seed"],
+        version=CODE_VERSION,
+    script:
+        "../scripts/plot_figures.py"
+
+
 rule build_report:
     input:
-        ledgers=ledgers(),
+        unpack(report_inputs),
+        figures=figure_files("png"),
     output:
         report=f"{RESULTS}/report/report.md",
         stats=f"{RESULTS}/report/stats.json",
@@ -11,9 +41,13 @@ rule build_report:
     conda:
         "../../envs/stagereplay.yaml"
     params:
-        revisions=list(REVISIONS),
+        revisions=report_revisions(),
+        figure_names=FIGURE_NAMES,
         run=RUN,
         seed=config["seed"],
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"
+
+
+TARGETS.extend(figure_files("pdf") + figure_files("png"))

@@ -12,6 +12,7 @@ rule select_items:
         n_items=config["n_items"],
         seed=config["seed"],
         answer_format=config["answer_format"],
+        offline=config["offline"],
         version=CODE_VERSION,
     script:
         "../scripts/select_items.py"

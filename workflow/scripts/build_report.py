@@ -4,5 +4,9 @@ sys.stderr = open(snakemake.log[0], "w")
 
 from stagereplay.report import build_report
 
-build_report(dict(zip(snakemake.params.revisions, snakemake.input.ledgers)), snakemake.output.report,
-             snakemake.output.stats, snakemake.params.run, snakemake.params.seed)
+revisions = snakemake.params.revisions
+inputs = {kind: dict(zip(revisions[kind], getattr(snakemake.input, kind))) for kind in snakemake.input.keys()
+          if kind != "figures"}
+build_report(inputs.pop("ledger"), snakemake.output.report, snakemake.output.stats, snakemake.params.run,
+             snakemake.params.seed, inputs=inputs,
+             figures=dict(zip(snakemake.params.figure_names, snakemake.input.figures)))

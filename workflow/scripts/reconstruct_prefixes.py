@@ -7,4 +7,4 @@ logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 from stagereplay.stages import reconstruct_prefixes
 
 reconstruct_prefixes(snakemake.input.selection, snakemake.output.ledger, snakemake.output.prefixes,
-                     **snakemake.params.kwargs)
+                     bridge_path=snakemake.output.bridge, bridge=snakemake.params.bridge, **snakemake.params.kwargs)

@@ -1,0 +1,271 @@
+"""Tidy tables derived from the ledger and the later stages' Parquet files: what the report and the figures share.
+
+The report prints these tables' numbers and the figures draw them, so a number in a table and a bar in a figure
+cannot disagree. This module knows nothing of torch, Snakemake or matplotlib: it takes DataFrames with the
+columns of the results contract (DESIGN.md) and returns DataFrames or plain dicts.
+
+Construction pairs compared per experiment (the first one is the reference, the stand-in for the live state):
+``matched``: ``live`` vs ``prefill``; ``fixed_prefix``: ``incremental`` vs ``prefill``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import stats
+
+# (experiment, reference construction, other construction): the comparisons of the reference study.
+COMPARISONS = (
+    ("matched", "live", "prefill"),
+    ("fixed_prefix", "incremental", "prefill"),
+)
+COMPARISON_LABELS = {
+    "matched": "matched: live vs prefill",
+    "fixed_prefix": "fixed prefix: incremental vs prefill",
+}
+SHORT_LABELS = {"matched": "matched live − prefill", "fixed_prefix": "fixed-prefix incremental − prefill"}
+PRECISION_ORDER = ("bf16", "fp16", "fp32")
+
+PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "construction_a", "construction_b",
+                "disagree", "first_divergence", "margin_a", "margin_b", "correct_a", "correct_b", "label_differs",
+                "suffix_length_a", "suffix_length_b"]
+
+
+def first_divergence(a, b) -> int | None:
+    """Index of the first position where two suffixes differ (a length difference counts), or None.
+
+    The same rule as ``engine.first_divergence``, here so that the report's tables load without torch; a test
+    checks that the two agree.
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    m = min(a.size, b.size)
+    differ = np.flatnonzero(a[:m] != b[:m])
+    if differ.size:
+        return int(differ[0])
+    return None if a.size == b.size else int(m)
+
+
+def sort_precisions(values) -> list[str]:
+    order = {p: i for i, p in enumerate(PRECISION_ORDER)}
+    return sorted(set(values), key=lambda p: (order.get(p, len(order)), p))
+
+
+def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.DataFrame:
+    """One row per (item, revision, precision) with ``status == ok`` on both sides: replica 1 of ``a`` against ``b``.
+
+    ``margin_a``/``margin_b`` are each construction's top-2 logit margin at the first divergence (None when the
+    suffixes agree or the position lies past a suffix's end).
+    """
+    if ledger is None or ledger.empty:
+        return pd.DataFrame(columns=PAIR_COLUMNS)
+    sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
+    keys = ["item_index", "revision", "precision"]
+    left = sel[sel["construction"] == a]
+    right = sel[sel["construction"] == b]
+    merged = left.merge(right, on=keys, suffixes=("_a", "_b"))
+    rows = []
+    for r in merged.itertuples(index=False):
+        if r.status_a != "ok" or r.status_b != "ok":
+            continue
+        sa, sb = r.suffix_ids_a, r.suffix_ids_b
+        pos = first_divergence(sa, sb)
+        ma, mb = r.margins_a, r.margins_b
+        rows.append({
+            "item_index": int(r.item_index), "item_id": r.item_id_a, "revision": r.revision,
+            "experiment": experiment, "precision": r.precision, "construction_a": a, "construction_b": b,
+            "disagree": pos is not None, "first_divergence": pos,
+            "margin_a": float(ma[pos]) if pos is not None and pos < len(ma) else None,
+            "margin_b": float(mb[pos]) if pos is not None and pos < len(mb) else None,
+            "correct_a": bool(r.correct_a), "correct_b": bool(r.correct_b),
+            "label_differs": bool(r.correct_a) != bool(r.correct_b),
+            "suffix_length_a": len(sa), "suffix_length_b": len(sb),
+        })
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+
+
+def all_pairs(ledger: pd.DataFrame) -> pd.DataFrame:
+    """:func:`pair_table` for every comparison of :data:`COMPARISONS` the ledger holds."""
+    frames = [pair_table(ledger, *c) for c in COMPARISONS]
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PAIR_COLUMNS)
+
+
+def disagreement_cells(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Suffix disagreements and label flips per (revision, experiment, precision), with Wilson/Clopper-Pearson."""
+    rows = []
+    if pairs is not None and not pairs.empty:
+        for (revision, experiment, precision), g in pairs.groupby(["revision", "experiment", "precision"], sort=True):
+            dis = stats.proportion(int(g["disagree"].sum()), len(g))
+            flips = stats.proportion(int(g["label_differs"].sum()), len(g))
+            rows.append({"revision": revision, "experiment": experiment, "precision": precision,
+                         "construction_a": g["construction_a"].iloc[0], "construction_b": g["construction_b"].iloc[0],
+                         "n": dis["n"], "k": dis["k"], "rate": dis["rate"], "wilson_low": dis["wilson_low"],
+                         "wilson_high": dis["wilson_high"], "label_flips": flips["k"]})
+    return pd.DataFrame(rows, columns=["revision", "experiment", "precision", "construction_a", "construction_b",
+                                       "n", "k", "rate", "wilson_low", "wilson_high", "label_flips"])
+
+
+def replica_agreement(ledger: pd.DataFrame) -> pd.DataFrame:
+    """Per (revision, experiment, precision, construction): how many items' replicas are bit-identical.
+
+    Compared on fingerprints (suffix and cache) and the stage ids, never with a tolerance. Items with a single
+    replica are not counted.
+    """
+    cols = ["revision", "experiment", "precision", "construction", "n", "identical"]
+    if ledger is None or ledger.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    keys = ["revision", "experiment", "precision", "construction"]
+    for key, g in ledger.groupby(keys, sort=True):
+        n = identical = 0
+        for _, item in g.groupby("item_index"):
+            if len(item) < 2:
+                continue
+            n += 1
+            first = item.iloc[0]
+            same = all(
+                other["suffix_fingerprint"] == first["suffix_fingerprint"]
+                and other["cache_fingerprint"] == first["cache_fingerprint"]
+                and list(other["stage_ids"]) == list(first["stage_ids"])
+                and other["status"] == first["status"]
+                for _, other in item.iloc[1:].iterrows()
+            )
+            identical += int(same)
+        rows.append(dict(zip(keys, key), n=n, identical=identical))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def margin_samples(ledger: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
+    """Top-2 margins of the reference construction: every decode step (``kind = all``) and each first divergence.
+
+    One row per margin: revision, experiment, precision, kind (``all`` | ``divergence``), margin. The ``all`` sample
+    is every decode step of replica 1 of the reference construction over the compared items.
+    """
+    cols = ["revision", "experiment", "precision", "kind", "margin"]
+    if ledger is None or ledger.empty or pairs is None or pairs.empty:
+        return pd.DataFrame(columns=cols)
+    frames = []
+    for (revision, experiment, precision, a), g in pairs.groupby(
+            ["revision", "experiment", "precision", "construction_a"], sort=True):
+        sel = ledger[(ledger["revision"] == revision) & (ledger["experiment"] == experiment)
+                     & (ledger["precision"] == precision) & (ledger["construction"] == a)
+                     & (ledger["replica"] == 1) & ledger["item_index"].isin(g["item_index"])]
+        every = np.concatenate([np.asarray(m, dtype=float) for m in sel["margins"]]) if len(sel) else np.array([])
+        div = g["margin_a"].dropna().to_numpy(dtype=float)
+        for kind, values in (("all", every), ("divergence", div)):
+            frames.append(pd.DataFrame({"revision": revision, "experiment": experiment, "precision": precision,
+                                        "kind": kind, "margin": values}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+
+
+def accuracy_differences(pairs: pd.DataFrame, seed: int = 0, n_boot: int = 10000) -> pd.DataFrame:
+    """Paired accuracy difference (a minus b) per (revision, experiment, precision), from :mod:`stats`."""
+    cols = ["revision", "experiment", "precision", "n", "accuracy_a", "accuracy_b", "difference",
+            "bootstrap_low", "bootstrap_high", "mcnemar_p", "discordant_a_only", "discordant_b_only", "seed"]
+    rows = []
+    if pairs is not None and not pairs.empty:
+        for (revision, experiment, precision), g in pairs.groupby(["revision", "experiment", "precision"], sort=True):
+            acc = stats.paired_accuracy_difference(g["correct_a"].tolist(), g["correct_b"].tolist(),
+                                                   n_boot=n_boot, seed=seed)
+            rows.append({"revision": revision, "experiment": experiment, "precision": precision,
+                         **{c: acc[c] for c in cols[3:]}})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def transplant_label(row) -> str:
+    """Row label of the transplant matrix: layer set and component, plus the positions when not all."""
+    label = f"layers {row['layer_set']} · {row['component'].upper()}"
+    if row.get("positions", "all") != "all":
+        label += f" · {row['positions']} positions"
+    return label
+
+
+def transplant_matrix(transplant: pd.DataFrame) -> pd.DataFrame:
+    """Share of transplants following the donor per (revision, layer set/component/positions, direction)."""
+    cols = ["revision", "precision", "label", "layer_set", "component", "positions", "direction", "n", "donor",
+            "recipient", "neither", "rate", "wilson_low", "wilson_high"]
+    if transplant is None or transplant.empty:
+        return pd.DataFrame(columns=cols)
+    df = transplant.copy()
+    if "divergent" in df.columns:  # where both sides continue alike, following the donor tells nothing
+        df = df[df["divergent"].astype(bool)]
+    if "positions" not in df.columns:
+        df["positions"] = "all"
+    rows = []
+    keys = ["revision", "precision", "layer_set", "component", "positions", "direction"]
+    for key, g in df.groupby(keys, sort=False):
+        fr = stats.follow_rate(g["outcome"].tolist())
+        d = dict(zip(keys, key))
+        rows.append({**d, "label": transplant_label(d), "n": fr["n"], "donor": fr["donor"],
+                     "recipient": fr["recipient"], "neither": fr["neither"], "rate": fr["follows_donor"]["rate"],
+                     "wilson_low": fr["follows_donor"]["wilson_low"],
+                     "wilson_high": fr["follows_donor"]["wilson_high"]})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def transplant_row_key(row) -> tuple:
+    """Order of the transplant matrix's rows: all layers first (K and V, then K only, V only, then position
+    ranges), then bands of layers, then single layers, each by its first layer."""
+    layer_set = str(row.layer_set)
+    digits = "".join(ch if ch.isdigit() else " " for ch in layer_set).split()
+    kind = 0 if layer_set == "all" else 1 if "-" in layer_set else 2
+    component = {"kv": 0, "k": 1, "v": 2}.get(row.component, 3)
+    positions = {"all": 0, "prompt": 1, "stage": 2}.get(row.positions, 3)
+    return (kind, positions, int(digits[0]) if digits else 0, layer_set, component)
+
+
+def cache_difference_profile(differences: pd.DataFrame) -> pd.DataFrame:
+    """Per (revision, precision, component, layer): over how many items the layer's bytes differ, and the spread of
+    the max-abs and RMS differences among those items (quantiles of an empty set are None).
+
+    Differences in bf16 are sparse (rounding to bf16 absorbs most of them), so statistics over all items would be
+    mostly zeros; they are taken over the items whose bytes differ and the share of such items is reported beside.
+    """
+    cols = ["revision", "precision", "component", "layer", "n", "bit_equal", "n_differ", "share_differ",
+            "max_abs_median", "max_abs_p10", "max_abs_p90", "max_abs_max", "rms_median"]
+    if differences is None or differences.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for (revision, precision, component, layer), g in differences.groupby(
+            ["revision", "precision", "component", "layer"], sort=True):
+        differ = g[~g["bit_equal"].astype(bool)]
+        q = (lambda col, x: float(differ[col].quantile(x)) if len(differ) else None)
+        rows.append({"revision": revision, "precision": precision, "component": component, "layer": int(layer),
+                     "n": len(g), "bit_equal": len(g) - len(differ), "n_differ": len(differ),
+                     "share_differ": len(differ) / len(g), "max_abs_median": q("max_abs", 0.5),
+                     "max_abs_p10": q("max_abs", 0.1), "max_abs_p90": q("max_abs", 0.9),
+                     "max_abs_max": float(g["max_abs"].max()), "rms_median": q("rms", 0.5)})
+    return pd.DataFrame(rows, columns=cols)
+
+
+EXCLUSION_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "reason"]
+_REASONS = {
+    "boundary_missing": "never reached the stage boundary within max_stage_tokens",
+    "nonfinite": "non-finite logits",
+}
+
+
+def exclusions(ledger: pd.DataFrame) -> pd.DataFrame:
+    """Items of each comparison that :func:`pair_table` leaves out, with the reason (one row per item and cell)."""
+    if ledger is None or ledger.empty:
+        return pd.DataFrame(columns=EXCLUSION_COLUMNS)
+    rows = []
+    for experiment, a, b in COMPARISONS:
+        sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
+        for (revision, precision), cell in sel.groupby(["revision", "precision"], sort=True):
+            for item_index, item in cell.groupby("item_index", sort=True):
+                by_construction = {r["construction"]: r for _, r in item.iterrows()}
+                reasons = []
+                for construction in (a, b):
+                    row = by_construction.get(construction)
+                    if row is None:
+                        if not reasons:  # a boundary_missing item has no rebuilt construction by design
+                            reasons.append(f"no {construction} row")
+                    elif row["status"] != "ok":
+                        reasons.append(f"{row['status']} ({construction}): {_REASONS.get(row['status'], row['status'])}")
+                if reasons:
+                    rows.append({"item_index": int(item_index), "item_id": item["item_id"].iloc[0],
+                                 "revision": revision, "experiment": experiment, "precision": precision,
+                                 "reason": "; ".join(reasons)})
+    return pd.DataFrame(rows, columns=EXCLUSION_COLUMNS)

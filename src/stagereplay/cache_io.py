@@ -1,0 +1,112 @@
+"""Boundary KV caches on disk: safetensors dumps that carry their own fingerprints.
+
+One file holds one boundary cache (one item x revision x precision x construction). Tensors are named
+``layers.<i>.keys`` and ``layers.<i>.values``, each (batch, kv_heads, seq, head_dim) in the cache's own dtype.
+The file's metadata (key ``stagereplay``, JSON) records the sha256 of every layer's K and V bytes, the
+whole-cache fingerprint, the prefix fingerprint, the pending token and what the cache is (item, revision,
+precision, construction). :func:`load_cache` recomputes every fingerprint and refuses a file whose bytes do not
+match, naming the file and the layer. Writes are atomic. This module knows nothing of models beyond building a
+cache object for one (through :mod:`compat`) and nothing of Snakemake.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from . import compat
+from .ledger import CorruptFileError, atomic_path, fingerprint_layers, fingerprint_tensor
+
+METADATA_KEY = "stagereplay"
+FORMAT = "stagereplay-boundary-cache/1"
+
+
+class CacheDumpError(CorruptFileError):
+    """A cache dump that cannot be trusted: unreadable, incomplete, or bytes that do not match their fingerprints."""
+
+
+@dataclass
+class CacheDump:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # (K, V) per layer, each (batch, kv_heads, seq, head_dim)
+    meta: dict
+
+    def to_cache(self, model):
+        """A DynamicCache for ``model`` holding copies of the dumped tensors."""
+        return compat.cache_from_tensors(model, self.layers)
+
+
+def dump_filename(item_index: int, precision: str, construction: str) -> str:
+    """File name of one dump inside ``results/<run>/<revision>/caches/`` (``chunked:C`` becomes ``chunked-C``)."""
+    return f"item{int(item_index):06d}_{precision}_{construction.replace(':', '-')}.safetensors"
+
+
+def save_cache(path: str | Path, cache, meta: dict) -> dict:
+    """Write ``cache`` to ``path`` atomically with its fingerprints; return the metadata written plus ``bytes``.
+
+    ``meta`` carries what the cache is (item_index, item_id, revision, precision, construction,
+    prefix_fingerprint, pending_id, ...); the fingerprints are computed here from the exact bytes.
+    """
+    layers = compat.cache_layers(cache)
+    whole, ks, vs = fingerprint_layers(layers)
+    record = {**meta, "format": FORMAT, "num_layers": len(layers), "cache_fingerprint": whole,
+              "k_sha256": ks, "v_sha256": vs,
+              "shape": list(layers[0][0].shape) if layers else [], "dtype": str(layers[0][0].dtype) if layers else ""}
+    tensors = {}
+    for i, (k, v) in enumerate(layers):
+        tensors[f"layers.{i}.keys"] = k.detach().contiguous().cpu()
+        tensors[f"layers.{i}.values"] = v.detach().contiguous().cpu()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(record, sort_keys=True)})
+    return {**record, "bytes": path.stat().st_size}
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The dump's recorded metadata, without reading or checking the tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(METADATA_KEY)
+    except (OSError, SafetensorError) as exc:
+        raise CacheDumpError(f"{path} is not a readable safetensors file ({exc}); delete it and rerun the dump") from exc
+    if raw is None:
+        raise CacheDumpError(f"{path} has no {METADATA_KEY!r} metadata: it is not a stagereplay cache dump")
+    return json.loads(raw)
+
+
+def load_cache(path: str | Path, device: str | torch.device = "cpu") -> CacheDump:
+    """Read a dump and check every layer's K and V bytes against the recorded sha256; refuse any mismatch."""
+    meta = read_metadata(path)
+    try:
+        tensors = load_file(str(path), device="cpu")
+    except (OSError, SafetensorError) as exc:
+        raise CacheDumpError(f"{path} is not a readable safetensors file ({exc}); delete it and rerun the dump") from exc
+    layers = []
+    for i in range(int(meta["num_layers"])):
+        pair = []
+        for part, recorded in (("keys", meta["k_sha256"][i]), ("values", meta["v_sha256"][i])):
+            name = f"layers.{i}.{part}"
+            if name not in tensors:
+                raise CacheDumpError(f"{path}: tensor {name} is missing; the dump is incomplete, rerun the dump")
+            actual = fingerprint_tensor(tensors[name])
+            if actual != recorded:
+                raise CacheDumpError(
+                    f"{path}: layer {i} {'K' if part == 'keys' else 'V'} bytes do not match their recorded sha256 "
+                    f"(recorded {recorded[:12]}..., found {actual[:12]}...); the file was altered or corrupted, "
+                    "rerun the dump rule instead of using it"
+                )
+            pair.append(tensors[name])
+        layers.append(tuple(pair))
+    extra = sorted(set(tensors) - {f"layers.{i}.{p}" for i in range(len(layers)) for p in ("keys", "values")})
+    if extra:
+        raise CacheDumpError(f"{path}: unexpected tensors {extra}; this is not a boundary cache dump written here")
+    whole, _, _ = fingerprint_layers(layers)
+    if whole != meta["cache_fingerprint"]:
+        raise CacheDumpError(f"{path}: the whole-cache fingerprint does not match the recorded one; rerun the dump")
+    return CacheDump([(k.to(device), v.to(device)) for k, v in layers], meta)

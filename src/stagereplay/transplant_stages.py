@@ -1,0 +1,309 @@
+"""Stage functions of the cache-dump and transplant stages, taking paths and plain values (what rule scripts call).
+
+Every stage works on one revision R and one precision P, over *fixed prefixes*: the primary revision's prefix ids.
+Its two constructions, and each one's own continuation, come from a *baseline* file:
+
+- at the primary revision, the ledger's matched experiment (``live`` and ``prefill``, replica 1);
+- at any other revision, ``replay_baseline.parquet``, written by :func:`replay_fixed_prefixes`: R's ``incremental``
+  and ``prefill`` caches built on the primary revision's prefix ids and continued (two replicas each, bit-exact).
+
+A live cache cannot cross a process boundary. Where the baseline's construction is ``live``, the stage rebuilds
+the ``incremental`` cache (the live run's own schedule) and compares its whole-cache fingerprint with the ledger's
+live fingerprint: equal means the rebuilt cache *is* the live cache, byte for byte, and it is called ``live`` in the
+outputs; otherwise it is called ``incremental`` (the row's ``live_fingerprint_match`` is false and a warning is
+logged). Every other rebuilt cache and every own continuation is a replica of the baseline's and must match it
+exactly, or the stage stops (:class:`~stagereplay.experiment.ReplicaMismatchError`).
+
+None of this knows Snakemake.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+from tqdm import tqdm
+
+from . import cache_io, compat
+from .engine import Decoder, build_cache, continue_greedy
+from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
+from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
+from .models import eos_token_ids, load_model, resolve_source, set_determinism
+from .transplant import enumerate_sweeps, run_transplants, select_items
+
+log = logging.getLogger("stagereplay")
+
+BASELINE_EXPERIMENT = "transplant_baseline"
+
+SELECTION_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("divergent", pa.bool_()),  # the two constructions' own suffix ids differ
+    ("first_divergence", pa.int32()),
+])
+
+DUMP_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("construction", pa.string()),
+    ("path", pa.string()),  # relative to the manifest's folder
+    ("bytes", pa.int64()),
+    ("prefix_fingerprint", pa.string()),
+    ("cache_fingerprint", pa.string()),
+    ("live_fingerprint_match", pa.bool_()),  # null where the baseline has no live row
+])
+
+TRANSPLANT_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("donor", pa.string()),
+    ("recipient", pa.string()),
+    ("direction", pa.string()),  # "<donor>-><recipient>"
+    ("sweep", pa.string()),  # the config sweep that asked for this transplant (the first, if several did)
+    ("layer_set", pa.string()),  # "all", "L7", "0-11", ...
+    ("layers", pa.list_(pa.int32())),
+    ("component", pa.string()),  # kv | k | v
+    ("positions", pa.string()),  # all | prompt | stage
+    ("divergent", pa.bool_()),  # donor's and recipient's own continuations differ
+    ("outcome", pa.string()),  # donor | recipient | neither
+    ("first_divergence_donor", pa.int32()),
+    ("first_divergence_recipient", pa.int32()),
+    ("suffix_ids", pa.list_(pa.int32())),
+    ("suffix_fingerprint", pa.string()),
+    ("margins", pa.list_(pa.float32())),
+    ("stop_reason", pa.string()),
+    ("cache_fingerprint", pa.string()),  # of the transplanted boundary cache
+    ("donor_suffix_fingerprint", pa.string()),
+    ("recipient_suffix_fingerprint", pa.string()),
+    ("donor_cache_fingerprint", pa.string()),
+    ("recipient_cache_fingerprint", pa.string()),
+    ("live_fingerprint_match", pa.bool_()),  # null where the baseline has no live row
+])
+
+
+def _load_decoder(model, revision, precision, device, attn_implementation, threads, trust_remote_code,
+                  allow_pickle, offline, base_dir):
+    flags = set_determinism(threads)
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+                        trust_remote_code, allow_pickle, offline)
+    return loaded, Decoder(loaded.model, tuple(eos_token_ids(loaded))), flags
+
+
+def _provenance(loaded, flags, stage, config_slice):
+    return {**software_versions(), **(loaded.info if loaded else {}), "numerics": flags, "stage": stage,
+            "config": config_slice}
+
+
+def construction_pairs(baseline: pd.DataFrame, precision: str) -> pd.DataFrame:
+    """One row per item whose two baseline constructions both ran (status ok) at ``precision``.
+
+    Columns: item_index, item_id, construction_a (``live`` or ``incremental``), row_a, row_p (the replica-1 rows as
+    dicts), suffix_a, suffix_b (their suffix ids).
+    """
+    rep1 = baseline[(baseline["replica"] == 1) & (baseline["precision"] == precision)
+                    & baseline["experiment"].isin(["matched", BASELINE_EXPERIMENT])]
+    if rep1.empty:
+        raise ValueError(f"the baseline has no rows at precision {precision!r}; transplant.precision must be one of "
+                         f"the precisions the baseline ran ({sorted(baseline['precision'].unique())})")
+    rows = []
+    for item_index, group in rep1.groupby("item_index", sort=True):
+        by = {r["construction"]: r for r in group.to_dict("records")}
+        a = by.get("live") or by.get("incremental")
+        p = by.get("prefill")
+        if a is None or p is None or a["status"] != "ok" or p["status"] != "ok":
+            continue
+        rows.append({"item_index": int(item_index), "item_id": a["item_id"], "construction_a": a["construction"],
+                     "row_a": a, "row_p": p, "suffix_a": list(a["suffix_ids"]), "suffix_b": list(p["suffix_ids"])})
+    return pd.DataFrame(rows, columns=["item_index", "item_id", "construction_a", "row_a", "row_p", "suffix_a",
+                                       "suffix_b"])
+
+
+def rebuild_constructions(decoder: Decoder, row_a: dict, row_p: dict) -> tuple[dict, bool | None]:
+    """The two boundary caches of an item, rebuilt from its ids and checked against the baseline's fingerprints.
+
+    Returns ({name: cache}, live_fingerprint_match) with the ``live``/``incremental`` cache first.
+    """
+    item = row_a["item_id"]
+    prompt, stage = list(row_a["prompt_ids"]), list(row_a["stage_ids"])
+    if prompt != list(row_p["prompt_ids"]) or stage != list(row_p["stage_ids"]):
+        raise ValueError(f"item {item!r}: the baseline's two constructions do not share their prefix ids")
+    incremental = build_cache(decoder, "incremental", prompt, stage)
+    prefill = build_cache(decoder, "prefill", prompt, stage)
+    if fingerprint_layers(compat.cache_layers(prefill))[0] != row_p["cache_fingerprint"]:
+        raise ReplicaMismatchError(
+            f"item {item!r}: the rebuilt prefill cache at {row_p['precision']} differs from the baseline's "
+            "(a replica that is not bit-exact): check that the model, precision, device, threads and attention "
+            "implementation are the ones the baseline ran with")
+    inc_fp = fingerprint_layers(compat.cache_layers(incremental))[0]
+    if row_a["construction"] == "live":
+        match = inc_fp == row_a["cache_fingerprint"]
+        if not match:
+            log.warning("item %r: the rebuilt incremental cache is not bit-exact with the ledger's live cache; it is "
+                        "labelled 'incremental', not 'live'", item)
+        return {("live" if match else "incremental"): incremental, "prefill": prefill}, match
+    if inc_fp != row_a["cache_fingerprint"]:
+        raise ReplicaMismatchError(f"item {item!r}: the rebuilt incremental cache differs from the baseline's")
+    return {"incremental": incremental, "prefill": prefill}, None
+
+
+def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revision: str, precision: str,
+                          max_new_tokens: int, device: str = "auto", attn_implementation: str = "sdpa",
+                          threads: int = 1, answer_format: str = "last_number", stage_end: str | None = "</think>",
+                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
+                          base_dir: str = ".", progress: bool = True) -> None:
+    """The baseline of a non-primary revision: its incremental and prefill constructions on the primary revision's
+    prefix ids (``prefixes_path``, rows at ``precision`` with status ok), each continued, two replicas each."""
+    config_slice = dict(model=model, revision=revision, precision=precision, max_new_tokens=max_new_tokens,
+                        attn_implementation=attn_implementation, threads=threads, prefixes=str(prefixes_path))
+    prefixes = read_parquet(prefixes_path)
+    prefixes = prefixes[(prefixes["precision"] == precision) & (prefixes["status"] == "ok")]
+    loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
+                                           trust_remote_code, allow_pickle, offline, base_dir)
+    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end)
+    rows = []
+    for item in tqdm(prefixes.to_dict("records"), desc=f"baseline {revision}/{precision}", disable=not progress,
+                     mininterval=2):
+        prompt, stage = list(item["prompt_ids"]), list(item["stage_ids"])
+        for construction in ("incremental", "prefill"):
+            replicas = []
+            for replica in (1, 2):
+                cache = build_cache(decoder, construction, prompt, stage)
+                whole, ks, vs = fingerprint_layers(compat.cache_layers(cache))
+                cont = continue_greedy(decoder, cache, stage[-1], max_new_tokens, copy_cache=False)
+                status = "nonfinite" if cont.stop_reason == "nonfinite" else "ok"
+                replicas.append(_row(item, settings, BASELINE_EXPERIMENT, construction, replica, status, prompt, stage,
+                                     {"cache_fingerprint": whole, "cache_k_fingerprints": ks,
+                                      "cache_v_fingerprints": vs},
+                                     cont.suffix_ids, cont.margins, cont.stop_reason, loaded.tokenizer))
+            check_replicas(replicas, item["item_id"])
+            rows += replicas
+    write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), out_path,
+                  _provenance(loaded, flags, "replay_fixed_prefixes", config_slice), LEDGER_SCHEMA)
+
+
+def select_transplant_items(baseline_path: str, out_path: str, *, revision: str, precision: str, select,
+                            seed: int = 0) -> pd.DataFrame:
+    """Write the outcome-blind transplant selection (before any transplant runs), with its rule and seed."""
+    pairs = construction_pairs(read_parquet(baseline_path), precision)
+    chosen = select_items(pairs[["item_index", "item_id", "suffix_a", "suffix_b"]], select, seed)
+    chosen["revision"] = revision
+    chosen["precision"] = precision
+    n_divergent = sum(a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"]))
+    prov = {**software_versions(), "stage": "select_transplant_items",
+            "selection": {"rule": select, "seed": seed, "decided_from": "suffix token ids of the two constructions "
+                          "(replica 1); never correctness or transplant outcomes",
+                          "n_candidates": int(len(pairs)), "n_divergent": int(n_divergent),
+                          "n_selected": int(len(chosen))},
+            "baseline": {"path": str(baseline_path), "stage": read_provenance(baseline_path).get("stage")},
+            "config": {"revision": revision, "precision": precision, "select": select, "seed": seed}}
+    chosen = chosen.astype({"first_divergence": "object"}).where(chosen.notna(), None)
+    write_parquet(chosen[SELECTION_SCHEMA.names], out_path, prov, SELECTION_SCHEMA)
+    log.info("selected %d of %d candidate items (%d divergent) by %r", len(chosen), len(pairs), n_divergent, select)
+    return chosen
+
+
+def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: str, model: str, revision: str,
+                device: str = "auto", attn_implementation: str = "sdpa", threads: int = 1,
+                trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
+                base_dir: str = ".", progress: bool = True) -> int:
+    """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) at every
+    precision of the baseline; returns the bytes written (also logged and recorded in the manifest)."""
+    if items not in ("divergent", "all", "none"):
+        raise ValueError(f"dump.items must be divergent, all or none, got {items!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    baseline = read_parquet(baseline_path)
+    config_slice = dict(model=model, revision=revision, items=items, attn_implementation=attn_implementation,
+                        threads=threads)
+    rows, total, loaded, flags = [], 0, None, {}
+    for precision in ([] if items == "none" else sorted(baseline["precision"].unique())):
+        pairs = construction_pairs(baseline, precision)
+        if items == "divergent":
+            pairs = pairs[[a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"])]]
+        if pairs.empty:
+            continue
+        loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
+                                               trust_remote_code, allow_pickle, offline, base_dir)
+        file_prov = _provenance(loaded, flags, "dump_caches", config_slice)
+        for pair in tqdm(pairs.to_dict("records"), desc=f"dump {revision}/{precision}", disable=not progress):
+            caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
+            row_a = pair["row_a"]
+            for construction, cache in caches.items():
+                name = cache_io.dump_filename(pair["item_index"], precision, construction)
+                written = cache_io.save_cache(out / name, cache, {
+                    "item_index": pair["item_index"], "item_id": pair["item_id"], "revision": revision,
+                    "precision": precision, "construction": construction,
+                    "prefix_fingerprint": row_a["prefix_fingerprint"], "prompt_len": len(row_a["prompt_ids"]),
+                    "pending_id": int(row_a["stage_ids"][-1]), "live_fingerprint_match": match,
+                    "provenance": file_prov})
+                total += written["bytes"]
+                rows.append({"item_index": pair["item_index"], "item_id": pair["item_id"], "revision": revision,
+                             "precision": precision, "construction": construction, "path": name,
+                             "bytes": written["bytes"], "prefix_fingerprint": row_a["prefix_fingerprint"],
+                             "cache_fingerprint": written["cache_fingerprint"], "live_fingerprint_match": match})
+    log.info("dump %s (%s items): %d files, %d bytes written", revision, items, len(rows), total)
+    prov = {**_provenance(loaded, flags, "dump_caches", config_slice), "files": len(rows), "bytes_written": total}
+    write_parquet(pd.DataFrame(rows, columns=DUMP_SCHEMA.names), manifest_path, prov, DUMP_SCHEMA)
+    return total
+
+
+def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, sweeps: list[str], model: str,
+                     revision: str, precision: str, max_new_tokens: int, device: str = "auto",
+                     attn_implementation: str = "sdpa", threads: int = 1, trust_remote_code: bool = False,
+                     allow_pickle: bool = False, offline: bool = True, base_dir: str = ".",
+                     progress: bool = True) -> pd.DataFrame:
+    """Bidirectional transplants of every selected item, for every transplant the sweeps ask for."""
+    config_slice = dict(model=model, revision=revision, precision=precision, sweeps=list(sweeps),
+                        max_new_tokens=max_new_tokens, attn_implementation=attn_implementation, threads=threads)
+    selection = read_parquet(selection_path)
+    pairs = construction_pairs(read_parquet(baseline_path), precision).set_index("item_index")
+    loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
+                                           trust_remote_code, allow_pickle, offline, base_dir)
+    specs = enumerate_sweeps(sweeps, int(loaded.model.config.num_hidden_layers))
+    rows = []
+    for item in tqdm(selection.to_dict("records"), desc=f"transplant {revision}/{precision}", disable=not progress):
+        if item["item_index"] not in pairs.index:
+            raise ValueError(f"item {item['item_id']!r} of the selection has no baseline rows at {precision}; "
+                             "rerun the selection")
+        pair = pairs.loc[item["item_index"]]
+        row_a, row_p = pair["row_a"], pair["row_p"]
+        caches, match = rebuild_constructions(decoder, row_a, row_p)
+        expected = {row_a["construction"]: row_a, "prefill": row_p}
+        suffixes, cache_fps, suffix_fps = {}, {}, {}
+        for name, cache in caches.items():
+            cont = continue_greedy(decoder, cache, int(row_a["stage_ids"][-1]), max_new_tokens)
+            # A rebuilt cache that is bit-exact with the baseline's must continue exactly as it did there; an
+            # incremental cache standing in for a live one it does not equal has no baseline continuation.
+            if name in expected and list(cont.suffix_ids) != list(expected[name]["suffix_ids"]):
+                raise ReplicaMismatchError(
+                    f"item {item['item_id']!r}: the {name} continuation rebuilt here differs from the baseline's "
+                    "although the caches are bit-exact")
+            suffixes[name] = cont.suffix_ids
+            cache_fps[name] = fingerprint_layers(compat.cache_layers(cache))[0]
+            suffix_fps[name] = fingerprint_ids(cont.suffix_ids)
+        for row in run_transplants(decoder, caches, suffixes, int(row_a["stage_ids"][-1]), len(row_a["prompt_ids"]),
+                                   specs, max_new_tokens):
+            rows.append({"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": revision,
+                         "precision": precision, **row,
+                         "donor_suffix_fingerprint": suffix_fps[row["donor"]],
+                         "recipient_suffix_fingerprint": suffix_fps[row["recipient"]],
+                         "donor_cache_fingerprint": cache_fps[row["donor"]],
+                         "recipient_cache_fingerprint": cache_fps[row["recipient"]],
+                         "live_fingerprint_match": match})
+    df = pd.DataFrame(rows, columns=TRANSPLANT_SCHEMA.names).astype(
+        {"first_divergence_donor": "object", "first_divergence_recipient": "object", "live_fingerprint_match": "object"})
+    all_rows = df[(df["layer_set"] == "all") & (df["component"] == "kv") & (df["positions"] == "all") & df["divergent"]]
+    log.info("transplant %s/%s: %d rows; all-layer K/V transplants of divergent items following their donor: %d / %d",
+             revision, precision, len(df), int((all_rows["outcome"] == "donor").sum()), len(all_rows))
+    prov = {**_provenance(loaded, flags, "transplant_caches", config_slice),
+            "selection": read_provenance(selection_path).get("selection")}
+    write_parquet(df, out_path, prov, TRANSPLANT_SCHEMA)
+    return df

@@ -1,0 +1,122 @@
+"""Small synthetic results files in the agreed schemas, for the report and figure tests (no model involved)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pandas as pd
+
+from stagereplay.experiment import LEDGER_SCHEMA
+from stagereplay.ledger import write_parquet
+
+
+def _fp(*parts) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfinite=(5,)) -> pd.DataFrame:
+    """Matched (live/prefill, bf16) and fixed-prefix (incremental/prefill, bf16 and fp32) rows, two replicas each.
+
+    The prefill side diverges from the reference side on a seeded subset of items (more often in bf16, never in
+    fp32), sometimes flipping the correctness label; item ``missing`` never reaches its boundary and item
+    ``nonfinite`` overflows on the prefill side.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    cells = [("matched", "bf16", ("live", "prefill")), ("fixed_prefix", "bf16", ("incremental", "prefill")),
+             ("fixed_prefix", "fp32", ("incremental", "prefill"))]
+    for item in range(n_items):
+        base = [int(t) for t in rng.integers(3, 30, size=12)]
+        margins = [float(m) for m in rng.exponential(2.0, size=12)]
+        gold_right = bool(rng.random() < 0.5)
+        for experiment, precision, constructions in cells:
+            diverge_at = None
+            if precision == "bf16" and rng.random() < (0.6 if experiment == "matched" else 0.4):
+                diverge_at = int(rng.integers(0, 12))
+            for construction in constructions:
+                suffix, m = list(base), list(margins)
+                correct = gold_right
+                status = "ok"
+                if diverge_at is not None:  # a near-tie on both sides where they split
+                    m[diverge_at] = float(rng.uniform(0, 0.05))
+                if construction == "prefill" and diverge_at is not None:
+                    suffix[diverge_at:] = [t + 1 for t in suffix[diverge_at:]]
+                    correct = gold_right if diverge_at < 6 else not gold_right
+                if item in missing:
+                    if construction in ("prefill", "incremental"):
+                        continue
+                    status, suffix, correct = "boundary_missing", suffix, None
+                if item in nonfinite and construction == "prefill" and experiment == "matched":
+                    status, correct = "nonfinite", None
+                for replica in (1, 2):
+                    rows.append({
+                        "item_index": item, "item_id": f"item-{item}", "revision": revision,
+                        "experiment": experiment, "precision": precision, "construction": construction,
+                        "replica": replica, "status": status, "prompt_ids": [1, 2, 3],
+                        "stage_ids": [] if status == "boundary_missing" else [4, 5],
+                        "prefix_fingerprint": _fp(item), "cache_fingerprint": _fp(item, experiment, precision, construction),
+                        "cache_k_fingerprints": [], "cache_v_fingerprints": [], "suffix_ids": suffix,
+                        "suffix_fingerprint": _fp(suffix), "margins": m, "stop_reason": "max_new_tokens",
+                        "suffix_text": "", "answer": None, "gold_answer": "1", "correct": correct,
+                    })
+    return pd.DataFrame(rows, columns=LEDGER_SCHEMA.names)
+
+
+def synthetic_transplant(revision="primary", n_items=6) -> pd.DataFrame:
+    rows = []
+    for item in range(n_items):
+        for direction in ("incremental->prefill", "prefill->incremental"):
+            for layer_set, layers, component, positions in [("all", [0, 1, 2, 3], "kv", "all"),
+                                                            ("0-1", [0, 1], "kv", "all"), ("2-3", [2, 3], "kv", "all"),
+                                                            ("L0", [0], "kv", "all"), ("L3", [3], "kv", "all"),
+                                                            ("all", [0, 1, 2, 3], "k", "all"),
+                                                            ("all", [0, 1, 2, 3], "v", "all"),
+                                                            ("all", [0, 1, 2, 3], "kv", "stage")]:
+                if layer_set == "all" and component == "kv" and positions == "all":
+                    outcome = "donor"
+                else:
+                    outcome = ["donor", "recipient", "neither"][(item + len(layers) + len(component)) % 3]
+                rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision, "precision": "bf16",
+                             "donor": direction.split("->")[0], "recipient": direction.split("->")[1],
+                             "direction": direction, "layer_set": layer_set, "layers": layers, "component": component,
+                             "positions": positions, "outcome": outcome,
+                             "first_divergence_donor": None if outcome == "donor" else 3,
+                             "first_divergence_recipient": 2 if outcome != "recipient" else None})
+    return pd.DataFrame(rows)
+
+
+def synthetic_cache_differences(revision="primary", n_items=5, layers=4) -> pd.DataFrame:
+    rng = np.random.default_rng(1)
+    rows = []
+    for precision, scale in (("bf16", 4e-3), ("fp32", 2e-7)):
+        for item in range(n_items):
+            for layer in range(layers):
+                for component in ("k", "v"):
+                    equal = layer == 0 and precision == "bf16"
+                    m = 0.0 if equal else float(scale * (layer + 1) * rng.uniform(0.5, 1.5))
+                    rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision,
+                                 "precision": precision, "construction_a": "incremental", "construction_b": "prefill",
+                                 "layer": layer, "component": component, "bit_equal": equal, "max_abs": m,
+                                 "rms": m / 5, "first_position_differs": None if equal else 3, "n_positions": 20,
+                                 "prompt_length": 10})
+    return pd.DataFrame(rows)
+
+
+def synthetic_bridge(revision="primary", n=12, not_exact=()) -> pd.DataFrame:
+    return pd.DataFrame([{"item_index": i, "item_id": f"item-{i}", "revision": revision, "precision": "bf16",
+                          "bit_exact": i not in not_exact, "first_layer_differs": 2 if i in not_exact else None,
+                          "component_differs": "k" if i in not_exact else None,
+                          "first_position_differs": 7 if i in not_exact else None, "suffix_equal": True}
+                         for i in range(n)])
+
+
+def synthetic_audit(ledger: pd.DataFrame, failing=()) -> pd.DataFrame:
+    audit = ledger[["item_index", "item_id", "revision", "experiment", "precision", "construction", "replica"]].copy()
+    audit["reproduced"] = [i not in failing for i in range(len(audit))]
+    return audit
+
+
+def write(df: pd.DataFrame, path) -> str:
+    write_parquet(df, path, {"stage": "synthetic test data"})
+    return str(path)

@@ -1,0 +1,32 @@
+"""The SLURM profile: the cluster-specific part only, partition and account left to the user."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "profiles/slurm"
+
+
+def test_profile_leaves_partition_and_account_to_the_user():
+    profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
+    assert profile["executor"] == "slurm"
+    flat = yaml.safe_dump(profile)
+    assert "slurm_partition" not in flat and "slurm_account" not in flat  # only as comments
+    assert profile["set-resources"]["reconstruct_prefixes"]["gpu"] == 1
+    assert "# - slurm_account=" in (PROFILE / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_profile_plans_the_example_with_one_gpu_per_generation_job(tmp_path):
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
+                           str(tmp_path), "--profile", str(PROFILE), "--configfile",
+                           str(REPO / "config/r1-distill-qwen-1.5b-gsm8k.yaml"), "--dry-run"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = proc.stdout.split("rule reconstruct_prefixes:")[1].split("rule ")[0]
+    assert "gpu=1" in job and "mem_mb=16000" in job and "runtime=720" in job

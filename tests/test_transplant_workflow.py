@@ -1,0 +1,85 @@
+"""End to end: the dump and transplant stages in the workflow, rerun triggers, and the later-revision command."""
+
+import hashlib
+
+import pandas as pd
+import pytest
+
+from stagereplay import cache_io
+from stagereplay.ledger import read_provenance
+from stagereplay.transplant_stages import TRANSPLANT_SCHEMA
+
+from test_workflow import snakemake, tiny_config
+
+# The documented command that runs the transplant stage at the later revision (README, "Transplants").
+LATER = ["--config", "transplant={revisions: [primary, later]}"]
+
+
+def snapshot(root):
+    """Bytes and mtime of every file under ``root``."""
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def jobs_planned(workdir, *args):
+    """Rule names a dry run would execute."""
+    out = snakemake(workdir, "-n", "--cores", "1", *args).stdout
+    table = out.split("Job stats:", 1)[1].split("\n\n", 1)[0] if "Job stats:" in out else ""
+    rows = [line.split() for line in table.splitlines() if line.strip()]
+    return {row[0] for row in rows if len(row) == 2 and row[1].isdigit() and row[0] != "total"}
+
+
+@pytest.mark.slow
+def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
+    tiny_config(tmp_path, n_items=4, max_new_tokens=8,
+                transplant={"select": "sample:2", "sweeps": ["all", "k_only"]}, dump={"items": "all"})
+    snakemake(tmp_path, "--cores", "2")
+    res = tmp_path / "results/tiny"
+
+    df = pd.read_parquet(res / "primary/transplant.parquet")
+    assert list(df.columns) == TRANSPLANT_SCHEMA.names
+    # 2 items x 2 directions x (all, k_only)
+    assert len(df) == 8 and set(df["layer_set"]) == {"all"} and set(df["component"]) == {"kv", "k"}
+    assert set(df["direction"]) == {"live->prefill", "prefill->live"}  # rebuilt caches equal the ledger's live ones
+    assert df["live_fingerprint_match"].all()
+    whole = df[df["component"] == "kv"]
+    assert (whole["outcome"] == "donor").all() and (whole["cache_fingerprint"] == whole["donor_cache_fingerprint"]).all()
+    selection = pd.read_parquet(res / "primary/transplant_selection.parquet")
+    assert len(selection) == 2 and set(selection["item_index"]) == set(df["item_index"])
+    assert read_provenance(res / "primary/transplant_selection.parquet")["selection"]["rule"] == "sample:2"
+    manifest = pd.read_parquet(res / "primary/caches.parquet")
+    assert manifest["bytes"].sum() > 0 and len(manifest) == 2 * manifest["item_index"].nunique()
+    ledger = pd.read_parquet(res / "primary/ledger.parquet")
+    live = ledger[(ledger["construction"] == "live") & (ledger["replica"] == 1)].set_index("item_index")
+    for row in manifest.itertuples():
+        dump = cache_io.load_cache(res / "primary/caches" / row.path)  # every layer's bytes checked on load
+        assert dump.meta["cache_fingerprint"] == row.cache_fingerprint
+        if row.construction == "live":  # the dumped cache is the ledger's live cache, byte for byte
+            assert row.cache_fingerprint == live.loc[row.item_index, "cache_fingerprint"]
+    report = (res / "report/report.md").read_text()
+    assert "Transplants (primary)" in report and "24 / 24" in report
+
+    # a changed transplant setting reruns transplants (and the report) only, never generation or selection
+    assert jobs_planned(tmp_path, "--config", "transplant={sweeps: [all, v_only]}") == {
+        "transplant_caches", "build_report", "all"}
+    assert jobs_planned(tmp_path, "--config", "transplant={select: 'sample:3'}") == {
+        "select_transplant_items", "transplant_caches", "build_report", "all"}
+    assert jobs_planned(tmp_path, "--config", "dump={items: none}") == {"dump_caches", "all"}
+
+    # the later revision: its own constructions of the primary's prefixes; nothing already done is touched
+    before = snapshot(res)
+    snakemake(tmp_path, "--cores", "2", *LATER)
+    after = snapshot(res)
+    for path, state in before.items():
+        if not path.startswith("report/"):
+            assert after[path] == state, f"{path} changed"
+    later = pd.read_parquet(res / "later/transplant.parquet")
+    assert set(later["revision"]) == {"later"} and set(later["direction"]) == {"incremental->prefill",
+                                                                              "prefill->incremental"}
+    assert later["live_fingerprint_match"].isna().all()
+    baseline = pd.read_parquet(res / "later/replay_baseline.parquet")
+    prefixes = pd.read_parquet(res / "primary/prefixes.parquet")
+    ok = prefixes[prefixes["status"] == "ok"]
+    assert sorted(baseline["prefix_fingerprint"].unique()) == sorted(ok["prefix_fingerprint"])
+    assert "Transplants (later)" in (res / "report/report.md").read_text()
+    assert not (res / "later/ledger.parquet").exists()  # no generation at the later revision

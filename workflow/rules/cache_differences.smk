@@ -1,0 +1,26 @@
+# Per-layer differences between the incremental and prefill boundary caches over identical prefix ids (figure 4).
+rule measure_cache_differences:
+    input:
+        prefixes=f"{RESULTS}/{{revision}}/prefixes.parquet",
+    output:
+        differences=f"{RESULTS}/{{revision}}/cache_differences.parquet",
+    log:
+        f"{LOGS}/{{revision}}/measure_cache_differences.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/measure_cache_differences.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=60,
+    params:
+        kwargs=cache_difference_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/measure_cache_differences.py"
+
+
+REPORT_INPUTS["cache_differences"] = f"{RESULTS}/{{revision}}/cache_differences.parquet"
+TARGETS.extend(expand(f"{RESULTS}/{{revision}}/cache_differences.parquet", revision=REVISIONS))

@@ -1,0 +1,100 @@
+# Stages 4 and 5: boundary-cache dumps and bidirectional K/V transplants, at every revision of transplant.revisions,
+# on the primary revision's prefix ids. Transplant settings live only in the params of the rules that use them, so
+# changing them reruns selection or transplants, never generation.
+
+
+rule replay_fixed_prefixes:
+    input:
+        prefixes=f"{RESULTS}/{PRIMARY}/prefixes.parquet",
+    output:
+        baseline=f"{RESULTS}/{{revision}}/replay_baseline.parquet",
+    log:
+        f"{LOGS}/{{revision}}/replay_fixed_prefixes.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/replay_fixed_prefixes.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=240,
+    params:
+        kwargs=baseline_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/replay_fixed_prefixes.py"
+
+
+rule select_transplant_items:
+    input:
+        baseline=transplant_baseline,
+    output:
+        selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
+    log:
+        f"{LOGS}/{{revision}}/select_transplant_items.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        revision=revision_name,
+        precision=TRANSPLANT_PRECISION,
+        select=config["transplant"]["select"],
+        seed=config["transplant"]["seed"],
+        version=CODE_VERSION,
+    script:
+        "../scripts/select_transplant_items.py"
+
+
+rule dump_caches:
+    input:
+        baseline=transplant_baseline,
+    output:
+        caches=directory(f"{RESULTS}/{{revision}}/caches"),
+        manifest=f"{RESULTS}/{{revision}}/caches.parquet",
+    log:
+        f"{LOGS}/{{revision}}/dump_caches.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/dump_caches.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=120,
+    params:
+        dump_items=config["dump"]["items"],
+        kwargs=replay_model_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/dump_caches.py"
+
+
+rule transplant_caches:
+    input:
+        selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
+        baseline=transplant_baseline,
+    output:
+        transplant=f"{RESULTS}/{{revision}}/transplant.parquet",
+    log:
+        f"{LOGS}/{{revision}}/transplant_caches.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/transplant_caches.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=240,
+    params:
+        kwargs=transplant_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/transplant_caches.py"
+
+
+TARGETS.extend(transplants())
+TARGETS.extend(
+    expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS)
+)
