@@ -64,14 +64,15 @@ def snakemake_cmd(workdir, *args):
 @pytest.mark.slow
 def test_killed_in_the_middle_of_reconstruct_prefixes_then_rerun_incomplete(tmp_path):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    cfg.update(run="crash", n_items=12, shards=2, max_new_tokens=16, device="cpu",
+    cfg.update(run="crash", n_items=12, shards=2, max_new_tokens=16, device="cpu", precisions=["bf16"],
                dataset={"source": "synthetic", "size": 100, "seed": 0})
+    target = "results/crash/primary/ledger.parquet"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     parts = tmp_path / "results/crash/primary/parts"
     logs = tmp_path / "logs/crash/primary"
     # One core: the shards run one after the other. Kill the whole process group (snakemake and the job's
     # interpreter, as a lost node would) once one shard is done and the other is generating.
-    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1"), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", target), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     killed_shard = None
     deadline = time.time() + 240
@@ -101,8 +102,8 @@ def test_killed_in_the_middle_of_reconstruct_prefixes_then_rerun_incomplete(tmp_
 
     # The lock of the killed run stays behind: --unlock, then --rerun-incomplete.
     subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
-    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete"), capture_output=True,
-                           text=True)
+    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete", target),
+                           capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert {name: (parts / name).stat().st_mtime_ns for name in kept} == kept  # not recomputed
     jobs = re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M)
