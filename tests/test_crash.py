@@ -1,5 +1,5 @@
-"""Crashes and interruptions: a run killed at any point leaves no half-written file that a rerun would trust, and
-`snakemake --rerun-incomplete` recomputes only what was lost."""
+"""Crashes and interruptions: a run killed at any point (in a generation rule, in a dump) leaves no half-written
+file that a rerun would trust, and `snakemake --rerun-incomplete` recomputes only what was lost."""
 
 import os
 import re
@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from stagereplay import cache_io
 from stagereplay.ledger import atomic_path, read_parquet, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,10 +63,10 @@ def snakemake_cmd(workdir, *args):
 
 
 @pytest.mark.slow
-def test_killed_in_the_middle_of_reconstruct_prefixes_then_rerun_incomplete(tmp_path):
+def test_killed_in_the_middle_of_generation_and_of_a_dump_then_rerun_incomplete(tmp_path):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(run="crash", n_items=12, shards=2, max_new_tokens=16, device="cpu", precisions=["bf16"],
-               dataset={"source": "synthetic", "size": 100, "seed": 0})
+               dataset={"source": "synthetic", "size": 100, "seed": 0}, dump={"items": "all"})
     target = "results/crash/primary/ledger.parquet"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     parts = tmp_path / "results/crash/primary/parts"
@@ -112,3 +113,33 @@ def test_killed_in_the_middle_of_reconstruct_prefixes_then_rerun_incomplete(tmp_
     assert ran and all(f"_bf16_{killed_shard}.log" in line for line in ran)
     ledger = read_parquet(tmp_path / "results/crash/primary/ledger.parquet")
     assert ledger["item_index"].nunique() == 12
+
+    # Then kill it in the middle of dump_caches, with some dumps written and others not.
+    caches = tmp_path / "results/crash/primary/caches"
+    manifest = tmp_path / "results/crash/primary/caches.parquet"
+    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", str(manifest.relative_to(tmp_path))),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = False
+    deadline = time.time() + 240
+    try:
+        while not killed and time.time() < deadline and proc.poll() is None:
+            if caches.is_dir() and any(caches.glob("*.safetensors")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None and not killed:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert killed, "the dump ended before it could be caught"
+    assert not manifest.exists()
+    dumped = sorted(caches.glob("*.safetensors"))
+    assert 0 < len(dumped) < 2 * 12  # caught in the middle
+    for path in dumped:  # every dump under its own name is whole: its bytes match the fingerprints inside it
+        cache_io.load_cache(path)
+    subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
+    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete",
+                                         str(manifest.relative_to(tmp_path))), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M) == ["dump_caches"]
+    assert len(read_parquet(manifest)) == 2 * 12 == len(list(caches.glob("*.safetensors")))
