@@ -100,6 +100,18 @@ def test_workflow_refuses_mistyped_key_and_escaping_run_before_any_work(tmp_path
     assert not (tmp_path / "escape").exists() and not (tmp_path / "w/results").exists()
 
 
+def test_a_block_given_without_its_null_defaults(tmp_path):
+    """A block in the config file, or `--config 'transplant={revisions: [...]}'` as the README shows, lacks the keys
+    whose default is null (the validator fills none). The workflow plans; a bad revision there is named."""
+    write_config(tmp_path / "w", transplant={"revisions": ["primary", "later"]}, cache_differences={"n_items": 2})
+    rc, out = snakemake(tmp_path / "w", "-n")
+    assert rc == 0, out[-3000:]
+    write_config(tmp_path / "w")
+    rc, out = snakemake(tmp_path / "w", "--cores", "1", "--config", "transplant={revisions: [primary, nope]}")
+    assert rc != 0 and "revisions: 'nope' is neither a subfolder" in out
+    assert not (tmp_path / "w/results").exists()
+
+
 def test_budgets_below_one_are_refused_by_the_package_too():
     for key in ("max_new_tokens", "max_stage_tokens"):
         for value in (0, -3):

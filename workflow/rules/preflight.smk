@@ -4,7 +4,12 @@ from stagereplay.preflight import check_run
 
 
 def preflight():
-    checked = dict(config, model=resolve_path(config["model"]), dataset=dataset_config())
+    checked = dict(
+        config,
+        model=resolve_path(config["model"]),
+        dataset=dataset_config(),
+        revisions=list(ALL_REVISIONS.values()),  # transplant-only revisions too
+    )
     summary = check_run(checked)
     logger.info(f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}")
 
