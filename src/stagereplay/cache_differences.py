@@ -19,7 +19,9 @@ import pyarrow as pa
 import torch
 
 from . import compat
-from .engine import Decoder, build_cache
+from .engine import build_cache
+from .fastdecode import decoder_from_record, recorded_regime
+from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import load_model, resolve_source, set_determinism
 
@@ -104,11 +106,13 @@ def measure_cache_differences(prefixes_path: str, out_path: str, *, model: str, 
     flags = set_determinism(threads)
     rows, infos = [], []
     a, b = constructions
+    gpu = claim_gpu(device) if len(chosen) else None  # a GPU of this job's own when several are visible
     for precision in precisions if len(chosen) else []:  # n_items 0: an empty table, no model loaded
-        loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+        loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                             trust_remote_code, allow_pickle, offline)
+        loaded.info["gpu_slot"] = gpu.record()
         infos.append(loaded.info)
-        decoder = Decoder(loaded.model)
+        decoder = decoder_from_record(loaded.model, (), recorded_regime(prefixes_path))
         for item in chosen.itertuples(index=False):
             prompt, stage = [int(i) for i in item.prompt_ids], [int(i) for i in item.stage_ids]
             cache_a = build_cache(decoder, a, prompt, stage)

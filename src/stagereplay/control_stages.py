@@ -14,9 +14,10 @@ from tqdm import tqdm
 
 from .audit import AUDIT_SCHEMA, AuditFailedError, ItemRecomputer, audit_item, failures_message
 from .bridge import BRIDGE_SCHEMA
-from .engine import Decoder
+from .fastdecode import decoder_from_record, recorded_regime, regime_info
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher
 from .fixed_prefix import fixed_prefix_item
+from .gpus import claim_gpu
 from .ledger import read_parquet, write_parquet, write_text_atomic
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .stages import gather, provenance, shard_of
@@ -27,11 +28,15 @@ EXPERIMENTS = ("matched", "fixed_prefix")
 
 
 def _setup(model, revision, precision, threads, device, attn_implementation, trust_remote_code, allow_pickle,
-           offline, base_dir):
+           offline, base_dir, regime_from):
+    """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
     flags = set_determinism(threads)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
-    return flags, loaded, Decoder(loaded.model, tuple(eos_token_ids(loaded)))
+    loaded.info["gpu_slot"] = gpu.record()
+    decoder = decoder_from_record(loaded.model, eos_token_ids(loaded), recorded_regime(regime_from))
+    return flags, loaded, decoder
 
 
 def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_path: str, *, model: str,
@@ -49,8 +54,9 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
     prefixes = read_parquet(reference_prefixes_path)
     prefixes = prefixes[prefixes["precision"] == reference_precision].set_index("item_index", drop=False)
     flags, loaded, decoder = _setup(model, revision, precision, threads, device, attn_implementation,
-                                    trust_remote_code, allow_pickle, offline, base_dir)
-    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
+                                    trust_remote_code, allow_pickle, offline, base_dir, reference_prefixes_path)
+    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
+                        regime_info(decoder)["decode_regime"])
     rows = []
     bar = tqdm(items.to_dict("records"), desc=f"fixed_prefix {revision}/{precision} shard {shard}",
                disable=not progress, mininterval=2)
@@ -60,7 +66,7 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
                            f"at {reference_precision} in {reference_prefixes_path}; rerun reconstruct_prefixes")
         rows += fixed_prefix_item(decoder, loaded.tokenizer, item, prefixes.loc[item["item_index"]].to_dict(),
                                   settings)
-    prov = provenance(loaded, flags, config_slice, "generate_fixed_prefix")
+    prov = {**provenance(loaded, flags, config_slice, "generate_fixed_prefix"), **regime_info(decoder)}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
 
 
@@ -74,7 +80,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, *, model: str
                  attn_implementation: str = "eager", answer_format: str = "last_number",
                  stage_end: str | None = "</think>", prompt: dict | None = None, trust_remote_code: bool = False,
                  allow_pickle: bool = False, offline: bool = True, base_dir: str = ".", seed: int = 0,
-                 progress: bool = True, experiments: tuple[str, ...] = EXPERIMENTS) -> None:
+                 progress: bool = True, experiments: tuple[str, ...] = EXPERIMENTS, **_execution) -> None:
     """Recompute the ledger rows of one precision and shard; write one audit record per row (never fails on a
     mismatch: the findings are the output; :func:`check_audit` is what stops the pipeline)."""
     config_slice = dict(model=model, revision=revision, precision=precision, reference_precision=reference_precision,
@@ -93,10 +99,11 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, *, model: str
     for row in mine:
         by_item.setdefault(int(row["item_index"]), []).append(row)
     flags, loaded, decoder = _setup(model, revision, precision, threads, device, attn_implementation,
-                                    trust_remote_code, allow_pickle, offline, base_dir)
+                                    trust_remote_code, allow_pickle, offline, base_dir, ledger_path)
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
     matcher = make_matcher(boundary, loaded.tokenizer)
-    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
+    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
+                        regime_info(decoder)["decode_regime"])
     known = set(int(i) for i in selection["item_index"])
     records = []
     for index in sorted(set(by_item) - known):  # rows of items the selection does not hold
@@ -111,7 +118,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, *, model: str
         recomputer = ItemRecomputer(decoder, loaded.tokenizer, prompter, matcher, settings, item,
                                     reference_stage.get(int(item["item_index"])))
         records += audit_item(recomputer, by_item.get(int(item["item_index"]), []), set(experiments))
-    prov = provenance(loaded, flags, config_slice, "audit_ledger")
+    prov = {**provenance(loaded, flags, config_slice, "audit_ledger"), **regime_info(decoder)}
     df = pd.DataFrame(records, columns=AUDIT_SCHEMA.names)
     write_parquet(df, out_path, prov, AUDIT_SCHEMA)
     log.info("audit %s/%s shard %d: %d of %d rows reproduced", revision, precision, shard,

@@ -49,6 +49,10 @@ LEDGER_SCHEMA = pa.schema([
     ("answer", pa.string()),
     ("gold_answer", pa.string()),
     ("correct", pa.bool_()),
+    ("decode_regime", pa.string()),  # eager | static | cuda_graph (stagereplay.fastdecode): part of the construction
+    ("batch_index", pa.int32()),  # batched runs: the item's batch in the seeded plan, its row, the batch's size
+    ("batch_row", pa.int16()),
+    ("batch_rows", pa.int16()),
 ])
 
 
@@ -94,6 +98,7 @@ class Settings:
     max_new_tokens: int
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
+    decode_regime: str = "eager"
 
     def __post_init__(self):
         for key in ("max_stage_tokens", "max_new_tokens"):
@@ -134,6 +139,7 @@ def _row(item, settings: Settings, experiment, construction, replica, status, pr
         "answer": answer,
         "gold_answer": item["gold_answer"],
         "correct": is_correct(answer, item["gold_answer"]) if status == "ok" else None,
+        "decode_regime": settings.decode_regime,
     }
 
 

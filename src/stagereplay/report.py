@@ -147,6 +147,16 @@ def _seeded(stat: dict, seed: int) -> dict:
     return {**stat, "seed": stat.get("seed", seed)}
 
 
+def _pair_statistics(cmp: pd.DataFrame, seed: int) -> tuple[dict, dict, dict | None]:
+    """Suffix disagreements, label flips and the paired accuracy difference of one comparison table."""
+    n = len(cmp)
+    dis = _seeded(stats.proportion(int(cmp["disagree"].sum()), n), seed)
+    flips = _seeded(stats.proportion(int(cmp["label_differs"].sum()), n), seed)
+    acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
+           if n else None)
+    return dis, flips, acc
+
+
 def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]:
     rep = analysis.replica_agreement(data.ledger)
     rep = rep[rep["experiment"] == experiment]
@@ -183,10 +193,7 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
         nonfinite = sub[sub["status"] == "nonfinite"]["item_id"].unique()
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
-        dis = _seeded(stats.proportion(int(cmp["disagree"].sum()), n), seed)
-        flips = _seeded(stats.proportion(int(cmp["label_differs"].sum()), n), seed)
-        acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
-               if n else None)
+        dis, flips, acc = _pair_statistics(cmp, seed)
         ref = precision == "bf16"
         out[precision] = {"n_items": len(live1), "n_compared": n, "boundary_missing": int(len(missing)),
                           "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
@@ -225,10 +232,7 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
-        dis = _seeded(stats.proportion(int(cmp["disagree"].sum()), n), seed)
-        flips = _seeded(stats.proportion(int(cmp["label_differs"].sum()), n), seed)
-        acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
-               if n else None)
+        dis, flips, acc = _pair_statistics(cmp, seed)
         fd = _seeded(stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)
         nonfinite = fixed[(fixed["precision"] == precision) & (fixed["status"] == "nonfinite")]
         out[precision] = {"n_compared": n, "suffix_disagreements": dis, "label_flips": flips,

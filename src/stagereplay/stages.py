@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from . import datasets
 from .bridge import BRIDGE_SCHEMA, BridgeRecorder, choose_bridge_items
-from .engine import Decoder
+from .fastdecode import batch_plan, make_decoder, matched_batch, regime_info
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
 from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
@@ -57,7 +57,8 @@ def provenance(loaded, flags: dict, config_slice: dict, stage: str) -> dict:
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, *, model: str, revision: str,
                          precision: str, boundary: dict, max_stage_tokens: int, max_new_tokens: int,
                          shard: int = 0, n_shards: int = 1, threads: int = 1, device: str = "auto",
-                         attn_implementation: str = "eager", answer_format: str = "last_number",
+                         attn_implementation: str = "eager", decode_regime: str = "eager",
+                         batch_size: int = 1, answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
                          base_dir: str = ".", seed: int = 0, progress: bool = True,
@@ -70,39 +71,71 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        answer_format=answer_format, prompt=prompt, seed=seed)
+                        decode_regime=decode_regime, batch_size=batch_size, answer_format=answer_format,
+                        prompt=prompt, seed=seed)
     if bridge_path is not None:
         config_slice["bridge"] = bridge
+    if batch_size > 1 and decode_regime == "eager":
+        raise ValueError("batch_size > 1 decodes items together over a static buffer: set decode_regime to "
+                         "static or cuda_graph (or batch_size: 1)")
     flags = set_determinism(threads)
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)
+    plan = None
+    if batch_size > 1:
+        # The plan covers the whole selection and shards take whole batches, so an item's batch (and its bits)
+        # does not depend on the shard count.
+        plan = batch_plan(list(selection["item_id"]), batch_size, seed)
+        mine = {i for j, batch in enumerate(plan.batches) if j % n_shards == shard for i in batch}
+        items = selection[selection["item_id"].isin(mine)]
     gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
     loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
-    decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
     prompter = Prompter(loaded.tokenizer, **(prompt or {}))
-    matcher = make_matcher(boundary, loaded.tokenizer)
-    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end)
     context = getattr(loaded.model.config, "max_position_embeddings", None)
+    # The static regimes hold one buffer for the longest prompt plus both budgets. Its length shapes the
+    # attention reduction, so it comes from the whole selection (not this shard) and is recorded.
+    longest = max((len(prompter(q)) for q in selection["question"]), default=0)
+    decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), decode_regime,
+                           max_len=longest + max_stage_tokens + max_new_tokens, max_rows=batch_size)
+    matcher = make_matcher(boundary, loaded.tokenizer)
+    settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
+                        decode_regime)
     recorder = None
-    if bridge_path is not None:
+    if bridge_path is not None and plan is None:
         chosen = choose_bridge_items(selection["item_index"], int(bridge["n_rows"]), int(bridge["seed"]))
         recorder = BridgeRecorder(decoder, chosen, revision, precision, max_new_tokens)
+    elif bridge_path is not None:
+        log.warning("bridge: not run with batch_size %d (the bridge compares a batch-1 live cache); its file is "
+                    "written empty and the report says so", batch_size)
     rows, prefix_rows = [], []
-    bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}", disable=not progress,
-               mininterval=2)
-    for item in bar:
-        item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context,
-                                             on_live_boundary=recorder.observe if recorder else None)
-        if recorder is not None:
-            recorder.complete(item, item_rows[0])  # item_rows[0]: live replica 1
-        rows += item_rows
-        prefix_rows.append(prefix_row)
-    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), "gpu_slot": gpu.record()}
+    if plan is None:
+        bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}",
+                   disable=not progress, mininterval=2)
+        for item in bar:
+            item_rows, prefix_row = matched_item(decoder, loaded.tokenizer, prompter, matcher, item, settings, context,
+                                                 on_live_boundary=recorder.observe if recorder else None)
+            if recorder is not None:
+                recorder.complete(item, item_rows[0])  # item_rows[0]: live replica 1
+            rows += item_rows
+            prefix_rows.append(prefix_row)
+    else:
+        by_id = {item["item_id"]: item for item in items.to_dict("records")}
+        mine = [j for j in range(len(plan.batches)) if j % n_shards == shard]
+        for j in tqdm(mine, desc=f"matched {revision}/{precision} shard {shard} (batches)", disable=not progress):
+            batch_rows, batch_prefixes = matched_batch(decoder, loaded.tokenizer, prompter, matcher,
+                                                       [by_id[i] for i in plan.batches[j]], settings, j)
+            rows += batch_rows
+            prefix_rows += batch_prefixes
+    prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder),
+            "gpu_slot": gpu.record(),
+            "batch_plan": None if plan is None else {"seed": plan.seed, "batch_size": plan.batch_size,
+                                                     "batches": [list(b) for b in plan.batches]}}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
-    if recorder is not None:
-        write_parquet(pd.DataFrame(recorder.records(), columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)
+    if bridge_path is not None:
+        records = recorder.records() if recorder is not None else []
+        write_parquet(pd.DataFrame(records, columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)
     gpu.release()
 
 

@@ -30,6 +30,8 @@ from . import cache_io, compat
 from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
 from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
+from .gpus import claim_gpu
+from .fastdecode import decoder_from_record, recorded_regime, regime_info
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .transplant import enumerate_sweeps, run_transplants, select_items
 
@@ -90,11 +92,15 @@ TRANSPLANT_SCHEMA = pa.schema([
 
 
 def _load_decoder(model, revision, precision, device, attn_implementation, threads, trust_remote_code,
-                  allow_pickle, offline, base_dir):
+                  allow_pickle, offline, base_dir, regime_from):
+    """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
     flags = set_determinism(threads)
-    loaded = load_model(resolve_source(model, revision, base_dir), precision, device, attn_implementation,
+    gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
+    loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
                         trust_remote_code, allow_pickle, offline)
-    return loaded, Decoder(loaded.model, tuple(eos_token_ids(loaded))), flags
+    decoder = decoder_from_record(loaded.model, eos_token_ids(loaded), recorded_regime(regime_from))
+    loaded.info.update(regime_info(decoder), gpu_slot=gpu.record())  # recorded with the model in every output's provenance
+    return loaded, decoder, flags
 
 
 def _provenance(loaded, flags, stage, config_slice):
@@ -166,8 +172,9 @@ def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revi
     prefixes = read_parquet(prefixes_path)
     prefixes = prefixes[(prefixes["precision"] == precision) & (prefixes["status"] == "ok")]
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                           trust_remote_code, allow_pickle, offline, base_dir)
-    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end)
+                                           trust_remote_code, allow_pickle, offline, base_dir, prefixes_path)
+    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end,
+                        regime_info(decoder)["decode_regime"])
     rows = []
     for item in tqdm(prefixes.to_dict("records"), desc=f"baseline {revision}/{precision}", disable=not progress,
                      mininterval=2):
@@ -231,7 +238,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
         if pairs.empty:
             continue
         loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                               trust_remote_code, allow_pickle, offline, base_dir)
+                                               trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
         file_prov = _provenance(loaded, flags, "dump_caches", config_slice)
         for pair in tqdm(pairs.to_dict("records"), desc=f"dump {revision}/{precision}", disable=not progress):
             caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
@@ -266,7 +273,7 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
     selection = read_parquet(selection_path)
     pairs = construction_pairs(read_parquet(baseline_path), precision).set_index("item_index")
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
-                                           trust_remote_code, allow_pickle, offline, base_dir)
+                                           trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
     specs = enumerate_sweeps(sweeps, int(loaded.model.config.num_hidden_layers))
     rows = []
     for item in tqdm(selection.to_dict("records"), desc=f"transplant {revision}/{precision}", disable=not progress):

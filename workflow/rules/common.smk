@@ -23,6 +23,12 @@ if len(REVISIONS) != len(config["revisions"]):
         f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
     )
 SHARDS = list(range(config["shards"]))
+if config["batch_size"] > 1:
+    raise ValueError(
+        f"batch_size: {config['batch_size']}: the controls, audit and transplants rebuild caches at batch 1 and "
+        "could not reproduce batched rows; batched decoding runs through bench/benchmark.py and "
+        "stagereplay.fastdecode.matched_batch for now. Set batch_size: 1"
+    )
 if (
     config["boundary"].get("token_id") is not None
     and config["boundary"].get("marker") == "</think>"
@@ -53,6 +59,8 @@ def model_kwargs(wildcards):
         threads=config["threads"],
         device=config["device"],
         attn_implementation=config["attn_implementation"],
+        decode_regime=config["decode_regime"],
+        batch_size=config["batch_size"],
         answer_format=config["answer_format"],
         stage_end=config["stage_end"],
         prompt=config["prompt"],
