@@ -24,6 +24,7 @@ include: "workflow/rules/controls.smk"
 include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
+include: "workflow/rules/preflight.smk"
 
 
 rule all:

@@ -102,6 +102,12 @@ class Settings:
     decode_regime: str = "eager"
     numerics: str = "default"  # default | invariant (stagereplay.invariant)
 
+    def __post_init__(self):
+        for key in ("max_stage_tokens", "max_new_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} is {value!r}; it must be a whole number of tokens, at least 1")
+
 
 def _cache_fields(cache) -> dict:
     whole, ks, vs = fingerprint_layers(compat.cache_layers(cache))
@@ -158,6 +164,17 @@ def check_replicas(rows: list[dict], item_id: str) -> None:
                 )
 
 
+def check_context(item_id: str, n_prompt: int, max_stage_tokens: int, max_new_tokens: int,
+                  context_limit: int | None) -> None:
+    """Raise :class:`PromptTooLongError` naming the item if its prompt and both budgets overrun the context."""
+    if context_limit is not None and n_prompt + max_stage_tokens + max_new_tokens > context_limit:
+        raise PromptTooLongError(
+            f"item {item_id!r}: prompt of {n_prompt} tokens + max_stage_tokens {max_stage_tokens} + "
+            f"max_new_tokens {max_new_tokens} exceeds the model's context of {context_limit}; lower the budgets "
+            "or drop the item"
+        )
+
+
 def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: BoundaryMatcher, item: dict,
                  settings: Settings, context_limit: int | None = None,
                  on_live_boundary=None) -> tuple[list[dict], dict]:
@@ -167,12 +184,7 @@ def matched_item(decoder: Decoder, tokenizer, prompter: Prompter, matcher: Bound
     cache included) before the cache is continued: the only moment a live cache exists (the bridge uses it).
     """
     prompt_ids = prompter(item["question"])
-    if context_limit is not None and len(prompt_ids) + settings.max_stage_tokens + settings.max_new_tokens > context_limit:
-        raise PromptTooLongError(
-            f"item {item['item_id']!r}: prompt of {len(prompt_ids)} tokens + max_stage_tokens "
-            f"{settings.max_stage_tokens} + max_new_tokens {settings.max_new_tokens} exceeds the model's context "
-            f"of {context_limit}; lower the budgets or drop the item"
-        )
+    check_context(item["item_id"], len(prompt_ids), settings.max_stage_tokens, settings.max_new_tokens, context_limit)
     rows: list[dict] = []
     live_rows = []
     for replica in (1, 2):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 PROVENANCE_KEY = b"stagereplay"
+CONTENT_KEY = b"stagereplay.content_sha256"
 
 
 def ids_bytes(ids) -> bytes:
@@ -108,9 +109,8 @@ class _AtomicPath:
 
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
-        self.tmp = Path(tmp)
+        # Not mkstemp: its files are private (0600); the block creates this one, with the usual permissions.
+        self.tmp = self.path.parent / f".{self.path.name}.{secrets.token_hex(8)}.tmp"
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
@@ -120,6 +120,12 @@ class _AtomicPath:
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(self.tmp, self.path)
+        # The rename itself reaches the disk only with its folder.
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return False
 
 
@@ -137,9 +143,22 @@ def write_parquet(df: pd.DataFrame, path: str | Path, provenance: dict, schema: 
     meta = dict(table.schema.metadata or {})
     meta.pop(b"pandas", None)  # pandas' metadata records the pandas version, not ours to carry
     meta[PROVENANCE_KEY] = json.dumps(provenance, sort_keys=True, default=str).encode()
+    meta[CONTENT_KEY] = content_sha256(table, meta[PROVENANCE_KEY]).encode()
     table = table.replace_schema_metadata(meta)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
+
+
+def content_sha256(table: pa.Table, provenance: bytes) -> str:
+    """sha256 over a table's values, column by column, and its provenance record.
+
+    Taken over decoded values rather than file bytes so that it can live inside the file it checks: a flipped
+    bit anywhere that changes what a reader would get (a value, a column name, the provenance) changes it.
+    """
+    h = hashlib.sha256(provenance)
+    for name, column in zip(table.column_names, table.columns):
+        h.update(json.dumps([name, column.to_pylist()], default=str).encode())
+    return h.hexdigest()
 
 
 class CorruptFileError(ValueError):
@@ -147,9 +166,20 @@ class CorruptFileError(ValueError):
 
 
 def read_parquet(path: str | Path) -> pd.DataFrame:
+    """Read a Parquet file, refusing it (:class:`CorruptFileError`, naming the file) unless its pages' checksums
+    and the content fingerprint :func:`write_parquet` recorded still match. Files without a recorded
+    fingerprint (not written by this package) are read as they are."""
     try:
-        return pq.read_table(path).to_pandas()
-    except (OSError, pa.ArrowException) as exc:
+        table = pq.read_table(path, page_checksum_verification=True)
+        meta = table.schema.metadata or {}
+        recorded = meta.get(CONTENT_KEY)
+        if recorded is not None and content_sha256(table, meta.get(PROVENANCE_KEY, b"")) != recorded.decode():
+            raise CorruptFileError(
+                f"{path}: its content does not match the fingerprint recorded when it was written (a flipped bit "
+                "or an edit); delete it and rerun the rule that makes it"
+            )
+        return table.to_pandas()
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
         raise CorruptFileError(
             f"{path} is not a readable Parquet file ({exc}); delete it and rerun the rule that makes it"
         ) from exc

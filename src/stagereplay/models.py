@@ -142,6 +142,20 @@ def resolve_source(model: str, revision: str | None, base_dir: str | Path = ".")
     return ModelSource("hub", str(model), revision=revision or "main")
 
 
+def go_offline() -> None:
+    """No network for the hub, in this process and its children.
+
+    huggingface_hub reads ``HF_HUB_OFFLINE`` once, when it is imported (transformers imports it), so setting
+    the variable afterwards alone would leave this process online: the flag it read is set too.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -208,7 +222,7 @@ def _check_gguf(source: ModelSource) -> None:
     if architecture not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"GGUF file {path} holds a {architecture!r} model; the cache code supports "
-            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
         )
     try:
         import accelerate  # noqa: F401  (transformers' GGUF loading needs it)
@@ -252,7 +266,7 @@ def load_model(
     if numerics not in ("default", "invariant"):
         raise ModelLoadError(f"numerics {numerics!r} is not one of ['default', 'invariant']")
     if offline:
-        os.environ["HF_HUB_OFFLINE"] = "1"
+        go_offline()
     dev = resolve_device(device)
     requested, resolved_commit = source, None
     if source.kind == "hub":
@@ -271,7 +285,7 @@ def load_model(
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{requested.describe()} is a {model_type!r} model; the cache code supports "
-            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         raise ModelLoadError(

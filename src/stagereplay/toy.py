@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,9 +192,11 @@ def train_toy(
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    weights = out_dir / "model.safetensors"
+    # Saved beside out_dir, then each file renamed into it: a crash never leaves a half-written weights file.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    weights = staging / "model.safetensors"
     record = {
         "spec": asdict(spec),
         "init_from": None if init_from is None else Path(init_from).name,
@@ -200,7 +204,10 @@ def train_toy(
         "model_safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
         "torch": torch.__version__,
     }
-    (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == "training.json"):  # the record last
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
     return record
 
 

@@ -161,7 +161,7 @@ def cache_difference_kwargs(wildcards):
         revision=REVISIONS[wildcards.revision],
         revision_slug=wildcards.revision,
         precisions=settings["precisions"],
-        prefix_precision=settings["prefix_precision"] or config["precisions"][0],
+        prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
         n_items=settings["n_items"],
         seed=config["seed"],
         threads=config["threads"],

@@ -2,7 +2,8 @@
 # Transplants run at each of transplant.revisions on the primary revision's prefix ids: the primary's constructions
 # and continuations come from its ledger, any other revision's from its own replay_baseline.parquet.
 PRIMARY = revision_slug(config["revisions"][0])
-TRANSPLANT_PRECISION = config["transplant"]["precision"] or config["precisions"][0]
+# .get: a transplant block given on the command line lacks the keys whose default is null.
+TRANSPLANT_PRECISION = config["transplant"].get("precision") or config["precisions"][0]
 if TRANSPLANT_PRECISION not in config["precisions"]:
     raise ValueError(
         f"transplant.precision: {TRANSPLANT_PRECISION!r} is not among precisions {config['precisions']}; "
@@ -10,7 +11,7 @@ if TRANSPLANT_PRECISION not in config["precisions"]:
     )
 TRANSPLANT_REVISIONS = {
     revision_slug(r): r
-    for r in (config["transplant"]["revisions"] or config["revisions"][:1])
+    for r in (config["transplant"].get("revisions") or config["revisions"][:1])
 }
 ALL_REVISIONS = dict(REVISIONS)
 for _slug, _name in TRANSPLANT_REVISIONS.items():

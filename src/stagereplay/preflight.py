@@ -1,0 +1,95 @@
+"""Checks of a run's inputs before any job starts, so that a bad input never costs a result already computed.
+
+Snakemake deletes a job's old outputs as the job starts; an input that a job would only discover to be bad
+(a dataset row, a model path, a prompt too long for the model) would then cost the results of the last good
+run. The workflow calls :func:`check_run` when it has work to do, before the first job: every problem found
+here raises an error naming the item, row or key and saying what to do, and nothing has been touched.
+
+Reads the dataset, the model configs and tokenizers; never loads weights. Knows nothing of Snakemake.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import datasets
+from .experiment import Prompter, check_context
+from .models import (SUPPORTED_MODEL_TYPES, ModelLoadError, ModelSource, _check_gguf, _check_weights_format,
+                     fetch_hub_snapshot, go_offline, resolve_source)
+
+
+def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
+                offline: bool = True):
+    """The checks :func:`stagereplay.models.load_model` makes, without the weights: (model config, tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if offline:
+        go_offline()
+    requested = source
+    if source.kind == "hub":  # offline, the local cache only; online, the snapshot the job would fetch anyway
+        source, _ = fetch_hub_snapshot(source, offline, allow_pickle)
+    if source.kind == "gguf":
+        _check_gguf(source)
+    _check_weights_format(source, allow_pickle)
+    common = {"trust_remote_code": trust_remote_code}
+    if source.kind == "gguf":
+        common["gguf_file"] = source.gguf_file
+    try:
+        config = AutoConfig.from_pretrained(source.path, **common)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
+        raise ModelLoadError(f"cannot read the model config of {requested.describe()}: {exc}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
+        )
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ModelLoadError(
+            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ModelLoadError(
+            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"{vocab}: they do not belong together; point model at a folder holding both"
+        )
+    return config, tokenizer
+
+
+def check_run(config: dict, base_dir: str | Path = ".") -> dict:
+    """Every check that needs no weights, over the whole validated config; returns a short summary.
+
+    ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
+    """
+    numeric = config["answer_format"] != "boxed"
+    if config["offline"]:
+        go_offline()
+    rows = datasets.load_source(config["dataset"], base_dir, numeric=numeric, offline=config["offline"])
+    selected = datasets.select_items(rows, config["n_items"], config["seed"])
+    summary = {"n_items": len(selected), "revisions": {}}
+    for revision in config["revisions"]:
+        source = resolve_source(config["model"], revision, base_dir)
+        model_config, tokenizer = check_model(source, config["trust_remote_code"], config["allow_pickle"],
+                                              config["offline"])
+        token_id = (config.get("boundary") or {}).get("token_id")
+        vocab = getattr(model_config, "vocab_size", None)
+        if token_id is not None and vocab is not None and token_id >= vocab:
+            raise ModelLoadError(
+                f"boundary.token_id {token_id} is outside the vocabulary of {source.describe()} ({vocab} ids): the "
+                "boundary could never appear; give an id the model can produce, or a marker string"
+            )
+        prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
+        context = getattr(model_config, "max_position_embeddings", None)
+        longest = 0
+        for item_id, question in zip(selected["item_id"], selected["question"]):
+            n_prompt = len(prompter(question))
+            check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
+            longest = max(longest, n_prompt)
+        summary["revisions"][revision] = {"source": source.describe(), "context": context,
+                                          "longest_prompt": longest}
+    return summary

@@ -1,0 +1,145 @@
+"""Crashes and interruptions: a run killed at any point (in a generation rule, in a dump) leaves no half-written
+file that a rerun would trust, and `snakemake --rerun-incomplete` recomputes only what was lost."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from stagereplay import cache_io
+from stagereplay.ledger import atomic_path, read_parquet, write_parquet
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_process_killed_while_writing_leaves_the_old_file(tmp_path):
+    """SIGKILL in the middle of write_parquet: the target keeps its old bytes, and only a temp file is left."""
+    target = tmp_path / "part.parquet"
+    write_parquet(pd.DataFrame({"x": [1, 2, 3]}), target, {"stage": "test"})
+    before = target.read_bytes()
+    script = textwrap.dedent(f"""
+        import os, signal
+        import pandas as pd
+        import pyarrow.parquet as pq
+        from stagereplay.ledger import write_parquet
+
+        def half_then_die(table, where, **kwargs):
+            with open(where, "wb") as f:
+                f.write(b"PAR1 half a file")
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        pq.write_table = half_then_die
+        write_parquet(pd.DataFrame({{"x": [7, 8]}}), {str(target)!r}, {{"stage": "test"}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert target.read_bytes() == before
+    assert read_parquet(target)["x"].tolist() == [1, 2, 3]
+    leftovers = [p.name for p in tmp_path.iterdir() if p != target]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".part.parquet.") and leftovers[0].endswith(".tmp")
+
+
+def test_a_failing_block_leaves_nothing(tmp_path):
+    target = tmp_path / "out.txt"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash")
+    assert list(tmp_path.iterdir()) == []
+
+
+def snakemake_cmd(workdir, *args):
+    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+            "--configfile", str(workdir / "config.yaml"), *args]
+
+
+@pytest.mark.slow
+def test_killed_in_the_middle_of_generation_and_of_a_dump_then_rerun_incomplete(tmp_path):
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg.update(run="crash", n_items=12, shards=2, max_new_tokens=16, device="cpu", precisions=["bf16"],
+               dataset={"source": "synthetic", "size": 100, "seed": 0}, dump={"items": "all"})
+    target = "results/crash/primary/ledger.parquet"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    parts = tmp_path / "results/crash/primary/parts"
+    logs = tmp_path / "logs/crash/primary"
+    # One core: the shards run one after the other. Kill the whole process group (snakemake and the job's
+    # interpreter, as a lost node would) once one shard is done and the other is generating.
+    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", target), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    killed_shard = None
+    deadline = time.time() + 240
+    try:
+        while killed_shard is None and time.time() < deadline and proc.poll() is None:
+            for done, running in ((0, 1), (1, 0)):
+                log = logs / f"reconstruct_prefixes_bf16_{running}.log"
+                if (parts / f"prefixes_bf16_{done}.parquet").exists() and log.exists() and "matched" in log.read_text():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed_shard = running
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None and killed_shard is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert killed_shard is not None, "the run ended before the second shard could be caught generating"
+    done_shard = 1 - killed_shard
+    # Nothing the killed job would have made exists under its own name; the finished shard's files are whole.
+    assert not (parts / f"matched_bf16_{killed_shard}.parquet").exists()
+    assert not (parts / f"prefixes_bf16_{killed_shard}.parquet").exists()
+    kept = {name: (parts / name).stat().st_mtime_ns for name in
+            (f"matched_bf16_{done_shard}.parquet", f"prefixes_bf16_{done_shard}.parquet")}
+    for name in kept:
+        read_parquet(parts / name)
+    assert not (tmp_path / "results/crash/primary/ledger.parquet").exists()
+
+    # The lock of the killed run stays behind: --unlock, then --rerun-incomplete.
+    subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
+    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete", target),
+                           capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert {name: (parts / name).stat().st_mtime_ns for name in kept} == kept  # not recomputed
+    jobs = re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M)
+    assert jobs.count("reconstruct_prefixes") == 1 and "select_items" not in jobs, jobs
+    ran = [line for line in rerun.stderr.splitlines() if "reconstruct_prefixes_bf16_" in line and "log:" in line]
+    assert ran and all(f"_bf16_{killed_shard}.log" in line for line in ran)
+    ledger = read_parquet(tmp_path / "results/crash/primary/ledger.parquet")
+    assert ledger["item_index"].nunique() == 12
+
+    # Then kill it in the middle of dump_caches, with some dumps written and others not.
+    caches = tmp_path / "results/crash/primary/caches"
+    manifest = tmp_path / "results/crash/primary/caches.parquet"
+    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", str(manifest.relative_to(tmp_path))),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = False
+    deadline = time.time() + 240
+    try:
+        while not killed and time.time() < deadline and proc.poll() is None:
+            if caches.is_dir() and any(caches.glob("*.safetensors")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None and not killed:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert killed, "the dump ended before it could be caught"
+    assert not manifest.exists()
+    dumped = sorted(caches.glob("*.safetensors"))
+    assert 0 < len(dumped) < 2 * 12  # caught in the middle
+    for path in dumped:  # every dump under its own name is whole: its bytes match the fingerprints inside it
+        cache_io.load_cache(path)
+    subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
+    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete",
+                                         str(manifest.relative_to(tmp_path))), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M) == ["dump_caches"]
+    assert len(read_parquet(manifest)) == 2 * 12 == len(list(caches.glob("*.safetensors")))
