@@ -95,7 +95,7 @@ class Settings:
 
     revision: str
     precision: str
-    max_stage_tokens: int
+    max_stage_tokens: int | None  # None: the stage replays fixed prefixes and generates none
     max_new_tokens: int
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
@@ -105,6 +105,8 @@ class Settings:
     def __post_init__(self):
         for key in ("max_stage_tokens", "max_new_tokens"):
             value = getattr(self, key)
+            if key == "max_stage_tokens" and value is None:  # stages that never generate a stage (replays)
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} is {value!r}; it must be a whole number of tokens, at least 1")
 

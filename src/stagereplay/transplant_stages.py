@@ -174,7 +174,7 @@ def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revi
     prefixes = prefixes[(prefixes["precision"] == precision) & (prefixes["status"] == "ok")]
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
                                            trust_remote_code, allow_pickle, offline, base_dir, prefixes_path)
-    settings = Settings(revision, precision, 0, max_new_tokens, answer_format, stage_end,
+    settings = Settings(revision, precision, None, max_new_tokens, answer_format, stage_end,
                         regime_info(decoder)["decode_regime"], numerics=loaded.info["numerics_regime"]["numerics"])
     rows = []
     for item in tqdm(prefixes.to_dict("records"), desc=f"baseline {revision}/{precision}", disable=not progress,
