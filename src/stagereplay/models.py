@@ -245,29 +245,17 @@ def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
         raise ModelLoadError(f"{folder} holds no weights (*.safetensors); is this the right folder?")
 
 
-def load_model(
-    source: ModelSource,
-    precision: str,
-    device: str = "auto",
-    attn_implementation: str = "eager",
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    offline: bool = True,
-    numerics: str = "default",
-) -> LoadedModel:
-    """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised.
+def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
+                   offline: bool = True):
+    """Resolve ``source`` and read its model config, refusing what the cache code cannot handle.
 
-    ``numerics: invariant`` switches the model to the batch-invariant regime of :mod:`stagereplay.invariant`.
+    Returns (resolved source, hub commit or None, config, keyword arguments for ``from_pretrained``). Shared by
+    :func:`load_model` and the preflight check, which reads configs without loading weights.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
-    if precision not in PRECISIONS:
-        raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
-    if numerics not in ("default", "invariant"):
-        raise ModelLoadError(f"numerics {numerics!r} is not one of ['default', 'invariant']")
     if offline:
         go_offline()
-    dev = resolve_device(device)
     requested, resolved_commit = source, None
     if source.kind == "hub":
         source, resolved_commit = fetch_hub_snapshot(source, offline, allow_pickle)
@@ -291,6 +279,33 @@ def load_model(
         raise ModelLoadError(
             f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
         )
+    return source, resolved_commit, config, common
+
+
+def load_model(
+    source: ModelSource,
+    precision: str,
+    device: str = "auto",
+    attn_implementation: str = "eager",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    offline: bool = True,
+    numerics: str = "default",
+) -> LoadedModel:
+    """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised.
+
+    ``numerics: invariant`` switches the model to the batch-invariant regime of :mod:`stagereplay.invariant`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if precision not in PRECISIONS:
+        raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
+    if numerics not in ("default", "invariant"):
+        raise ModelLoadError(f"numerics {numerics!r} is not one of ['default', 'invariant']")
+    dev = resolve_device(device)
+    requested = source
+    source, resolved_commit, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
+    model_type = config.model_type
     kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation)
     if source.kind != "gguf" and not allow_pickle:
         kwargs["use_safetensors"] = True

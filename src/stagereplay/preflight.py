@@ -14,40 +14,16 @@ from pathlib import Path
 
 from . import datasets
 from .experiment import Prompter, check_context
-from .models import (SUPPORTED_MODEL_TYPES, ModelLoadError, ModelSource, _check_gguf, _check_weights_format,
-                     fetch_hub_snapshot, go_offline, resolve_source)
+from .models import ModelLoadError, ModelSource, checked_config, go_offline, resolve_source
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
                 offline: bool = True):
     """The checks :func:`stagereplay.models.load_model` makes, without the weights: (model config, tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if offline:
-        go_offline()
     requested = source
-    if source.kind == "hub":  # offline, the local cache only; online, the snapshot the job would fetch anyway
-        source, _ = fetch_hub_snapshot(source, offline, allow_pickle)
-    if source.kind == "gguf":
-        _check_gguf(source)
-    _check_weights_format(source, allow_pickle)
-    common = {"trust_remote_code": trust_remote_code}
-    if source.kind == "gguf":
-        common["gguf_file"] = source.gguf_file
-    try:
-        config = AutoConfig.from_pretrained(source.path, **common)
-    except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
-        raise ModelLoadError(f"cannot read the model config of {requested.describe()}: {exc}") from exc
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
-            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
-        )
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ModelLoadError(
-            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
-        )
+    source, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except Exception as exc:
