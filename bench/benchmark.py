@@ -33,9 +33,15 @@ from stagereplay.ledger import fingerprint_layers
 from stagereplay.models import PRECISIONS, set_determinism
 
 SHAPES = {
+    # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads / 2 KV heads, tied embeddings
+    "0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads / 2 KV heads, tied embeddings
     "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen2.5-7B: hidden 3584, 28 layers, 28 heads / 4 KV heads, untied embeddings
+    "7B": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
     # Qwen2.5-14B: hidden 5120, 48 layers, 40 heads / 8 KV heads, untied embeddings
     "14B": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
                 intermediate_size=13824, vocab_size=152064, tie_word_embeddings=False),

@@ -7,7 +7,7 @@ The run also checks the regime's point: under ``invariant`` the one-shot prefill
 cache byte for byte (and under ``default`` it usually does not).
 
     python bench/invariant_cost.py                                   # the toy model, bf16, CPU
-    python bench/invariant_cost.py --shape qwen2.5-0.5b --device cuda  # random weights in a Qwen2.5 shape
+    python bench/invariant_cost.py --shape 0.5B --device cuda        # random weights in a Qwen2.5 shape
 
 The goal on a GPU is an invariant decode within 1.5x of the default decode at batch 1; the CPU reference
 kernels (a Python loop over rows and key blocks) are not written for speed, so a CPU ratio says little about it.
@@ -16,10 +16,10 @@ kernels (a Python loop over rows and key blocks) are not written for speed, so a
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,28 +33,8 @@ from stagereplay.engine import Decoder  # noqa: E402
 from stagereplay.ledger import fingerprint_layers  # noqa: E402
 from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
 
-# Random-weight shapes (Qwen2.5 configs' sizes; vocabulary cut to keep the lm_head from dominating on a CPU).
-SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064),
-}
-
-
-def random_model_dir(shape: str, folder: Path) -> Path:
-    """A random-weight Qwen2 in ``shape``, saved as safetensors (the toy's tokenizer: only ids matter here)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from stagereplay.toy import build_tokenizer
-
-    torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False,
-                         rope_theta=1_000_000.0, eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    build_tokenizer().save_pretrained(folder)
-    return folder
-
+sys.path.insert(0, str(REPO / "bench"))
+from benchmark import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -118,11 +98,16 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     flags = set_determinism(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = random_model_dir(args.shape, Path(tmp)) if args.shape else Path(args.model)
-        decoders = {}
+    decoders = {}
+    if args.shape:  # built on the device (a 14B shape would take minutes to write and read back as a folder)
+        model = build_model(args.shape, args.precision, args.device)
+        twin = copy.deepcopy(model)
+        invariant.apply(twin)
+        decoders = {"default": Decoder(model, ()), "invariant": Decoder(twin, ())}
+        device_name = torch.cuda.get_device_name() if decoders["default"].device.type == "cuda" else "cpu"
+    else:
         for numerics in ("default", "invariant"):
-            loaded = load_model(ModelSource("local", str(folder)), args.precision, args.device,
+            loaded = load_model(ModelSource("local", str(args.model)), args.precision, args.device,
                                 args.attn_implementation, numerics=numerics)
             decoders[numerics] = Decoder(loaded.model, ())
             device_name = loaded.info["device"]
@@ -144,6 +129,7 @@ def main(argv=None) -> dict:
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
         "clock": "process CPU time" if decoders["default"].device.type == "cpu" else "wall time",
         "kernels": invariant.describe(decoders["invariant"].model)["kernels"],
+        "random_weights": bool(args.shape), "torch": torch.__version__,
     }
     for name in decoders:
         p, d = statistics.median(prefill[name]), statistics.median(decode[name])

@@ -13,13 +13,13 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay import compat, invariant
-from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
-from stagereplay.ledger import fingerprint_layers, tensor_bytes
+from stagereplay import invariant
+from stagereplay.engine import Decoder
+from stagereplay.ledger import tensor_bytes
+from invariant_helpers import PROMPT, constructions
 from stagereplay.models import ModelLoadError, ModelSource, load_model, set_determinism
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]  # "Q:37+45=<think>"
 DTYPES = [torch.float32, torch.bfloat16]
 KERNELS = invariant.ReferenceKernels()
 
@@ -131,20 +131,6 @@ def test_patched_modules_are_row_invariant(invariant_models, precision):
     cos_all, sin_all = rotary(h, positions)
     cos_one, sin_one = rotary(h, torch.tensor([[299]]))
     assert rows_equal(cos_all[:, 299:], cos_one) and rows_equal(sin_all[:, 299:], sin_one)
-
-
-def constructions(decoder, n_stage=10):
-    """Fingerprints of the live boundary cache and of every rebuilt construction, and their suffixes."""
-    free = generate_to_boundary(decoder, PROMPT, BoundaryMatcher(1, token_ids=[10_000]), n_stage).generated_ids
-    marker = free[n_stage - 1]
-    live = generate_to_boundary(decoder, PROMPT, BoundaryMatcher(free.count(marker), token_ids=[marker]), 2 * n_stage)
-    assert live.status == "ok" and live.stage_ids == free
-    caches = {"live": live.cache}
-    for construction in ("prefill", "incremental", "chunked:3"):
-        caches[construction] = build_cache(decoder, construction, PROMPT, live.stage_ids)
-    fingerprints = {c: fingerprint_layers(compat.cache_layers(cache))[0] for c, cache in caches.items()}
-    suffixes = {c: continue_greedy(decoder, cache, live.stage_ids[-1], 12) for c, cache in caches.items()}
-    return fingerprints, {c: (s.suffix_ids, s.margins) for c, s in suffixes.items()}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

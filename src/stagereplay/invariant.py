@@ -242,11 +242,30 @@ def describe(model) -> dict:
     return dict(getattr(model, "_stagereplay_numerics", None) or {"numerics": "default"})
 
 
+def default_kernels(device: torch.device):
+    """The kernel set for ``device``: Triton's on CUDA when it is installed, else the reference kernels.
+
+    The choice is recorded (``kernels`` in the regime's description): the two sets are different regimes,
+    each invariant in itself, and they need not agree with each other bit for bit."""
+    if torch.device(device).type == "cuda":
+        try:
+            from .invariant_triton import TritonKernels
+        except ImportError:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "numerics: invariant on CUDA without Triton: the reference kernels run instead (correct but slow, "
+                "a Python loop over rows); pip install triton for the GPU kernels")
+        else:
+            return TritonKernels()
+    return ReferenceKernels()
+
+
 def apply(model, kernels=None, block_size: int = BLOCK_SIZE) -> dict:
     """Switch ``model`` (a loaded Qwen2 causal LM, in place) to the invariant regime; return its description.
 
     Every ``nn.Linear``, RMSNorm, MLP, rotary embedding and attention module gets a forward routed through
-    ``kernels`` (:class:`ReferenceKernels` unless given). The weights are untouched and shared.
+    ``kernels`` (``default_kernels`` for the model's device unless given). The weights are untouched and shared.
     """
     if is_invariant(model):
         raise InvariantRegimeError("the model is already in the invariant regime; load it afresh to apply it again")
@@ -265,7 +284,7 @@ def apply(model, kernels=None, block_size: int = BLOCK_SIZE) -> dict:
         )
     if block_size < 1:
         raise InvariantRegimeError(f"attention block size must be positive, not {block_size}")
-    kernels = kernels or ReferenceKernels()
+    kernels = kernels or default_kernels(next(model.parameters()).device)
     counts = {"linear": 0, "rms_norm": 0, "mlp": 0, "rotary": 0, "attention": 0}
     for module in model.modules():
         kind = type(module).__name__
@@ -294,5 +313,7 @@ def apply(model, kernels=None, block_size: int = BLOCK_SIZE) -> dict:
     model.forward = _refuse_padding(model.forward)
     info = {"numerics": "invariant", "kernels": kernels.name, "attention_block_size": int(block_size),
             "rotary_chunk": ROTARY_CHUNK}
+    if hasattr(kernels, "describe"):
+        info["kernel_config"] = kernels.describe()
     model._stagereplay_numerics = info
     return dict(info)

@@ -1,0 +1,243 @@
+"""GPU kernels for the ``invariant`` numerics regime, in Triton: the contract of :mod:`stagereplay.invariant`.
+
+Every kernel here computes a row (a token) in a way fixed by that row alone:
+
+- ``linear``: one tiled GEMM with a single launch configuration for every shape (``BLOCK_M`` x ``BLOCK_N``
+  output tiles, ``BLOCK_K`` reduction steps in ascending order, no split-K, no autotuning). Row ``i`` of the
+  output is the same sequence of tile products whatever ``m`` is; the other rows of its tile only ride along.
+- ``rms_norm``: one program per row, the whole row in one block, one fixed reduction tree.
+- ``gated_act`` and ``rotary``: element-wise, one formula per element.
+- ``attention``: a flash-attention loop over keys in blocks of ``block_size`` keys in ascending order with an
+  online softmax in fp32. The query heads that share a K/V head are packed into the tile's rows next to the
+  query positions, so a decode step (one position, ``groups`` heads) and a prefill (``m`` positions) run the
+  same code: a row at cache position ``p`` sees the same key blocks, the same partial last block and the same
+  order in both. Blocks wholly after ``p`` (reached only because another row of the tile is further on) are
+  masked out entirely, which leaves the running max, sum and accumulator exactly as they were.
+
+fp32 inputs use ``input_precision="ieee"`` for every ``tl.dot``: TF32 would change the precision the study
+crosses. The kernels run on CUDA; with ``TRITON_INTERPRET=1`` they also run on the CPU (slowly), which is how
+the test suite checks them on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# One launch configuration per dtype for every shape: changing any of these changes the regime's bits (they are
+# recorded). bf16/fp16 tiles feed the tensor cores; fp32 runs ``ieee`` products on the FMA units, where a tall
+# tile would only multiply the work of a decode step's single row, so its tiles are 16 rows high.
+CONFIGS = {
+    "half": {"linear": (64, 64, 64), "linear_warps": 4, "linear_stages": 3, "attention_rows": 64,
+             "attention_warps": 4},
+    "fp32": {"linear": (16, 64, 32), "linear_warps": 4, "linear_stages": 2, "attention_rows": 16,
+             "attention_warps": 4},
+}
+# Triton's CPU interpreter multiplies bf16 tiles as raw 16-bit integers; under it, tiles go to fp32 first (the
+# interpreter checks indexing, masking and the online softmax, not the GPU's bits)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                    mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None],
+                    mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)  # (BLOCK_K, BLOCK_N)
+        if INTERPRET:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE or INTERPRET:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / H
+    normed = (x * (1.0 / tl.sqrt(variance + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # silu, rounded like act_fn(gate)
+    tl.store(out_ptr + offs, (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0)  # one (token, head) pair per program
+    token = row // heads
+    i = tl.arange(0, HALF)
+    x1 = tl.load(x_ptr + row * D + i).to(tl.float32)
+    x2 = tl.load(x_ptr + row * D + HALF + i).to(tl.float32)
+    c1 = tl.load(cos_ptr + token * D + i).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * D + HALF + i).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * D + i).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * D + HALF + i).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+    tl.store(out_ptr + row * D + i, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * D + HALF + i, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, M, first_position, heads, groups, stride_kh, stride_kl,
+                      scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    kv_head = tl.program_id(0)
+    pid = tl.program_id(1)
+    # packed rows: r -> (query position index r // groups, query head kv_head * groups + r % groups)
+    r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = r // groups
+    head = kv_head * groups + r % groups
+    valid = token < M
+    position = first_position + token  # the row's cache position: it attends keys 0..position
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (token * heads + head)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    last = first_position + tl.minimum((pid * BLOCK_M + BLOCK_M - 1) // groups, M - 1)  # furthest row here
+    keys = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_kh
+    for start in range(0, last + 1, BLOCK_N):
+        kpos = start + keys
+        in_cache = kpos <= last
+        k = tl.load(k_base + kpos[None, :] * stride_kl + d[:, None], mask=in_cache[None, :], other=0.0)  # (D, N)
+        if INTERPRET:
+            k = k.to(tl.float32)
+        if IEEE or INTERPRET:
+            scores = tl.dot(q, k, input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * scaling
+        seen = (kpos[None, :] <= position[:, None]) & valid[:, None]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # padding rows: nothing seen yet
+        p = tl.exp(scores - safe_max[:, None])
+        rescale = tl.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        v = tl.load(v_base + kpos[:, None] * stride_kl + d[None, :], mask=in_cache[:, None], other=0.0)  # (N, D)
+        if INTERPRET:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                                  input_precision="ieee")
+        elif IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        running_max = new_max
+    out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+    tl.store(out_ptr + (token * heads + head)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None])
+
+
+def _config(dtype: torch.dtype) -> dict:
+    return CONFIGS["fp32" if dtype == torch.float32 else "half"]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class TritonKernels:
+    """The invariant regime's kernel set on a GPU (see the module docstring)."""
+
+    name = "triton"
+
+    def describe(self) -> dict:
+        return {"configs": {k: {n: list(v) if isinstance(v, tuple) else v for n, v in c.items()}
+                            for k, c in CONFIGS.items()}, "triton": triton.__version__}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x, weight = _contiguous(x), _contiguous(weight)
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        config = _config(x.dtype)
+        block_m, block_n, block_k = config["linear"]
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
+                             weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                             IEEE=x.dtype == torch.float32, INTERPRET=_INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, num_warps=config["linear_warps"], num_stages=config["linear_stages"])
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = _contiguous(x)
+        m, h = x.shape
+        out = torch.empty_like(x)
+        _rms_norm_kernel[(m,)](x, weight, out, h, x.stride(0), out.stride(0), float(eps),
+                               BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4)
+        return out
+
+    def gated_act(self, act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if "silu" not in type(act_fn).__name__.lower():
+            from .invariant import InvariantRegimeError
+
+            raise InvariantRegimeError(f"the Triton kernels implement the SiLU-gated MLP only, not "
+                                       f"{type(act_fn).__name__}; use numerics: default for this model")
+        gate, up = _contiguous(gate), _contiguous(up)
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x, cos, sin = _contiguous(x), _contiguous(cos), _contiguous(sin)
+        m, heads, d = x.shape
+        out = torch.empty_like(x)
+        _rotary_kernel[(m * heads,)](x, cos, sin, out, heads, D=d, HALF=d // 2)
+        return out
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int],
+                  scaling: float, block_size: int) -> torch.Tensor:
+        # q (m, heads, d) at cache positions positions[0].. (consecutive); keys/values (kv, L, d)
+        q = _contiguous(q)
+        m, heads, d = q.shape
+        kv = keys.shape[0]
+        first = int(positions[0])
+        if list(positions) != list(range(first, first + m)):
+            raise ValueError("the Triton attention takes consecutive cache positions")
+        if keys.stride(-1) != 1 or values.stride() != keys.stride():
+            keys, values = keys.contiguous(), values.contiguous()
+        groups = heads // kv
+        out = torch.empty_like(q)
+        config = _config(q.dtype)
+        grid = (kv, triton.cdiv(m * groups, config["attention_rows"]))
+        _attention_kernel[grid](q, keys, values, out, m, first, heads, groups, keys.stride(0), keys.stride(1),
+                                float(scaling), IEEE=q.dtype == torch.float32, INTERPRET=_INTERPRET, D=d,
+                                BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
+                                num_warps=config["attention_warps"])
+        return out

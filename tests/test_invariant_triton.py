@@ -1,0 +1,67 @@
+"""The invariant regime's Triton kernels (stagereplay.invariant_triton).
+
+On a CPU, Triton's interpreter runs every kernel against a float64 version of its formula (indexing, masks,
+partial tiles and key blocks, GQA packing, the online softmax). Byte-level row invariance, and byte-identical
+constructions of the toy model, are GPU properties of the compiled kernels: those tests need CUDA (the GPU run
+of these tests is recorded in bench/RESULTS.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from invariant_helpers import constructions
+from stagereplay import invariant
+from stagereplay.engine import Decoder
+from stagereplay.models import ModelSource, load_model, set_determinism
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+# relative to the largest magnitude of the expected output: fp32 sums of <= 80 terms; bf16 rounds each output
+TOLERANCE = {"float32": 2e-6, "bfloat16": 2e-2}
+
+
+def kernel_checks(device: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, str(REPO / "tests/triton_kernel_checks.py"), device], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compute_their_formulas_in_the_interpreter():
+    results = kernel_checks("cpu")
+    assert len(results["errors"]) == 22  # 11 checks at each of two dtypes
+    for name, error in results["errors"].items():
+        assert error <= TOLERANCE[name.split("/")[1]], (name, error)
+
+
+def test_the_cpu_gets_the_reference_kernels():
+    assert isinstance(invariant.default_kernels(torch.device("cpu")), invariant.ReferenceKernels)
+
+
+@needs_cuda
+def test_kernels_are_row_invariant_on_cuda():
+    results = kernel_checks("cuda")
+    for name, error in results["errors"].items():
+        assert error <= TOLERANCE[name.split("/")[1]], (name, error)
+    assert len(results["invariant"]) == 10  # 5 kernels at each of two dtypes
+    assert all(results["invariant"].values()), results["invariant"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_toy_constructions_are_byte_identical_with_triton(tiny_model_dir, precision):
+    set_determinism(1)
+    loaded = load_model(ModelSource("local", str(tiny_model_dir)), precision, "cuda", numerics="invariant")
+    assert loaded.info["numerics_regime"]["kernels"] == "triton"
+    fingerprints, suffixes = constructions(Decoder(loaded.model, ()), n_stage=invariant.BLOCK_SIZE + 3)
+    assert len(set(fingerprints.values())) == 1, fingerprints
+    assert len({repr(s) for s in suffixes.values()}) == 1
