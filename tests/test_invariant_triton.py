@@ -20,7 +20,7 @@ from stagereplay import invariant
 from stagereplay.engine import Decoder
 from stagereplay.models import ModelSource, load_model, set_determinism
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
@@ -36,6 +36,8 @@ def kernel_checks(device: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
+                    reason="Triton's interpreter before 3.7 fails under numpy 2 (int() of a 1-element array)")
 def test_kernels_compute_their_formulas_in_the_interpreter():
     results = kernel_checks("cpu")
     assert len(results["errors"]) == 22  # 11 checks at each of two dtypes
