@@ -8,6 +8,12 @@ cache byte for byte (and under ``default`` it usually does not).
 
     python bench/invariant_cost.py                                   # the toy model, bf16, CPU
     python bench/invariant_cost.py --shape 0.5B --device cuda        # random weights in a Qwen2.5 shape
+    python bench/invariant_cost.py --shape 14B --device cuda --decode-regime cuda_graph --batch-rows 8
+
+``--decode-regime`` runs both regimes through that decode regime (``cuda_graph``: the static decoder with the
+one-token step in a CUDA graph, the fast path); ``--batch-rows N`` adds the batch-invariance control: N prompts
+of different lengths decoded together (left-padded), each row then decoded alone, and the rows whose cache bytes
+or tokens differ counted, per regime.
 
 The goal on a GPU is an invariant decode within 1.5x of the default decode at batch 1; the CPU reference
 kernels (a Python loop over rows and key blocks) are not written for speed, so a CPU ratio says little about it.
@@ -29,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from stagereplay import compat, invariant  # noqa: E402
+from stagereplay import fastdecode as fd  # noqa: E402
 from stagereplay.engine import Decoder  # noqa: E402
 from stagereplay.ledger import fingerprint_layers  # noqa: E402
 from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
@@ -83,6 +90,24 @@ def prefill_equals_incremental(decoder: Decoder, ids: list[int]) -> bool:
     return fingerprint(one_shot) == fingerprint(stepped)
 
 
+def batch_check(model, args, vocab) -> dict:
+    """Rows of different prompt lengths decoded together, then each alone: how many differ (cache bytes, tokens)."""
+    if args.decode_regime == "eager":
+        raise SystemExit("--batch-rows needs --decode-regime static or cuda_graph (batches share a static buffer)")
+    lengths = [args.prefill_len // 2 + (i * args.prefill_len) // (2 * args.batch_rows) for i in range(args.batch_rows)]
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in lengths]
+    n_stage, n_new = 16, 16
+    decoder = fd.StaticDecoder(model, (), max_len=max(lengths) + n_stage + n_new + 8, max_rows=args.batch_rows,
+                               regime=args.decode_regime)
+    stage_end = lambda ids: len(ids) == n_stage  # noqa: E731
+    batched = fd.generate_batch(decoder, prompts, stage_end, n_stage, n_new)
+    records = fd.batch_invariance(decoder, prompts, batched, stage_end, n_stage, n_new, sample=len(prompts), seed=0)
+    return {"rows": len(prompts), "prompt_lengths": f"{min(lengths)}-{max(lengths)}",
+            "cache_disagreements": sum(not r["cache_equal"] for r in records),
+            "token_disagreements": sum(not r["suffix_equal"] for r in records)}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(REPO / "data/toy/primary"), help="a local model folder")
@@ -94,6 +119,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--decode-regime", default="eager", choices=list(fd.REGIMES),
+                        help="the decode regime both numerics regimes run in")
+    parser.add_argument("--batch-rows", type=int, default=0,
+                        help="rows of the batch-invariance control (0: skip it; needs a static decode regime)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     args = parser.parse_args(argv)
 
@@ -103,14 +132,18 @@ def main(argv=None) -> dict:
         model = build_model(args.shape, args.precision, args.device)
         twin = copy.deepcopy(model)
         invariant.apply(twin)
-        decoders = {"default": Decoder(model, ()), "invariant": Decoder(twin, ())}
-        device_name = torch.cuda.get_device_name() if decoders["default"].device.type == "cuda" else "cpu"
+        models = {"default": model, "invariant": twin}
+        device_name = torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"
     else:
+        models = {}
         for numerics in ("default", "invariant"):
             loaded = load_model(ModelSource("local", str(args.model)), args.precision, args.device,
                                 args.attn_implementation, numerics=numerics)
-            decoders[numerics] = Decoder(loaded.model, ())
+            models[numerics] = loaded.model
             device_name = loaded.info["device"]
+    max_len = args.prefill_len + args.decode_steps + 8
+    decoders = {name: Decoder(m, ()) if args.decode_regime == "eager" else
+                fd.StaticDecoder(m, (), max_len=max_len, regime=args.decode_regime) for name, m in models.items()}
     vocab = decoders["default"].model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab, (args.prefill_len,), generator=generator).tolist()
@@ -126,7 +159,7 @@ def main(argv=None) -> dict:
     result = {
         "device": device_name, "precision": args.precision, "threads": flags["cpu_threads"],
         "model": args.shape or str(args.model), "attn_implementation": args.attn_implementation,
-        "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+        "decode_regime": args.decode_regime, "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
         "clock": "process CPU time" if decoders["default"].device.type == "cpu" else "wall time",
         "kernels": invariant.describe(decoders["invariant"].model)["kernels"],
         "random_weights": bool(args.shape), "torch": torch.__version__,
@@ -139,6 +172,8 @@ def main(argv=None) -> dict:
     result["prefill_time_ratio"] = result["invariant"]["prefill_s"] / result["default"]["prefill_s"]
     result["decode_time_ratio"] = result["invariant"]["decode_s_per_token"] / result["default"]["decode_s_per_token"]
     result["decode_within_1.5x"] = result["decode_time_ratio"] <= 1.5  # the goal, set for a GPU at batch 1
+    if args.batch_rows:
+        result["batch_invariance"] = {name: batch_check(m, args, vocab) for name, m in models.items()}
 
     print(f"{result['model']} {args.precision} on {device_name}, {result['threads']} thread(s), prefill "
           f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}, {result['clock']}")
@@ -150,6 +185,10 @@ def main(argv=None) -> dict:
     print(f"invariant / default time: prefill {result['prefill_time_ratio']:.2f}x, decode "
           f"{result['decode_time_ratio']:.2f}x with the {result['kernels']} kernels (the goal, decode within 1.5x at "
           "batch 1, is set for a GPU)")
+    for name, check in result.get("batch_invariance", {}).items():
+        print(f"batch invariance, {name}: {check['rows']} rows of {check['prompt_lengths']} prompt tokens decoded "
+              f"together vs alone: {check['cache_disagreements']} cache and {check['token_disagreements']} token "
+              "disagreements")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

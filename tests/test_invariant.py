@@ -249,10 +249,38 @@ def test_later_stages_read_the_recorded_regime(tmp_path):
     assert invariant.recorded_numerics(tmp_path / "old.parquet") == "default"
 
 
-def test_invariant_with_a_static_decode_regime_is_refused(tmp_path):
-    from stagereplay.stages import reconstruct_prefixes
+def batched_and_single_ledgers(tmp_path, precision, numerics):
+    """The matched stage's ledger for 4 toy items with the static decoder, at batch 1 and in batches of 3."""
+    from stagereplay.ledger import read_parquet
+    from stagereplay.stages import reconstruct_prefixes, select_items
 
-    with pytest.raises(ValueError, match="decode_regime: eager only"):
-        reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "l.parquet"), str(tmp_path / "p.parquet"),
-                             model="data/toy", revision="primary", precision="bf16", boundary={"marker": ";"},
-                             max_stage_tokens=8, max_new_tokens=8, decode_regime="static", numerics="invariant")
+    items = tmp_path / "items.parquet"
+    select_items({"source": "synthetic", "size": 50, "seed": 0}, 4, 0, str(items))
+    common = dict(model=str(REPO / "data/toy"), revision="primary", precision=precision,
+                  boundary={"marker": ";", "occurrence": 1}, max_stage_tokens=24, max_new_tokens=8, device="cpu",
+                  attn_implementation="sdpa", decode_regime="static", numerics=numerics, progress=False)
+    ledgers = {}
+    for batch_size in (1, 3):
+        out = tmp_path / f"ledger{batch_size}.parquet"
+        reconstruct_prefixes(str(items), str(out), str(tmp_path / f"prefixes{batch_size}.parquet"),
+                             batch_size=batch_size, **common)
+        ledger = read_parquet(out).sort_values(["item_index", "construction", "replica"])
+        ledgers[batch_size] = ledger.reset_index(drop=True)
+    return ledgers[1], ledgers[3]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_pipeline_stage_is_batch_invariant_under_the_regime(tmp_path, precision):
+    """numerics: invariant with the static decoder: a batched ledger (batches of 3, left-padded) holds the same
+    trajectories and fingerprints, row for row, as a batch-1 ledger; only the batch columns differ."""
+    one, three = batched_and_single_ledgers(tmp_path, precision, "invariant")
+    assert sorted(three["batch_rows"].unique()) == [1, 3] and (one["status"] == "ok").sum() >= 4
+    assert set(one["numerics"]) == set(three["numerics"]) == {"invariant"}
+    for column in ("status", "stage_ids", "suffix_ids", "cache_fingerprint", "suffix_fingerprint"):
+        assert [repr(v) for v in one[column]] == [repr(v) for v in three[column]], column
+
+
+def test_the_pipeline_stage_depends_on_the_batch_in_the_default_regime(tmp_path):
+    """The control for the test above: in fp32 the default regime's batched caches are other bytes."""
+    one, three = batched_and_single_ledgers(tmp_path, "fp32", "default")
+    assert list(one["cache_fingerprint"]) != list(three["cache_fingerprint"])

@@ -26,6 +26,12 @@ further construction factor, fixed by a seeded :func:`batch_plan` and checked by
 cache like a ``DynamicCache`` as far as :mod:`stagereplay.compat` reads one, so the engine's
 ``generate_to_boundary``, ``build_cache`` and ``continue_greedy`` run in this regime unchanged.
 Qwen2-style decoders only (Qwen2/2.5, Llama-like layouts with q/k/v/o projections and full attention).
+
+Under ``numerics: invariant`` (a model switched by :func:`stagereplay.invariant.apply`) the static forward
+computes through the regime's kernels instead (Triton on CUDA): every GEMM, norm, rotary and activation is
+row-invariant and the attention reads each row's own keys only, in blocks aligned at its first real key. A
+row's bits then depend neither on its padding nor on the other rows: batched results equal batch-1 results
+byte for byte, and prefill equals live.
 """
 
 from __future__ import annotations
@@ -207,6 +213,15 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, span) -> (graph, ids, index, logits)
         self.cache_kw = "static"
         self.fused = [_fuse_layer(layer) for layer in model.model.layers]
+        self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
+        if self.kernels is not None:
+            from .invariant import describe
+
+            self.block_size = int(describe(model)["attention_block_size"])
+            with torch.no_grad():  # the regime's rotary table, gathered by position in the forward (no host sync)
+                probe = torch.empty(0, dtype=self.dtype, device=self.device)
+                cos, sin = model.model.rotary_emb(probe, self.positions[None])
+            self.cos_table, self.sin_table = cos[0], sin[0]  # (max_len, head_dim)
 
     def describe(self) -> dict:
         return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
@@ -259,6 +274,8 @@ class StaticDecoder:
         Written for few kernels per layer (a graph replays them all, but each still costs a launch on the
         device): fused RMSNorm, one RoPE over q and k together, scale and mask folded into one batched GEMM.
         """
+        if self.kernels is not None:
+            return self._forward_invariant(ids, index, rows)
         inner = self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
@@ -305,6 +322,42 @@ class StaticDecoder:
         norm = inner.norm
         h = torch.nn.functional.rms_norm(h[:, -1:], (hidden,), norm.weight, norm.variance_epsilon)
         return self.model.lm_head(h)[:, 0].float()  # (rows, vocab)
+
+    def _forward_invariant(self, ids: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """``_forward`` under ``numerics: invariant``: the same layer, every operation through the regime's
+        row-invariant kernels (token rows flattened to (rows * T, features)), attention over each row's own keys."""
+        ops = self.kernels
+        inner = self.model.model
+        T = ids.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        pads = self.pads[:rows]
+        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        cos = self.cos_table[position_ids].reshape(rows * T, D)
+        sin = self.sin_table[position_ids].reshape(rows * T, D)
+        h = inner.embed_tokens(ids).reshape(rows * T, -1)
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b, gate_up_w = self.fused[i]
+            norm = layer.input_layernorm
+            qkv = ops.linear(ops.rms_norm(h, norm.weight, norm.variance_epsilon), qkv_w, qkv_b)
+            q = ops.rotary(qkv[:, : H * D].reshape(rows * T, H, D), cos, sin)
+            k = ops.rotary(qkv[:, H * D: (H + KV) * D].reshape(rows * T, KV, D), cos, sin)
+            v = qkv[:, (H + KV) * D:].reshape(rows, T, KV, D).transpose(1, 2)
+            kb, vb = self.k[i][:rows], self.v[i][:rows]  # (rows, KV, max_len, D)
+            with _unique_index_writes():
+                kb.index_copy_(2, index, k.view(rows, T, KV, D).transpose(1, 2))
+                vb.index_copy_(2, index, v)
+            out = ops.attention_rows(q.view(rows, T, H, D), kb, vb, pads, index, attn.scaling, self.block_size)
+            h = h + ops.linear(out.reshape(rows * T, H * D), attn.o_proj.weight, attn.o_proj.bias)
+            norm = layer.post_attention_layernorm
+            gate_up = ops.linear(ops.rms_norm(h, norm.weight, norm.variance_epsilon), gate_up_w, None)
+            width = gate_up.shape[1] // 2
+            hidden = ops.gated_act(mlp.act_fn, gate_up[:, :width], gate_up[:, width:])
+            h = h + ops.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
+        last = h.view(rows, T, -1)[:, -1]
+        norm = inner.norm
+        return ops.linear(ops.rms_norm(last, norm.weight, norm.variance_epsilon), self.model.lm_head.weight,
+                          self.model.lm_head.bias).float()  # (rows, vocab)
 
     def _capture(self, rows: int, span: int):
         ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=self.device)

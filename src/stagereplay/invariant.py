@@ -19,6 +19,10 @@ is computed with a reduction order that does not depend on the number of rows):
   -> (m, heads, d)``: the row at cache position ``p`` attends keys ``0..p`` in blocks of ``block_size`` keys
   taken in ascending order, with an online softmax in fp32 (running max, running sum, rescaled accumulator).
   A decode step is the one-row case of the same code: same blocks, same order, same partial last block.
+- ``attention_rows(q (rows, T, heads, d), keys (rows, kv, L, d), values, pads (rows,), index (T,), scaling,
+  block_size) -> (rows, T, heads, d)``: the same over the static decoder's left-padded K/V buffer, a row's
+  key blocks aligned at its first real key, so that its bits depend neither on its padding nor on the other
+  rows of the batch (batch invariance).
 
 What needs no kernel: embeddings (a gather) and residual additions (element-wise additions, exactly rounded
 per element whatever the vector width) are invariant already. Rotary cos/sin come from a table computed in
@@ -102,6 +106,22 @@ class ReferenceKernels:
         # q (m, heads, d); keys/values (kv, L, d); row i attends cache positions 0..positions[i]
         rows = [self._attention_row(q[i], keys, values, int(p), scaling, block_size) for i, p in enumerate(positions)]
         return torch.stack(rows).to(q.dtype)
+
+    def attention_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor,
+                       index: torch.Tensor, scaling: float, block_size: int) -> torch.Tensor:
+        """Left-padded rows over a K/V buffer (the static decoder's layout): q (rows, T, heads, d) at buffer
+        positions ``index[0]``..; keys/values (rows, kv, L, d); row r's keys start at ``pads[r]``, its blocks
+        aligned there. A padding query (before its row's first key) gets zeros."""
+        rows, T, heads, d = q.shape
+        first = int(index[0])
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        for r in range(rows):
+            pad = int(pads[r])
+            real = [t for t in range(T) if first + t >= pad]
+            if real:
+                out[r, real[0]:] = self.attention(q[r, real[0]:], keys[r, :, pad:], values[r, :, pad:],
+                                                  [first + t - pad for t in real], scaling, block_size)
+        return out
 
     @staticmethod
     def _attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int, scaling: float,
@@ -316,4 +336,5 @@ def apply(model, kernels=None, block_size: int = BLOCK_SIZE) -> dict:
     if hasattr(kernels, "describe"):
         info["kernel_config"] = kernels.describe()
     model._stagereplay_numerics = info
+    model._stagereplay_kernels = kernels  # the static decoder computes through the same kernels
     return dict(info)

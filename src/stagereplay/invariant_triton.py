@@ -43,8 +43,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,29 +109,33 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D: tl.constexpr, HAL
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, M, first_position, heads, groups, stride_kh, stride_kl,
-                      scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    kv_head = tl.program_id(0)
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, heads, kv_heads, groups, stride_kr,
+                      stride_kh, stride_kl, scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr, D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0) // kv_heads
+    kv_head = tl.program_id(0) % kv_heads
     pid = tl.program_id(1)
-    # packed rows: r -> (query position index r // groups, query head kv_head * groups + r % groups)
+    first = tl.load(index_ptr)  # buffer position of the call's first token
+    pad = tl.load(pads_ptr + row)  # the row's first real key: key blocks are aligned there
+    # packed rows: r -> (token r // groups, query head kv_head * groups + r % groups)
     r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     token = r // groups
     head = kv_head * groups + r % groups
-    valid = token < M
-    position = first_position + token  # the row's cache position: it attends keys 0..position
+    valid = token < T
+    position = first + token  # the query's buffer position: it attends keys pad..position
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (token * heads + head)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    q_rows = (row * T + token) * heads + head
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    last = first_position + tl.minimum((pid * BLOCK_M + BLOCK_M - 1) // groups, M - 1)  # furthest row here
+    last = first + tl.minimum((pid * BLOCK_M + BLOCK_M - 1) // groups, T - 1)  # furthest query of this tile
     keys = tl.arange(0, BLOCK_N)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_kh
-    for start in range(0, last + 1, BLOCK_N):
+    k_base = k_ptr + row * stride_kr + kv_head * stride_kh
+    v_base = v_ptr + row * stride_kr + kv_head * stride_kh
+    for start in range(pad, last + 1, BLOCK_N):
         kpos = start + keys
         in_cache = kpos <= last
         k = tl.load(k_base + kpos[None, :] * stride_kl + d[:, None], mask=in_cache[None, :], other=0.0)  # (D, N)
@@ -145,7 +149,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, M, first_position, heads, gr
         seen = (kpos[None, :] <= position[:, None]) & valid[:, None]
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # padding rows: nothing seen yet
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # padding queries: nothing seen yet
         p = tl.exp(scores - safe_max[:, None])
         rescale = tl.exp(running_max - safe_max)
         running_sum = running_sum * rescale + tl.sum(p, axis=1)
@@ -159,8 +163,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, M, first_position, heads, gr
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
     out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-    tl.store(out_ptr + (token * heads + head)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None])
+    tl.store(out_ptr + q_rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def _config(dtype: torch.dtype) -> dict:
@@ -224,20 +227,30 @@ class TritonKernels:
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int],
                   scaling: float, block_size: int) -> torch.Tensor:
         # q (m, heads, d) at cache positions positions[0].. (consecutive); keys/values (kv, L, d)
-        q = _contiguous(q)
-        m, heads, d = q.shape
-        kv = keys.shape[0]
         first = int(positions[0])
-        if list(positions) != list(range(first, first + m)):
+        if list(positions) != list(range(first, first + q.shape[0])):
             raise ValueError("the Triton attention takes consecutive cache positions")
+        index = torch.full((1,), first, dtype=torch.long, device=q.device)
+        pads = torch.zeros(1, dtype=torch.long, device=q.device)
+        return self.attention_rows(q[None], keys[None], values[None], pads, index, scaling, block_size)[0]
+
+    def attention_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor,
+                       index: torch.Tensor, scaling: float, block_size: int) -> torch.Tensor:
+        """Left-padded rows over a K/V buffer: q (rows, T, heads, d) at buffer positions ``index[0]``..; keys
+        and values (rows, kv, L, d); row r's real keys start at ``pads[r]`` and its key blocks are aligned
+        there, so a row computes the same bits whatever its padding and whatever the other rows hold. Reads
+        ``index`` and ``pads`` on the device (no host sync: a CUDA graph can hold it)."""
+        q = _contiguous(q)
+        rows, T, heads, d = q.shape
+        kv = keys.shape[1]
         if keys.stride(-1) != 1 or values.stride() != keys.stride():
             keys, values = keys.contiguous(), values.contiguous()
         groups = heads // kv
         out = torch.empty_like(q)
         config = _config(q.dtype)
-        grid = (kv, triton.cdiv(m * groups, config["attention_rows"]))
-        _attention_kernel[grid](q, keys, values, out, m, first, heads, groups, keys.stride(0), keys.stride(1),
-                                float(scaling), IEEE=q.dtype == torch.float32, INTERPRET=_INTERPRET, D=d,
-                                BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
+        grid = (rows * kv, triton.cdiv(T * groups, config["attention_rows"]))
+        _attention_kernel[grid](q, keys, values, out, index, pads, T, heads, kv, groups, keys.stride(0),
+                                keys.stride(1), keys.stride(2), float(scaling), IEEE=q.dtype == torch.float32,
+                                INTERPRET=_INTERPRET, D=d, BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
                                 num_warps=config["attention_warps"])
         return out

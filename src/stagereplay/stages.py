@@ -76,9 +76,6 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                         prompt=prompt, seed=seed, numerics=numerics)
     if bridge_path is not None:
         config_slice["bridge"] = bridge
-    if numerics == "invariant" and decode_regime != "eager":
-        raise ValueError(f"numerics: invariant runs with decode_regime: eager only (the {decode_regime} regime "
-                         "drives the model's modules with its own attention); set one of them back")
     if batch_size > 1 and decode_regime == "eager":
         raise ValueError("batch_size > 1 decodes items together over a static buffer: set decode_regime to "
                          "static or cuda_graph (or batch_size: 1)")

@@ -29,11 +29,6 @@ if config["batch_size"] > 1:
         "could not reproduce batched rows; batched decoding runs through bench/benchmark.py and "
         "stagereplay.fastdecode.matched_batch for now. Set batch_size: 1"
     )
-if config["numerics"] == "invariant" and config["decode_regime"] != "eager":
-    raise ValueError(
-        f"numerics: invariant runs with decode_regime: eager only, not {config['decode_regime']!r} (that regime "
-        "drives the model's modules with its own attention); set one of them back"
-    )
 if (
     config["boundary"].get("token_id") is not None
     and config["boundary"].get("marker") == "</think>"
