@@ -27,15 +27,22 @@ import torch
 import triton
 import triton.language as tl
 
-# One launch configuration per dtype for every shape: changing any of these changes the regime's bits (they are
-# recorded). bf16/fp16 tiles feed the tensor cores; fp32 runs ``ieee`` products on the FMA units, where a tall
-# tile would only multiply the work of a decode step's single row, so its tiles are 16 rows high.
+# One launch configuration per dtype for every number of rows: changing any of these changes the regime's bits
+# (they are recorded). bf16/fp16 tiles feed the tensor cores; fp32 runs ``ieee`` products on the FMA units, where
+# a tall tile would only multiply the work of a decode step's single row, so its tiles are 16 rows high. The
+# tile width depends on the weight alone (its output features N), never on the rows: a narrow weight gets
+# narrow tiles so that a one-row decode step still spreads its weight over many programs (there is no split-K).
 CONFIGS = {
     "half": {"linear": (64, 64, 64), "linear_warps": 4, "linear_stages": 3, "attention_rows": 64,
              "attention_warps": 4},
     "fp32": {"linear": (16, 64, 32), "linear_warps": 4, "linear_stages": 2, "attention_rows": 16,
              "attention_warps": 4},
 }
+LINEAR_WIDTHS = ((16384, 64), (4096, 32), (0, 16))  # (at least N output features, tile width)
+
+
+def _tile_width(n: int, widest: int) -> int:
+    return min(widest, next(width for at_least, width in LINEAR_WIDTHS if n >= at_least))
 # Triton's CPU interpreter multiplies bf16 tiles as raw 16-bit integers; under it, tiles go to fp32 first (the
 # interpreter checks indexing, masking and the online softmax, not the GPU's bits)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -181,7 +188,8 @@ class TritonKernels:
 
     def describe(self) -> dict:
         return {"configs": {k: {n: list(v) if isinstance(v, tuple) else v for n, v in c.items()}
-                            for k, c in CONFIGS.items()}, "triton": triton.__version__}
+                            for k, c in CONFIGS.items()},
+                "linear_tile_width_by_n": [list(w) for w in LINEAR_WIDTHS], "triton": triton.__version__}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x, weight = _contiguous(x), _contiguous(weight)
@@ -189,7 +197,8 @@ class TritonKernels:
         n = weight.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         config = _config(x.dtype)
-        block_m, block_n, block_k = config["linear"]
+        block_m, widest, block_k = config["linear"]
+        block_n = _tile_width(n, widest)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
                              weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
