@@ -259,3 +259,20 @@ def test_partial_transplant_config_gets_the_other_defaults():
     validate(cfg, SCHEMA, set_default=True)
     assert cfg["transplant"]["sweeps"][0] == "all" and "single_layers" not in cfg["transplant"]["sweeps"]
     assert cfg["transplant"]["seed"] == 0 and cfg["dump"] == {"items": "divergent"}
+
+
+@pytest.mark.parametrize("positions", [3, 4096])  # 0.1 MB: hashed in line; 32 MB: hashed in threads
+def test_fingerprints_are_sha256_of_the_exact_bytes_at_any_size(positions):
+    import hashlib
+
+    from stagereplay.ledger import PARALLEL_HASH_BYTES
+
+    generator = torch.Generator().manual_seed(0)
+    layers = [tuple(torch.randn(1, 4, positions, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+              for _ in range(8)]
+    raw = [bytes(t.view(torch.uint8).numpy()) for pair in layers for t in pair]
+    assert (sum(map(len, raw)) >= PARALLEL_HASH_BYTES) == (positions == 4096)
+    whole, ks, vs = fingerprint_layers(layers)
+    assert whole == hashlib.sha256(b"".join(raw)).hexdigest()
+    assert ks == [hashlib.sha256(b).hexdigest() for b in raw[0::2]]
+    assert vs == [hashlib.sha256(b).hexdigest() for b in raw[1::2]]

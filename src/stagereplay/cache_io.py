@@ -51,15 +51,16 @@ def save_cache(path: str | Path, cache, meta: dict) -> dict:
     ``meta`` carries what the cache is (item_index, item_id, revision, precision, construction,
     prefix_fingerprint, pending_id, ...); the fingerprints are computed here from the exact bytes.
     """
-    layers = compat.cache_layers(cache)
+    # one device-to-host copy per tensor, shared by the fingerprints and the file
+    layers = [(k.detach().contiguous().cpu(), v.detach().contiguous().cpu()) for k, v in compat.cache_layers(cache)]
     whole, ks, vs = fingerprint_layers(layers)
     record = {**meta, "format": FORMAT, "num_layers": len(layers), "cache_fingerprint": whole,
               "k_sha256": ks, "v_sha256": vs,
               "shape": list(layers[0][0].shape) if layers else [], "dtype": str(layers[0][0].dtype) if layers else ""}
     tensors = {}
     for i, (k, v) in enumerate(layers):
-        tensors[f"layers.{i}.keys"] = k.detach().contiguous().cpu()
-        tensors[f"layers.{i}.values"] = v.detach().contiguous().cpu()
+        tensors[f"layers.{i}.keys"] = k
+        tensors[f"layers.{i}.values"] = v
     path = Path(path)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(record, sort_keys=True)})
