@@ -282,6 +282,25 @@ def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_p
     return source, resolved_commit, config, common
 
 
+def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict, vocab_size: int | None):
+    """The tokenizer of resolved ``source``, refused when it has more tokens than the model's vocabulary.
+
+    ``requested`` is what the user named (for messages); ``common`` the ``from_pretrained`` keywords from
+    :func:`checked_config`. Shared by :func:`load_model` and the preflight check."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"{vocab_size}: they do not belong together; point model at a folder holding both"
+        )
+    return tokenizer
+
+
 def load_model(
     source: ModelSource,
     precision: str,
@@ -296,7 +315,7 @@ def load_model(
 
     ``numerics: invariant`` switches the model to the batch-invariant regime of :mod:`stagereplay.invariant`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if precision not in PRECISIONS:
         raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
@@ -311,16 +330,11 @@ def load_model(
         kwargs["use_safetensors"] = True
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except ImportError as exc:
         raise ModelLoadError(f"loading {requested.describe()} needs an optional package: {exc}") from exc
     except Exception as exc:
         raise ModelLoadError(f"cannot load {requested.describe()}: {exc}") from exc
-    if len(tokenizer) > model.config.vocab_size:
-        raise ModelLoadError(
-            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
-            f"{model.config.vocab_size}: they do not belong together; point model at a folder holding both"
-        )
+    tokenizer = checked_tokenizer(source, requested, common, model.config.vocab_size)
     model.to(dev).eval()
     model.requires_grad_(False)
     regime = {"numerics": "default"}

@@ -14,27 +14,14 @@ from pathlib import Path
 
 from . import datasets
 from .experiment import Prompter, check_context
-from .models import ModelLoadError, ModelSource, checked_config, go_offline, resolve_source
+from .models import ModelLoadError, ModelSource, checked_config, checked_tokenizer, go_offline, resolve_source
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
                 offline: bool = True):
     """The checks :func:`stagereplay.models.load_model` makes, without the weights: (model config, tokenizer)."""
-    from transformers import AutoTokenizer
-
-    requested = source
-    source, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise ModelLoadError(
-            f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "
-            f"{vocab}: they do not belong together; point model at a folder holding both"
-        )
-    return config, tokenizer
+    resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
+    return config, checked_tokenizer(resolved, source, common, getattr(config, "vocab_size", None))
 
 
 def check_run(config: dict, base_dir: str | Path = ".") -> dict:
