@@ -179,18 +179,16 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
     row["eager_loop_tok_s"], eager_ids = rate_engine(Decoder(model, ()), prompt, n)
     log(f"  {shape} {precision}: eager DynamicCache loop {row['eager_loop_tok_s']:.1f} tok/s")
     max_len = args.prompt_len + n + 8
-    if torch.cuda.is_available():
-        graph = fd.StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches), regime="cuda_graph")
-        row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
-        row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
+    cuda = torch.cuda.is_available()  # CPU: the static regime stands in (no graphs), so every code path still runs
+    graph = fd.StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches),
+                             regime="cuda_graph" if cuda else "static")
+    row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
+    row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
+    if cuda:
         static = fd.StaticDecoder(model, (), max_len=max_len, regime="static")
         _, static_ids = rate_engine(static, prompt, min(n, 16))
         row["static_equals_graph_first16"] = static_ids == graph_ids[: len(static_ids)]
         del static
-    else:  # CPU: the static regime stands in (no graphs), so every code path still runs
-        graph = fd.StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches), regime="static")
-        row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
-        row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
     row["eager_vs_graph_first_divergence"] = first_divergence(eager_ids, graph_ids)
     log(f"  {shape} {precision}: cuda_graph b1 engine {row['graph_engine_tok_s']:.1f} tok/s, device loop "
         f"{row['graph_device_loop_tok_s']:.1f} tok/s ({row['graph_device_loop_tok_s'] / floor:.0%} of floor "
