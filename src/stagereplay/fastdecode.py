@@ -715,24 +715,12 @@ def plan_record(plan: BatchPlan | None) -> dict | None:
 
 
 def recorded_plan(path) -> BatchPlan | None:
-    """The batch plan recorded in a results file's provenance (a gathered file: its parts'), or None at batch 1.
+    """The batch plan recorded in a results file's provenance (a gathered file: its parts'), or None at batch 1."""
+    from .ledger import recorded_batch_plan
 
-    Parts that record different plans are an error: their rows were not decoded in one plan."""
-    from .ledger import read_provenance
-
-    prov = read_provenance(path)
-    plans = []
-    for record in [prov, *prov.get("parts", [])]:
-        plan = record.get("batch_plan")
-        if plan and plan not in plans:
-            plans.append(plan)
-    if not plans:
+    plan = recorded_batch_plan(path)
+    if plan is None:
         return None
-    if len(plans) > 1:
-        raise ValueError(f"{path}: its parts record {len(plans)} different batch plans (seeds "
-                         f"{[p['seed'] for p in plans]}, sizes {[p['batch_size'] for p in plans]}); rerun the "
-                         "generation so that every part uses one plan")
-    plan = plans[0]
     return BatchPlan(int(plan["seed"]), int(plan["batch_size"]), tuple(tuple(b) for b in plan["batches"]))
 
 

@@ -31,7 +31,7 @@ from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
 from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
 from .gpus import claim_gpu
-from .fastdecode import decoder_from_record, recorded_regime, regime_info
+from .fastdecode import decoder_from_record, recorded_plan, recorded_regime, regime_info
 from .invariant import recorded_numerics
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .transplant import enumerate_sweeps, run_transplants, select_items
@@ -95,6 +95,11 @@ TRANSPLANT_SCHEMA = pa.schema([
 def _load_decoder(model, revision, precision, device, attn_implementation, threads, trust_remote_code,
                   allow_pickle, offline, base_dir, regime_from):
     """Model and decoder, the decoder in the regime recorded in ``regime_from`` (the generation's own)."""
+    if recorded_plan(regime_from) is not None:
+        raise NotImplementedError(
+            f"{regime_from} was decoded with batch_size > 1; cache dumps and transplants rebuild each item's caches "
+            "alone and would not reproduce its batched rows (they cannot yet rebuild and continue a row inside its "
+            "recorded batch). Run transplants on a batch_size: 1 run")
     flags = set_determinism(threads)
     gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
     loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,

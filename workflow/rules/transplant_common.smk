@@ -19,8 +19,9 @@ for _slug, _name in TRANSPLANT_REVISIONS.items():
         raise ValueError(
             f"transplant.revisions: {_name!r} and {ALL_REVISIONS[_slug]!r} share the folder name {_slug!r}; rename one"
         )
-REPORT_INPUTS["transplant"] = f"{RESULTS}/{{revision}}/transplant.parquet"
-REPORT_REVISIONS["transplant"] = list(TRANSPLANT_REVISIONS)
+if config["batch_size"] == 1:  # batched runs leave transplants out (transplant.smk says why; so does the report)
+    REPORT_INPUTS["transplant"] = f"{RESULTS}/{{revision}}/transplant.parquet"
+    REPORT_REVISIONS["transplant"] = list(TRANSPLANT_REVISIONS)
 
 
 def revision_name(wildcards):
