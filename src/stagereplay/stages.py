@@ -20,6 +20,7 @@ from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched
 from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
+from .preflight import check_batching
 
 log = logging.getLogger("stagereplay")
 
@@ -81,9 +82,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     if numerics == "invariant" and decode_regime != "eager":
         raise ValueError(f"numerics: invariant runs with decode_regime: eager only (the {decode_regime} regime "
                          "drives the model's modules with its own attention); set one of them back")
-    if batch_size > 1 and decode_regime == "eager":
-        raise ValueError("batch_size > 1 decodes items together over a static buffer: set decode_regime to "
-                         "static or cuda_graph (or batch_size: 1)")
+    check_batching(batch_size, decode_regime)
     flags = set_determinism(threads)
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)

@@ -6,6 +6,7 @@ from snakemake.utils import validate
 
 import stagereplay
 from stagereplay.models import revision_slug
+from stagereplay.preflight import check_batching
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 
@@ -23,12 +24,7 @@ if len(REVISIONS) != len(config["revisions"]):
         f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
     )
 SHARDS = list(range(config["shards"]))
-if config["batch_size"] > 1 and config["decode_regime"] == "eager":
-    raise ValueError(
-        f"batch_size: {config['batch_size']} decodes items together over a static, left-padded K/V buffer, which "
-        "decode_regime: eager does not have; set decode_regime: static (any device) or cuda_graph (CUDA), or "
-        "batch_size: 1"
-    )
+check_batching(config["batch_size"], config["decode_regime"])
 if config["numerics"] == "invariant" and config["decode_regime"] != "eager":
     raise ValueError(
         f"numerics: invariant runs with decode_regime: eager only, not {config['decode_regime']!r} (that regime "
