@@ -8,6 +8,8 @@ fingerprints, margins as float32 bytes, answer and label) with what the ledger h
   itself equal the ledger's matched live prefix at the reference precision (audited in its own right).
 Each distinct computation runs once and every replica row that claims it is compared with it (replicas are
 bit-exact by contract). A row that the experiment implies but the ledger lacks is reported as missing.
+A batched ledger (a ``batch_plan`` in its provenance) is recomputed batch by batch, each row in its recorded batch
+(:func:`recompute_batch`), and compared the same way, its batch columns included.
 
 Findings are data, not exceptions: :func:`audit_item` never raises on a mismatch. :func:`failures_message`
 turns the failing rows into the message with which the pipeline stops.
@@ -39,6 +41,8 @@ AUDIT_SCHEMA = pa.schema([
 ])
 
 KEY = ("experiment", "construction", "replica")
+# (experiment, construction) pairs the audit knows how to recompute
+RECIPES = {("matched", "live"), ("matched", "prefill"), *(("fixed_prefix", c) for c in FIXED_PREFIX_CONSTRUCTIONS)}
 
 
 class AuditFailedError(RuntimeError):
@@ -160,9 +164,7 @@ class RecomputedRows(ItemRecomputer):
     def row(self, experiment: str, construction: str, replica: int) -> dict | None:
         if self.error is not None:
             raise self.error
-        if (experiment, construction) not in self._done and (experiment, construction) not in {
-                ("matched", "live"), ("matched", "prefill"),
-                *(("fixed_prefix", c) for c in FIXED_PREFIX_CONSTRUCTIONS)}:
+        if (experiment, construction) not in RECIPES:
             raise KeyError(f"no audit recipe for experiment {experiment!r} construction {construction!r}; "
                            "add one to stagereplay.audit.recompute_batch")
         template = self._done.get((experiment, construction))

@@ -6,7 +6,7 @@ the stage tokens one at a time: the schedule the live generation used), and with
 same ids for contrast; the incremental cache is then continued and its suffix compared with the live one.
 This is what lets the fixed-prefix 2x2 use ``incremental`` in place of ``live`` at a precision that did not
 generate the prefix. It must run where the live cache exists (inside the matched experiment): a live cache
-cannot cross a process boundary.
+cannot cross a process boundary. At batch size > 1 the rebuild runs in the row's own batch (:class:`BatchBridge`).
 
 This module knows nothing of Snakemake; it reads no files.
 """
