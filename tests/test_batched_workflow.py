@@ -12,8 +12,15 @@ from test_workflow import snakemake, tiny_config
 
 BATCHED = dict(n_items=6, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
                decode_regime="static", batch_size=4, bridge={"n_rows": 3, "seed": 0},
-               batch_invariance={"sample": 3, "seed": 0})
+               batch_invariance={"sample": 3, "seed": 0}, dump={"items": "all"},
+               transplant={"select": "sample:3", "seed": 0, "sweeps": ["all", "k_only"]})
 LEDGER = "results/tiny/primary/ledger.parquet"
+
+
+def ok_items(ledger, precision):
+    live = ledger[(ledger["experiment"] == "matched") & (ledger["construction"] == "live")
+                  & (ledger["precision"] == precision) & (ledger["replica"] == 1)]
+    return set(live[live["status"] == "ok"]["item_index"])
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,7 @@ def run_a(tmp_path_factory):
 
 @pytest.mark.slow
 def test_batched_run_end_to_end(run_a):
-    run, log = run_a
+    run, _ = run_a
     res = run / "results/tiny/primary"
     ledger = pd.read_parquet(res / "ledger.parquet")
     plan = read_provenance(res / "ledger.parquet")["parts"][0]["batch_plan"]
@@ -68,8 +75,24 @@ def test_batched_run_end_to_end(run_a):
         assert row["label_equal"] == (row["correct_batched"] == row["correct_alone"])
     report = (run / "results/tiny/report/report.md").read_text()
     assert "### Batch invariance (beyond the study)" in report and "batch size 4, plan seed 0" in report
-    assert "**Not run: this revision's ledger was decoded with batch_size 4, and transplant" in report
-    assert "cache dumps and transplants are left out of this run" in log
+    # dumps and transplants rebuild each row in its batch: the rebuilt caches are the ledger's, byte for byte
+    dumps = pd.read_parquet(res / "caches.parquet")
+    assert len(dumps) == 2 * 2 * len(ok_items(ledger, "bf16"))  # precisions x constructions x items
+    for row in dumps.to_dict("records"):
+        stored = matched.loc[(row["item_index"], row["precision"], "prefill" if row["construction"] == "prefill"
+                              else "live")]
+        assert row["construction"] in ("live", "prefill") and row["live_fingerprint_match"]
+        assert row["cache_fingerprint"] == stored["cache_fingerprint"]
+    transplant = pd.read_parquet(res / "transplant.parquet")
+    assert transplant["item_index"].nunique() == 3 and len(transplant) == 3 * 2 * 2  # items x directions x sweeps
+    assert read_provenance(res / "transplant.parquet")["batch_plan"] == plan
+    for row in transplant.to_dict("records"):
+        for side in ("donor", "recipient"):  # each side's cache is the ledger's batched row
+            assert row[f"{side}_cache_fingerprint"] == matched.loc[(row["item_index"], "bf16", row[side])][
+                "cache_fingerprint"]
+        if row["component"] == "kv":  # all layers, all positions: the recipient now holds the donor's cache
+            assert row["cache_fingerprint"] == row["donor_cache_fingerprint"]
+    assert "### Transplants" in report and "Not run" not in report
     stats = json.loads((run / "results/tiny/report/stats.json").read_text())["revisions"]["primary"]
     assert stats["batch_invariance"]["bf16"]["live"]["suffix_equal"]["n"] == 3
 
@@ -97,11 +120,16 @@ def test_another_plan_seed_records_another_plan(run_a, tmp_path):
 
 
 @pytest.mark.slow
-def test_eager_regime_cannot_batch(tmp_path):
+def test_batching_refuses_what_cannot_work(tmp_path):
     tiny_config(tmp_path, batch_size=2, decode_regime="eager")
     proc = snakemake(tmp_path, "--dry-run", check=False)
     assert proc.returncode != 0
     assert "set decode_regime: static (any device) or cuda_graph" in proc.stdout + proc.stderr
+    tiny_config(tmp_path, batch_size=2, decode_regime="static", revisions=["primary", "later"],
+                transplant={"revisions": ["primary", "later"]})
+    proc = snakemake(tmp_path, "--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "transplant at the primary revision only, or run with batch_size: 1" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

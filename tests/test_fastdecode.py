@@ -375,3 +375,24 @@ def test_compare_alone_finds_each_difference():
     missing = compare_alone({**row, "cache_fingerprint": "", "correct": None},
                             {**row, "cache_fingerprint": "", "correct": None})
     assert not missing["cache_equal"] and missing["label_equal"]  # no cache is never "identical"
+
+
+def test_continue_in_batch_swaps_one_row_and_leaves_the_batch_as_built(models):
+    """A transplant inside a batch: with a row's own layers, its continuation is the one it has in its batch; with
+    another construction's layers, the row's boundary cache is those layers, byte for byte."""
+    decoder = fd.StaticDecoder(models["fp32"], (), max_len=48, max_rows=4)
+    stages = [[3, 4, 5], None, [6, 7, 8, 9]]
+    built = {c: fd.construct_batch(decoder, c, PROMPTS, stages, 5) for c in ("incremental", "prefill")}
+    for construction, rows in built.items():
+        for r in (0, 2):
+            again = fd.continue_in_batch(decoder, construction, PROMPTS, stages, r, rows[r].cache_layers, 5)
+            assert again.suffix_ids == rows[r].suffix_ids and again.margins == rows[r].margins
+            assert fingerprint_layers(again.cache_layers) == fingerprint_layers(rows[r].cache_layers)
+    donor = built["incremental"][2].cache_layers
+    assert fingerprint_layers(donor) != fingerprint_layers(built["prefill"][2].cache_layers)
+    swapped = fd.continue_in_batch(decoder, "prefill", PROMPTS, stages, 2, donor, 5)
+    assert fingerprint_layers(swapped.cache_layers) == fingerprint_layers(donor)
+    back = fd.continue_in_batch(decoder, "incremental", PROMPTS, stages, 2, built["prefill"][2].cache_layers, 5)
+    assert fingerprint_layers(back.cache_layers) == fingerprint_layers(built["prefill"][2].cache_layers)
+    with pytest.raises(ValueError, match="does not fit"):
+        fd.continue_in_batch(decoder, "prefill", PROMPTS, stages, 0, donor, 5)

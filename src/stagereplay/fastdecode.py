@@ -599,6 +599,40 @@ def construct_batch(decoder: StaticDecoder, construction: str, prompts: list[lis
             for r, lay, (suffix, margins, stop) in zip(rows, layers, conts)}
 
 
+def write_row_layers(cache: StaticKV, row: int, end: int, layers) -> None:
+    """Overwrite row ``row``'s boundary cache (buffer positions [its padding, ``end``)) with ``layers``: (K, V) per
+    layer, each (1, kv_heads, end - padding, head_dim). How a transplant enters a batched cache."""
+    pad = int(cache.pads[row])
+    for i, (k, v) in enumerate(layers):
+        bk, bv = cache._tensors(i)
+        if tuple(k.shape) != tuple(bk[row:row + 1, :, pad:end].shape) or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"layer {i}: a row cache of shape {tuple(k.shape)} does not fit row {row}'s "
+                             f"{tuple(bk[row:row + 1, :, pad:end].shape)}")
+        bk[row:row + 1, :, pad:end].copy_(k)
+        bv[row:row + 1, :, pad:end].copy_(v)
+
+
+def continue_in_batch(decoder: StaticDecoder, construction: str, prompts: list[list[int]],
+                      stages: list[list[int] | None], row: int, layers, max_new_tokens: int) -> RowResult:
+    """Row ``row``'s continuation inside its batch when its boundary cache is replaced by ``layers`` (a
+    transplant); every other row is built and continued as :func:`construct_batch` builds ``construction``, so
+    with the row's own layers this is the row's own continuation there."""
+    if construction == "prefill":
+        rows = [r for r, s in enumerate(stages) if s is not None]
+        cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in rows], [stages[r] for r in rows])
+        at = rows.index(row)
+        write_row_layers(cache, at, ends[at], layers)
+        suffix, margins, stop = continue_batch(decoder, cache, [stages[r][-1] for r in rows], max_new_tokens)[at]
+        return RowResult(list(stages[row]), suffix, margins, stop, [(k.clone(), v.clone()) for k, v in layers])
+    if construction == "incremental":
+        def swap(r, cache, end):
+            if r == row:
+                write_row_layers(cache, r, end, layers)
+
+        return generate_batch(decoder, prompts, None, 0, max_new_tokens, forced=stages, at_boundary=swap)[row]
+    raise ValueError(f"continue_in_batch continues prefill and incremental rows, not {construction!r}")
+
+
 def compare_rows(batched: list[RowResult], single: list[RowResult], rows: list[int]) -> list[dict]:
     """Batch-invariance records: each sampled row of a batched run against the same item run alone."""
     from .engine import first_divergence

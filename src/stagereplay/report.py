@@ -21,7 +21,7 @@ import pandas as pd
 
 from . import analysis, stats
 from .engine import first_divergence
-from .ledger import read_parquet, read_provenance, recorded_batch_plan, software_versions, write_text_atomic
+from .ledger import read_parquet, read_provenance, software_versions, write_text_atomic
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",
@@ -44,8 +44,6 @@ PRODUCERS = {
     "cache_differences": "cache_differences.parquet (rule measure_cache_differences)",
     "batch_invariance": "batch_invariance.parquet (rule check_batch_invariance)",
 }
-# Stages that rebuild rows alone and are left out of batched runs (batch_size > 1); the report says so loudly.
-NOT_BATCHED = {"transplant"}
 
 
 BRIDGE_NOTE = (
@@ -522,7 +520,6 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
         data = RevisionData(revision, {kind: paths.get(revision) for kind, paths in inputs.items()}, seed)
         lines += [f"## Revision `{revision}`", ""]
         numbers: dict = {}
-        batched = recorded_batch_plan(data.paths["ledger"]) if data.has("ledger") else None
         if data.has("ledger"):
             line, numbers["regime"] = regime_line(data.ledger)
             lines += [line, ""]
@@ -530,12 +527,6 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
             if section.title:
                 lines += [section.title, ""]
             absent = [kind for kind in section.needs if not data.has(kind)]
-            if absent and batched and set(absent) <= NOT_BATCHED:
-                lines += [f"**Not run: this revision's ledger was decoded with batch_size "
-                          f"{batched['batch_size']}, and {', '.join(absent)} cannot yet rebuild a row inside its recorded "
-                          "batch (it would not reproduce the batched rows). Run it on a batch_size: 1 run.**", ""]
-                numbers[section.key] = {"skipped": f"not run at batch_size {batched['batch_size']}"}
-                continue
             if absent:
                 why = ", ".join(PRODUCERS.get(kind, f"{kind} input") for kind in absent)
                 lines += [f"_Skipped: no {why} for revision `{revision}` yet._", ""]

@@ -64,7 +64,7 @@ rule dump_caches:
         runtime=120,
     params:
         dump_items=config["dump"]["items"],
-        kwargs=replay_model_kwargs,
+        kwargs=dump_kwargs,
         version=CODE_VERSION,
     script:
         "../scripts/dump_caches.py"
@@ -94,13 +94,7 @@ rule transplant_caches:
         "../scripts/transplant_caches.py"
 
 
-if config["batch_size"] == 1:
-    TARGETS.extend(transplants())
-    TARGETS.extend(
-        expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS)
-    )
-else:
-    logger.warning(
-        f"batch_size: {config['batch_size']}: cache dumps and transplants are left out of this run (they rebuild "
-        "caches alone and cannot reproduce batched rows yet); the report says so. Run them with batch_size: 1"
-    )
+TARGETS.extend(transplants())
+TARGETS.extend(
+    expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS)
+)
