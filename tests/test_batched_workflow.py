@@ -75,6 +75,7 @@ def test_batched_run_end_to_end(run_a):
         assert row["label_equal"] == (row["correct_batched"] == row["correct_alone"])
     report = (run / "results/tiny/report/report.md").read_text()
     assert "### Batch invariance (beyond the study)" in report and "batch size 4, plan seed 0" in report
+    assert "Batched run (batch size 4, plan seed 0): each live row is compared" in report
     # dumps and transplants rebuild each row in its batch: the rebuilt caches are the ledger's, byte for byte
     dumps = pd.read_parquet(res / "caches.parquet")
     assert len(dumps) == 2 * 2 * len(ok_items(ledger, "bf16"))  # precisions x constructions x items

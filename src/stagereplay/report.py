@@ -21,7 +21,7 @@ import pandas as pd
 
 from . import analysis, stats
 from .engine import first_divergence
-from .ledger import read_parquet, read_provenance, software_versions, write_text_atomic
+from .ledger import read_parquet, read_provenance, recorded_batch_plan, software_versions, write_text_atomic
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",
@@ -279,7 +279,14 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     if no_boundary:
         lines += ["", f"{no_boundary} bridge row(s) drawn for items that never reached the boundary are not counted."]
     lines += ["", BRIDGE_NOTE]
-    return lines + [""], {"bit_exact": stat, "not_bit_exact_items": [str(i) for i in bad["item_id"]]}
+    plan = recorded_batch_plan(data.paths["bridge"])
+    if plan is not None:
+        lines += ["", f"Batched run (batch size {plan['batch_size']}, plan seed {plan['seed']}): each live row is "
+                  "compared with the incremental rebuild in its own recorded batch (stage ids teacher-forced in the "
+                  "live run's lockstep schedule, rows without a boundary fed padding); the prefill contrast is the "
+                  "row's batched one-shot prefill."]
+    return lines + [""], {"bit_exact": stat, "not_bit_exact_items": [str(i) for i in bad["item_id"]],
+                          "batch_plan": None if plan is None else {k: plan[k] for k in ("seed", "batch_size")}}
 
 
 def audit_section(data: RevisionData) -> tuple[list[str], dict]:
