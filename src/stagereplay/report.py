@@ -279,7 +279,7 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     if no_boundary:
         lines += ["", f"{no_boundary} bridge row(s) drawn for items that never reached the boundary are not counted."]
     lines += ["", BRIDGE_NOTE]
-    plan = recorded_batch_plan(data.paths["bridge"])
+    plan = recorded_batch_plan(data.paths["bridge"]) if data.has("bridge") else None
     if plan is not None:
         lines += ["", f"Batched run (batch size {plan['batch_size']}, plan seed {plan['seed']}): each live row is "
                   "compared with the incremental rebuild in its own recorded batch (stage ids teacher-forced in the "
@@ -421,7 +421,7 @@ def cache_differences_section(data: RevisionData) -> tuple[list[str], dict]:
 def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
     """Batching as a construction factor (beyond the study): sampled items rerun alone against their batched rows."""
     table = data.frame("batch_invariance")
-    prov = read_provenance(data.paths["batch_invariance"])
+    prov = read_provenance(data.paths["batch_invariance"]) if data.has("batch_invariance") else {}
     control = prov.get("batch_invariance") or {}
     if control.get("status") == "not_applicable" or table.empty:
         reason = control.get("reason", "the control compared no rows")
