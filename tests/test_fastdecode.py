@@ -296,3 +296,103 @@ def pd_concat(frames):
     import pandas as pd
 
     return pd.concat(frames, ignore_index=True)
+
+
+def uneven_boundary(ids):
+    """A boundary that rows reach after different numbers of tokens (set by their first id), or never."""
+    return ids[0] % 4 != 0 and len(ids) == 2 + ids[0] % 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_forced_batch_is_the_live_batch_byte_for_byte(models, precision):
+    """The batched bridge: stage ids teacher-forced in the live run's batched schedule give the live rows' caches
+    and suffixes, whatever each row's stage length; a row without a prefix is filler and takes no part."""
+    decoder = fd.StaticDecoder(models[precision], (), max_len=48, max_rows=4)
+    prompts = PROMPTS + [PROMPT[1:7]]
+    live = fd.generate_batch(decoder, prompts, uneven_boundary, 10, 6)
+    stages = [r.stage_ids or None for r in live]
+    assert len({len(s) for s in stages if s}) > 1  # rows reach their boundary at different steps
+    assert None in stages  # and one never does: it is filler in the forced run
+    forced = fd.construct_batch(decoder, "incremental", prompts, stages, 6)
+    assert sorted(forced) == [r for r, s in enumerate(stages) if s]
+    for r, res in forced.items():
+        assert res.stage_ids == live[r].stage_ids and res.suffix_ids == live[r].suffix_ids
+        assert res.margins == live[r].margins
+        assert fingerprint_layers(res.cache_layers) == fingerprint_layers(live[r].cache_layers)
+    # a forced stage that differs from the live one is not the live row (the check can fail)
+    changed = [list(s) if s else None for s in stages]
+    r0 = next(r for r, s in enumerate(changed) if s)
+    changed[r0][0] = (changed[r0][0] + 1) % 19
+    other = fd.construct_batch(decoder, "incremental", prompts, changed, 6)
+    assert fingerprint_layers(other[r0].cache_layers) != fingerprint_layers(live[r0].cache_layers)
+    with pytest.raises(ValueError, match="give None"):
+        fd.generate_batch(decoder, prompts, None, 0, 6, forced=[[], None, None, None])
+
+
+def test_construct_batch_prefill_leaves_rows_without_a_prefix_out(models):
+    decoder = fd.StaticDecoder(models["bf16"], (), max_len=48, max_rows=4)
+    stages = [[3, 4, 5], None, [6, 7]]
+    got = fd.construct_batch(decoder, "prefill", PROMPTS, stages, 5)
+    assert sorted(got) == [0, 2]
+    cache, ends = fd.build_batch(decoder, "prefill", [PROMPTS[0], PROMPTS[2]], [stages[0], stages[2]])
+    want = fd.row_caches(cache, ends)
+    assert [fingerprint_layers(got[r].cache_layers) for r in (0, 2)] == [fingerprint_layers(w) for w in want]
+    suffixes = fd.continue_batch(decoder, cache, [5, 7], 5)
+    assert [got[0].suffix_ids, got[2].suffix_ids] == [s for s, _, _ in suffixes]
+    with pytest.raises(ValueError, match="prefill and incremental"):
+        fd.construct_batch(decoder, "live", PROMPTS, stages, 5)
+
+
+def test_shard_batches_and_the_recorded_plan(tmp_path):
+    import pandas as pd
+
+    from stagereplay.ledger import recorded_batch_plan, write_parquet
+
+    plan = fd.batch_plan([f"i{n}" for n in range(9)], 2, seed=3)
+    shards = [fd.shard_batches(plan, s, 2) for s in range(2)]
+    assert shards == [[0, 2, 4], [1, 3]]
+    frame = pd.DataFrame({"x": [1]})
+    write_parquet(frame, tmp_path / "one.parquet", {"batch_plan": fd.plan_record(plan)})
+    assert fd.recorded_plan(tmp_path / "one.parquet") == plan
+    write_parquet(frame, tmp_path / "batch1.parquet", {"batch_plan": None, "parts": [{"batch_plan": None}]})
+    assert fd.recorded_plan(tmp_path / "batch1.parquet") is None
+    other = fd.plan_record(fd.batch_plan([f"i{n}" for n in range(9)], 2, seed=4))
+    write_parquet(frame, tmp_path / "mixed.parquet", {"parts": [{"batch_plan": fd.plan_record(plan)},
+                                                                {"batch_plan": other}]})
+    with pytest.raises(ValueError, match="2 different batch plans"):
+        recorded_batch_plan(tmp_path / "mixed.parquet")
+
+
+def test_compare_alone_finds_each_difference():
+    from stagereplay.control_stages import compare_alone
+
+    row = {"status": "ok", "stage_ids": [1, 2], "suffix_ids": [3, 4, 5], "cache_fingerprint": "a", "correct": True}
+    same = compare_alone(row, dict(row))
+    assert same["cache_equal"] and same["suffix_equal"] and same["label_equal"] and same["first_divergence"] is None
+    moved = compare_alone(row, {**row, "suffix_ids": [3, 9, 5], "cache_fingerprint": "b", "correct": False})
+    assert not moved["cache_equal"] and moved["stage_equal"] and not moved["suffix_equal"]
+    assert moved["first_divergence"] == 2 + 1 and not moved["label_equal"]
+    missing = compare_alone({**row, "cache_fingerprint": "", "correct": None},
+                            {**row, "cache_fingerprint": "", "correct": None})
+    assert not missing["cache_equal"] and missing["label_equal"]  # no cache is never "identical"
+
+
+def test_continue_in_batch_swaps_one_row_and_leaves_the_batch_as_built(models):
+    """A transplant inside a batch: with a row's own layers, its continuation is the one it has in its batch; with
+    another construction's layers, the row's boundary cache is those layers, byte for byte."""
+    decoder = fd.StaticDecoder(models["fp32"], (), max_len=48, max_rows=4)
+    stages = [[3, 4, 5], None, [6, 7, 8, 9]]
+    built = {c: fd.construct_batch(decoder, c, PROMPTS, stages, 5) for c in ("incremental", "prefill")}
+    for construction, rows in built.items():
+        for r in (0, 2):
+            again = fd.continue_in_batch(decoder, construction, PROMPTS, stages, r, rows[r].cache_layers, 5)
+            assert again.suffix_ids == rows[r].suffix_ids and again.margins == rows[r].margins
+            assert fingerprint_layers(again.cache_layers) == fingerprint_layers(rows[r].cache_layers)
+    donor = built["incremental"][2].cache_layers
+    assert fingerprint_layers(donor) != fingerprint_layers(built["prefill"][2].cache_layers)
+    swapped = fd.continue_in_batch(decoder, "prefill", PROMPTS, stages, 2, donor, 5)
+    assert fingerprint_layers(swapped.cache_layers) == fingerprint_layers(donor)
+    back = fd.continue_in_batch(decoder, "incremental", PROMPTS, stages, 2, built["prefill"][2].cache_layers, 5)
+    assert fingerprint_layers(back.cache_layers) == fingerprint_layers(built["prefill"][2].cache_layers)
+    with pytest.raises(ValueError, match="does not fit"):
+        fd.continue_in_batch(decoder, "prefill", PROMPTS, stages, 0, donor, 5)

@@ -57,6 +57,11 @@ def test_default_workflow_end_to_end(tmp_path):
     assert part["attn_implementation"] == "sdpa" and part["dtype"] == "bfloat16"
     report = (res / "report/report.md").read_text()
     assert "166 / 200" in report and "suffixes that differ" in report
+    # batch_size 1: the batch-invariance control has nothing to compare, and says so
+    invariance = res / "primary/batch_invariance.parquet"
+    assert pd.read_parquet(invariance).empty
+    assert read_provenance(invariance)["batch_invariance"]["status"] == "not_applicable"
+    assert "_Nothing to compare: the ledger was decoded at batch_size 1" in report
     # The paper figures, the cache differences behind figure 4, and `snakemake --report` with their captions.
     for name in FIGURES:
         for fmt, magic in (("pdf", b"%PDF-"), ("png", b"\x89PNG")):

@@ -8,6 +8,8 @@ fingerprints, margins as float32 bytes, answer and label) with what the ledger h
   itself equal the ledger's matched live prefix at the reference precision (audited in its own right).
 Each distinct computation runs once and every replica row that claims it is compared with it (replicas are
 bit-exact by contract). A row that the experiment implies but the ledger lacks is reported as missing.
+A batched ledger (a ``batch_plan`` in its provenance) is recomputed batch by batch, each row in its recorded batch
+(:func:`recompute_batch`), and compared the same way, its batch columns included.
 
 Findings are data, not exceptions: :func:`audit_item` never raises on a mismatch. :func:`failures_message`
 turns the failing rows into the message with which the pipeline stops.
@@ -39,6 +41,8 @@ AUDIT_SCHEMA = pa.schema([
 ])
 
 KEY = ("experiment", "construction", "replica")
+# (experiment, construction) pairs the audit knows how to recompute
+RECIPES = {("matched", "live"), ("matched", "prefill"), *(("fixed_prefix", c) for c in FIXED_PREFIX_CONSTRUCTIONS)}
 
 
 class AuditFailedError(RuntimeError):
@@ -144,6 +148,55 @@ class ItemRecomputer:
                                    build_cache(self.decoder, construction, self.prompt_ids, stage_ids))
         raise KeyError(f"no audit recipe for experiment {experiment!r} construction {construction!r}; "
                        "add one to stagereplay.audit.ItemRecomputer")
+
+
+class RecomputedRows(ItemRecomputer):
+    """One item's rows recomputed together with the rest of its batch (batched ledgers: a row is rebuilt in its
+    recorded batch, never alone). ``rows`` maps (experiment, construction) to the recomputed replica-1 row;
+    ``error``, when the batch's recomputation failed, is raised for every row (a finding, as at batch 1)."""
+
+    def __init__(self, settings: Settings, item: dict, reference_stage_ids: list[int] | None,
+                 rows: dict[tuple[str, str], dict], error: Exception | None = None):
+        self.settings, self.item, self.reference_stage_ids = settings, item, reference_stage_ids
+        self._done = dict(rows)
+        self.error = error
+
+    def row(self, experiment: str, construction: str, replica: int) -> dict | None:
+        if self.error is not None:
+            raise self.error
+        if (experiment, construction) not in RECIPES:
+            raise KeyError(f"no audit recipe for experiment {experiment!r} construction {construction!r}; "
+                           "add one to stagereplay.audit.recompute_batch")
+        template = self._done.get((experiment, construction))
+        return None if template is None else {**template, "replica": replica}
+
+
+def recompute_batch(decoder, tokenizer, prompter: Prompter, matcher: BoundaryMatcher, settings: Settings,
+                    items: list[dict], batch_index: int, reference_stage: dict[int, list[int]],
+                    experiments: set[str]) -> list[RecomputedRows]:
+    """Recompute one batch of the recorded plan at one precision, each computation once (replica 1), exactly
+    as the experiments decoded it: the matched experiment (:func:`stagereplay.fastdecode.matched_batch`) and the
+    fixed-prefix 2x2 (:func:`stagereplay.fixed_prefix.fixed_prefix_batch`) over the reference prefixes."""
+    from .fastdecode import matched_batch
+    from .fixed_prefix import fixed_prefix_batch
+
+    refs = [reference_stage.get(int(item["item_index"])) for item in items]
+    try:
+        rows = []
+        if "matched" in experiments:
+            rows += matched_batch(decoder, tokenizer, prompter, matcher, items, settings, batch_index,
+                                  replicas=(1,))[0]
+        if "fixed_prefix" in experiments:
+            prefixes = [{"item_index": item["item_index"], "prompt_ids": prompter(item["question"]),
+                         "stage_ids": ref or []} for item, ref in zip(items, refs)]
+            rows += fixed_prefix_batch(decoder, tokenizer, items, prefixes, settings, batch_index, replicas=(1,))
+    except Exception as exc:  # a finding about every row of the batch, not a crash of the audit
+        return [RecomputedRows(settings, item, ref, {}, exc) for item, ref in zip(items, refs)]
+    by_item: dict[int, dict] = {}
+    for row in rows:
+        by_item.setdefault(int(row["item_index"]), {})[row["experiment"], row["construction"]] = row
+    return [RecomputedRows(settings, item, ref, by_item.get(int(item["item_index"]), {}))
+            for item, ref in zip(items, refs)]
 
 
 def audit_item(recomputer: ItemRecomputer, stored_rows: list[dict], experiments: set[str]) -> list[dict]:

@@ -6,7 +6,7 @@ the stage tokens one at a time: the schedule the live generation used), and with
 same ids for contrast; the incremental cache is then continued and its suffix compared with the live one.
 This is what lets the fixed-prefix 2x2 use ``incremental`` in place of ``live`` at a precision that did not
 generate the prefix. It must run where the live cache exists (inside the matched experiment): a live cache
-cannot cross a process boundary.
+cannot cross a process boundary. At batch size > 1 the rebuild runs in the row's own batch (:class:`BatchBridge`).
 
 This module knows nothing of Snakemake; it reads no files.
 """
@@ -72,7 +72,11 @@ def _first_differing_position(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def compare_caches(a, b) -> dict:
     """Byte-for-byte comparison of two caches: exact or not, and the first layer, component and position that differ."""
-    la, lb = compat.cache_layers(a), compat.cache_layers(b)
+    return compare_layers(compat.cache_layers(a), compat.cache_layers(b))
+
+
+def compare_layers(la: list, lb: list) -> dict:
+    """:func:`compare_caches` over (K, V) per layer, each (1, kv_heads, seq, head_dim) (a batched row's cache)."""
     result = {"bit_exact": True, "n_layers_differ": 0, "first_layer_differs": None, "component_differs": None,
               "first_position_differs": None}
     if len(la) != len(lb):
@@ -146,4 +150,54 @@ class BridgeRecorder:
     def records(self) -> list[dict]:
         if self._pending:
             raise RuntimeError(f"bridge rows {sorted(self._pending)} were observed but never completed")
+        return [{name: row.get(name) for name in BRIDGE_SCHEMA.names} for row in self.rows]
+
+
+class BatchBridge:
+    """The bridge at batch > 1: the live rows of a batch against the incremental rebuild *in the same batch*.
+
+    The rebuild is the live run's batched schedule with each row's stage ids teacher-forced
+    (:func:`stagereplay.fastdecode.construct_batch`): same plan, same rows, same padding, one token per step, so
+    the row's cache must be the live one byte for byte and its continuation the live suffix. Rows of the batch
+    without a boundary are filler there (fed padding instead of their greedy ids): a bit-exact bridge then also
+    shows that a row's bits do not depend on the other rows' token values. The contrast is the row's one-shot
+    prefill in the batch (the matched experiment's). ``observe`` is the matched experiment's ``on_live_batch``.
+    """
+
+    def __init__(self, decoder, chosen: list[int], revision: str, precision: str, max_new_tokens: int):
+        self.decoder, self.chosen = decoder, set(int(i) for i in chosen)
+        self.revision, self.precision, self.max_new_tokens = revision, precision, max_new_tokens
+        self.rows: list[dict] = []
+
+    def observe(self, items: list[dict], prompts: list[list[int]], live: list) -> None:
+        from .fastdecode import construct_batch
+
+        wanted = [r for r, item in enumerate(items) if int(item["item_index"]) in self.chosen]
+        if not wanted:
+            return
+        stages = [res.stage_ids if res.stage_ids else None for res in live]
+        rebuilt = construct_batch(self.decoder, "incremental", prompts, stages, self.max_new_tokens)
+        prefill = construct_batch(self.decoder, "prefill", prompts, stages, self.max_new_tokens)
+        for r in wanted:
+            item, res = items[r], live[r]
+            base = {"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": self.revision,
+                    "precision": self.precision}
+            if not res.stage_ids:
+                self.rows.append({**base, "status": "nonfinite" if res.stop_reason == "nonfinite"
+                                  else "boundary_missing"})
+                continue
+            inc = rebuilt[r]
+            contrast = compare_layers(res.cache_layers, prefill[r].cache_layers)
+            self.rows.append({
+                **base, "status": "ok",  # the boundary was reached (as at batch 1, whatever the suffix did)
+                **compare_layers(res.cache_layers, inc.cache_layers),
+                "live_cache_fingerprint": fingerprint_layers(res.cache_layers)[0],
+                "incremental_cache_fingerprint": fingerprint_layers(inc.cache_layers)[0],
+                "live_suffix_fingerprint": fingerprint_ids(res.suffix_ids),
+                "incremental_suffix_fingerprint": fingerprint_ids(inc.suffix_ids),
+                "suffix_equal": list(res.suffix_ids) == list(inc.suffix_ids),
+                **{f"prefill_{k}": v for k, v in contrast.items() if k != "n_layers_differ"},
+            })
+
+    def records(self) -> list[dict]:
         return [{name: row.get(name) for name in BRIDGE_SCHEMA.names} for row in self.rows]

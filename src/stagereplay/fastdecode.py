@@ -487,15 +487,26 @@ def _greedy(logits: torch.Tensor):
 
 
 def generate_batch(decoder: StaticDecoder, prompts: list[list[int]], boundary_reached, max_stage_tokens: int,
-                   max_new_tokens: int, keep_cache: bool = True) -> list[RowResult]:
+                   max_new_tokens: int, keep_cache: bool = True, forced: list[list[int] | None] | None = None,
+                   at_boundary=None) -> list[RowResult]:
     """Live construction for several items at once: greedy from each prompt to its boundary, then its suffix.
 
     ``boundary_reached(generated_ids) -> bool`` is the engine's matcher. Every row steps until all rows have a
     suffix of ``max_new_tokens``, an EOS, or no boundary within ``max_stage_tokens``; rows that finished are fed
     their own last token as filler (their results no longer change). A row's live boundary cache is the buffer
     over its prompt and stage but the last token: positions written before its boundary was chosen.
+
+    ``forced`` makes this the ``incremental`` construction in the live run's own batched schedule: row r is fed
+    ``forced[r]`` (its stage ids, the boundary token last) one token per step instead of its greedy choices, then
+    continues greedily; a row whose entry is None is filler from the start (fed padding; its result is empty,
+    stop reason ``no_prefix``). Every row still writes the same buffer positions at each step as in the live
+    run, so a forced row whose ids are the live row's own is the live row, byte for byte (the batched bridge).
+    ``at_boundary(row, cache, end)``, when given, runs when a row's boundary token is chosen and before it is
+    fed: the row's boundary cache is then buffer positions [its padding, ``end``) (a transplant swaps them there).
     """
     rows = len(prompts)
+    if forced is not None and len(forced) != rows:
+        raise ValueError(f"forced: {len(forced)} stages for {rows} prompts")
     cache = decoder.new_cache(rows)
     logits = decoder.prefill_rows(prompts, cache)
     width = cache.length
@@ -503,23 +514,35 @@ def generate_batch(decoder: StaticDecoder, prompts: list[list[int]], boundary_re
     margins = [[] for _ in range(rows)]
     boundary_at = [None] * rows  # index into generated of the boundary token
     done = [None] * rows  # stop reason
+    if forced is not None:
+        done = [None if f is not None else "no_prefix" for f in forced]
+        if any(f is not None and not f for f in forced):
+            raise ValueError("forced: a row's stage ids are empty (give None for a row without a prefix)")
+        max_stage_tokens = max([len(f) for f in forced if f is not None], default=0)
     budget = max_stage_tokens + max_new_tokens
     for _ in range(budget):
+        if all(done):
+            break
         choice, margin, finite = (t.cpu() for t in _greedy(logits))
         for r in range(rows):
             if done[r]:
                 continue
-            if not bool(finite[r]):
+            teacher = forced is not None and boundary_at[r] is None
+            if not teacher and not bool(finite[r]):  # teacher forcing reads no logits (as build_cache)
                 done[r] = "nonfinite"
                 continue
-            token = int(choice[r])
+            token = forced[r][len(generated[r])] if teacher else int(choice[r])
             generated[r].append(token)
             margins[r].append(float(margin[r]))
             if boundary_at[r] is None:
-                if boundary_reached(generated[r]):
+                if teacher and len(generated[r]) == len(forced[r]):
                     boundary_at[r] = len(generated[r]) - 1
-                elif len(generated[r]) >= max_stage_tokens or token in decoder.eos_ids:
+                elif not teacher and boundary_reached(generated[r]):
+                    boundary_at[r] = len(generated[r]) - 1
+                elif not teacher and (len(generated[r]) >= max_stage_tokens or token in decoder.eos_ids):
                     done[r] = "boundary_missing"
+                if boundary_at[r] is not None and at_boundary is not None:
+                    at_boundary(r, cache, width + boundary_at[r])
             elif token in decoder.eos_ids:
                 done[r] = "eos"
             elif len(generated[r]) - 1 - boundary_at[r] >= max_new_tokens:
@@ -605,6 +628,64 @@ def row_caches(cache: StaticKV, ends: list[int]) -> list[list[tuple[torch.Tensor
     return out
 
 
+def construct_batch(decoder: StaticDecoder, construction: str, prompts: list[list[int]],
+                    stages: list[list[int] | None], max_new_tokens: int) -> dict[int, RowResult]:
+    """Boundary caches of one batch built the way ``construction`` says, each continued: {row: RowResult}.
+
+    Rows whose stage is None take no part (they have no prefix). ``prefill``: the rows with a stage, left-padded
+    to one width, one forward, continued together (the matched experiment's schedule). ``incremental``: the live
+    run's batched schedule with the stage ids teacher-forced (:func:`generate_batch` with ``forced``); rows
+    without a stage stay in the batch as filler, so the batch keeps the plan's rows and prompt padding.
+    """
+    if construction == "incremental":
+        results = generate_batch(decoder, prompts, None, 0, max_new_tokens, forced=stages)
+        return {r: res for r, res in enumerate(results) if stages[r] is not None}
+    if construction != "prefill":
+        raise ValueError(f"construct_batch builds prefill and incremental, not {construction!r}")
+    rows = [r for r, s in enumerate(stages) if s is not None]
+    if not rows:
+        return {}
+    cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in rows], [stages[r] for r in rows])
+    layers = [[(k.clone(), v.clone()) for k, v in row] for row in row_caches(cache, ends)]  # before continuing
+    conts = continue_batch(decoder, cache, [stages[r][-1] for r in rows], max_new_tokens)
+    return {r: RowResult(list(stages[r]), suffix, margins, stop, lay)
+            for r, lay, (suffix, margins, stop) in zip(rows, layers, conts)}
+
+
+def write_row_layers(cache: StaticKV, row: int, end: int, layers) -> None:
+    """Overwrite row ``row``'s boundary cache (buffer positions [its padding, ``end``)) with ``layers``: (K, V) per
+    layer, each (1, kv_heads, end - padding, head_dim). How a transplant enters a batched cache."""
+    pad = int(cache.pads[row])
+    for i, (k, v) in enumerate(layers):
+        bk, bv = cache._tensors(i)
+        if tuple(k.shape) != tuple(bk[row:row + 1, :, pad:end].shape) or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"layer {i}: a row cache of shape {tuple(k.shape)} does not fit row {row}'s "
+                             f"{tuple(bk[row:row + 1, :, pad:end].shape)}")
+        bk[row:row + 1, :, pad:end].copy_(k)
+        bv[row:row + 1, :, pad:end].copy_(v)
+
+
+def continue_in_batch(decoder: StaticDecoder, construction: str, prompts: list[list[int]],
+                      stages: list[list[int] | None], row: int, layers, max_new_tokens: int) -> RowResult:
+    """Row ``row``'s continuation inside its batch when its boundary cache is replaced by ``layers`` (a
+    transplant); every other row is built and continued as :func:`construct_batch` builds ``construction``, so
+    with the row's own layers this is the row's own continuation there."""
+    if construction == "prefill":
+        rows = [r for r, s in enumerate(stages) if s is not None]
+        cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in rows], [stages[r] for r in rows])
+        at = rows.index(row)
+        write_row_layers(cache, at, ends[at], layers)
+        suffix, margins, stop = continue_batch(decoder, cache, [stages[r][-1] for r in rows], max_new_tokens)[at]
+        return RowResult(list(stages[row]), suffix, margins, stop, [(k.clone(), v.clone()) for k, v in layers])
+    if construction == "incremental":
+        def swap(r, cache, end):
+            if r == row:
+                write_row_layers(cache, r, end, layers)
+
+        return generate_batch(decoder, prompts, None, 0, max_new_tokens, forced=stages, at_boundary=swap)[row]
+    raise ValueError(f"continue_in_batch continues prefill and incremental rows, not {construction!r}")
+
+
 def compare_rows(batched: list[RowResult], single: list[RowResult], rows: list[int]) -> list[dict]:
     """Batch-invariance records: each sampled row of a batched run against the same item run alone."""
     from .engine import first_divergence
@@ -638,43 +719,56 @@ def batch_invariance(decoder: StaticDecoder, prompts: list[list[int]], batched: 
 
 # -- the matched experiment, batched ----------------------------------------------------------------------------
 
+def batch_row_fields(row: dict, batch_row: int, batch_rows: int, batch_index: int) -> dict:
+    """Tag a ledger row with its place in the plan: batch composition is part of the construction."""
+    row.update(batch_index=batch_index, batch_row=batch_row, batch_rows=batch_rows)
+    return row
+
+
+def ledger_row(item: dict, settings, experiment: str, construction: str, replica: int, prompt: list[int],
+               res: RowResult, tokenizer) -> dict:
+    """The ledger row of one row's result (the engine path's statuses: ok, nonfinite, boundary_missing)."""
+    from .experiment import _row
+    from .ledger import fingerprint_layers
+
+    if not res.stage_ids:
+        status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
+        return _row(item, settings, experiment, construction, replica, status, prompt, [], {}, res.suffix_ids, [],
+                    status, tokenizer)
+    whole, ks, vs = fingerprint_layers(res.cache_layers)
+    fields = {"cache_fingerprint": whole, "cache_k_fingerprints": ks, "cache_v_fingerprints": vs}
+    status = "nonfinite" if res.stop_reason == "nonfinite" else "ok"
+    return _row(item, settings, experiment, construction, replica, status, prompt, res.stage_ids, fields,
+                res.suffix_ids, res.margins, res.stop_reason, tokenizer)
+
+
 def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: list[dict], settings,
-                  batch_index: int) -> tuple[list[dict], list[dict]]:
+                  batch_index: int, replicas: tuple[int, ...] = (1, 2),
+                  on_live_batch=None) -> tuple[list[dict], list[dict]]:
     """Ledger rows of the matched experiment for the items of one batch, decoded together.
 
     ``live`` replicas 1 and 2 are two batched greedy runs of the same rows; ``prefill`` replicas 1 and 2 are
     two batched one-shot prefills of the items whose boundary was found, continued together. Replicas must be
     bit-exact as at batch 1 (:class:`stagereplay.experiment.ReplicaMismatchError` otherwise). Every row records
-    its batch (index, row, size): batch composition is part of the construction.
+    its batch (index, row, size): batch composition is part of the construction. The audit recomputes with
+    ``replicas=(1,)``. ``on_live_batch(items, prompts, results)`` sees replica 1's live rows, caches included
+    (the only moment a live cache exists: the batched bridge uses it).
     """
-    from .experiment import _row, check_replicas
-    from .ledger import fingerprint_layers
+    from .experiment import check_replicas
 
-    def fields(layers):
-        whole, ks, vs = fingerprint_layers(layers)
-        return {"cache_fingerprint": whole, "cache_k_fingerprints": ks, "cache_v_fingerprints": vs}
-
-    def tag(row, r, n):
-        row.update(batch_index=batch_index, batch_row=r, batch_rows=n)
-        return row
-
+    n = len(items)
     prompts = [prompter(item["question"]) for item in items]
-    runs = [generate_batch(decoder, prompts, matcher.reached, settings.max_stage_tokens, settings.max_new_tokens)
-            for _ in (1, 2)]
-    rows, prefix_rows, ok = [], [], []
+    runs = []
+    for replica in replicas:
+        runs.append(generate_batch(decoder, prompts, matcher.reached, settings.max_stage_tokens,
+                                   settings.max_new_tokens))
+        if replica == replicas[0] and on_live_batch is not None:
+            on_live_batch(items, prompts, runs[0])
+    rows, prefix_rows = [], []
     for r, item in enumerate(items):
-        live_rows = []
-        for replica, run in enumerate(runs, start=1):
-            res = run[r]
-            if not res.stage_ids:
-                status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
-                row = _row(item, settings, "matched", "live", replica, status, prompts[r], [], {}, res.suffix_ids, [],
-                           status, tokenizer)
-            else:
-                status = "nonfinite" if res.stop_reason == "nonfinite" else "ok"
-                row = _row(item, settings, "matched", "live", replica, status, prompts[r], res.stage_ids,
-                           fields(res.cache_layers), res.suffix_ids, res.margins, res.stop_reason, tokenizer)
-            live_rows.append(tag(row, r, len(items)))
+        live_rows = [batch_row_fields(ledger_row(item, settings, "matched", "live", replica, prompts[r], run[r],
+                                                 tokenizer), r, n, batch_index)
+                     for replica, run in zip(replicas, runs)]
         check_replicas(live_rows, item["item_id"])
         rows += live_rows
         reference = live_rows[0]
@@ -683,25 +777,38 @@ def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: l
                             "status": reference["status"], "prompt_ids": list(prompts[r]),
                             "stage_ids": reference["stage_ids"], "prefix_fingerprint": reference["prefix_fingerprint"],
                             "gold_answer": item["gold_answer"]})
-        if reference["status"] != "boundary_missing" and reference["stage_ids"]:
-            ok.append(r)
-    if ok:
-        stages = [runs[0][r].stage_ids for r in ok]
-        replicas = []
-        for replica in (1, 2):
-            cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in ok], stages)
-            layers = row_caches(cache, ends)
-            fps = [fields(lay) for lay in layers]
-            conts = continue_batch(decoder, cache, [s[-1] for s in stages], settings.max_new_tokens)
-            replicas.append([
-                tag(_row(items[r], settings, "matched", "prefill", replica,
-                         "nonfinite" if stop == "nonfinite" else "ok", prompts[r], stage, fp, suffix, margins, stop,
-                         tokenizer), r, len(items))
-                for r, stage, fp, (suffix, margins, stop) in zip(ok, stages, fps, conts)])
-        for one, two in zip(*replicas):
-            check_replicas([one, two], one["item_id"])
-            rows += [one, two]
+    stages = [run.stage_ids if run.stage_ids else None for run in runs[0]]
+    prefill = [construct_batch(decoder, "prefill", prompts, stages, settings.max_new_tokens) for _ in replicas]
+    for r in sorted(prefill[0]):
+        cell = [batch_row_fields(ledger_row(items[r], settings, "matched", "prefill", replica, prompts[r], run[r],
+                                            tokenizer), r, n, batch_index)
+                for replica, run in zip(replicas, prefill)]
+        check_replicas(cell, items[r]["item_id"])
+        rows += cell
     return rows, prefix_rows
+
+
+def shard_batches(plan: BatchPlan, shard: int, n_shards: int) -> list[int]:
+    """Indexes of the plan's batches that shard ``shard`` runs: shards take whole batches, so an item's batch
+    (and its bits) does not depend on the shard count."""
+    return [j for j in range(len(plan.batches)) if j % n_shards == shard]
+
+
+def plan_record(plan: BatchPlan | None) -> dict | None:
+    """The plan as provenance records it (every file made from, or rebuilding, batched rows carries it)."""
+    if plan is None:
+        return None
+    return {"seed": plan.seed, "batch_size": plan.batch_size, "batches": [list(b) for b in plan.batches]}
+
+
+def recorded_plan(path) -> BatchPlan | None:
+    """The batch plan recorded in a results file's provenance (a gathered file: its parts'), or None at batch 1."""
+    from .ledger import recorded_batch_plan
+
+    plan = recorded_batch_plan(path)
+    if plan is None:
+        return None
+    return BatchPlan(int(plan["seed"]), int(plan["batch_size"]), tuple(tuple(b) for b in plan["batches"]))
 
 
 # -- the regime, as later stages rebuild it ----------------------------------------------------------------------
@@ -723,10 +830,9 @@ def recorded_regime(path) -> dict:
 
 
 def decoder_from_record(model, eos_ids, record: dict):
-    """A batch-1 decoder in the regime ``record`` describes: every stage after generation rebuilds its caches in
-    the regime (and buffer length) the ledger was made in, so constructions stay comparable bit for bit."""
-    if (record.get("decode_max_rows") or 1) > 1:
-        raise RegimeError("the results were made with batch_size > 1; the controls, audit and transplants rebuild "
-                          "caches at batch 1 and cannot reproduce them: run them with batch_size: 1")
+    """A decoder in the regime ``record`` describes: every stage after generation rebuilds its caches in the
+    regime, buffer length and row count the ledger was made in, so constructions stay comparable bit for bit
+    (batched rows are rebuilt in their recorded batch: :func:`recorded_plan`)."""
     return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
-                        max_len=record.get("decode_max_len"), max_rows=1, bucket=record.get("decode_bucket"))
+                        max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
+                        bucket=record.get("decode_bucket"))

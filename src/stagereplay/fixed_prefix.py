@@ -46,3 +46,34 @@ def fixed_prefix_item(decoder: Decoder, tokenizer, item: dict, prefix_row: dict,
         check_replicas(cell, item["item_id"])
         rows += cell
     return rows
+
+
+def fixed_prefix_batch(decoder, tokenizer, items: list[dict], prefix_rows: list[dict], settings: Settings,
+                       batch_index: int, replicas: tuple[int, ...] = (1, 2)) -> list[dict]:
+    """Ledger rows of the 2x2 at ``settings.precision`` for one batch of the recorded plan, decoded together.
+
+    ``items`` and ``prefix_rows`` are the plan's batch in row order. Each construction is built for the whole
+    batch in the matched experiment's schedule (:func:`stagereplay.fastdecode.construct_batch`): ``prefill``
+    over the rows with a prefix, one forward; ``incremental`` as the live run was stepped, stage ids forced.
+    Rows record the plan's batch, row and size; replicas must be bit-exact, as at batch 1.
+    """
+    from .fastdecode import batch_row_fields, construct_batch, ledger_row
+
+    for item, prefix_row in zip(items, prefix_rows, strict=True):
+        if int(prefix_row["item_index"]) != int(item["item_index"]):
+            raise ValueError(f"item {item['item_id']!r}: prefix row of item_index {prefix_row['item_index']} handed "
+                             "in; the prefixes file does not belong to this selection")
+    n = len(items)
+    prompts = [[int(i) for i in p["prompt_ids"]] for p in prefix_rows]
+    stages = [[int(i) for i in p["stage_ids"]] if has_prefix(p) else None for p in prefix_rows]
+    runs = {c: [construct_batch(decoder, c, prompts, stages, settings.max_new_tokens) for _ in replicas]
+            for c in CONSTRUCTIONS}
+    rows: list[dict] = []
+    for r in (r for r in range(n) if stages[r] is not None):
+        for construction in CONSTRUCTIONS:
+            cell = [batch_row_fields(ledger_row(items[r], settings, EXPERIMENT, construction, replica, prompts[r],
+                                                run[r], tokenizer), r, n, batch_index)
+                    for replica, run in zip(replicas, runs[construction])]
+            check_replicas(cell, items[r]["item_id"])
+            rows += cell
+    return rows

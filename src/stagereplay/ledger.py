@@ -218,3 +218,20 @@ def read_provenance(path: str | Path) -> dict:
     except (OSError, pa.ArrowException) as exc:
         raise CorruptFileError(f"{path} is not a readable Parquet file ({exc})") from exc
     return json.loads(meta.get(PROVENANCE_KEY, b"{}"))
+
+
+def recorded_batch_plan(path: str | Path) -> dict | None:
+    """The batch plan (``{seed, batch_size, batches}``) in a results file's provenance, its parts' for a gathered
+    file; None when its rows were decoded at batch 1. Parts that record different plans are an error: their rows
+    were not decoded in one plan."""
+    prov = read_provenance(path)
+    plans = []
+    for record in [prov, *prov.get("parts", [])]:
+        plan = record.get("batch_plan")
+        if plan and plan not in plans:
+            plans.append(plan)
+    if len(plans) > 1:
+        raise ValueError(f"{path}: its parts record {len(plans)} different batch plans (seeds "
+                         f"{[p['seed'] for p in plans]}, sizes {[p['batch_size'] for p in plans]}); rerun the "
+                         "generation so that every part uses one plan")
+    return plans[0] if plans else None

@@ -24,11 +24,21 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
     return config, checked_tokenizer(resolved, source, common, getattr(config, "vocab_size", None))
 
 
+def check_batching(batch_size: int, decode_regime: str) -> None:
+    """Refuse a batch size that the decode regime cannot run (the workflow checks this at parse time too)."""
+    if batch_size > 1 and decode_regime == "eager":
+        raise ValueError(
+            f"batch_size: {batch_size} decodes items together over a static, left-padded K/V buffer, which "
+            "decode_regime: eager does not have; set decode_regime: static (any device) or cuda_graph (CUDA), or "
+            "batch_size: 1")
+
+
 def check_run(config: dict, base_dir: str | Path = ".") -> dict:
     """Every check that needs no weights, over the whole validated config; returns a short summary.
 
     ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
     """
+    check_batching(config.get("batch_size", 1), config.get("decode_regime", "eager"))
     numeric = config["answer_format"] != "boxed"
     if config["offline"]:
         go_offline()

@@ -21,7 +21,7 @@ import pandas as pd
 
 from . import analysis, stats
 from .engine import first_divergence
-from .ledger import read_parquet, software_versions, write_text_atomic
+from .ledger import read_parquet, read_provenance, recorded_batch_plan, software_versions, write_text_atomic
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",
@@ -42,6 +42,7 @@ PRODUCERS = {
     "audit": "audit.parquet (rule audit_ledger)",
     "transplant": "transplant.parquet (the transplant stage)",
     "cache_differences": "cache_differences.parquet (rule measure_cache_differences)",
+    "batch_invariance": "batch_invariance.parquet (rule check_batch_invariance)",
 }
 
 
@@ -278,7 +279,14 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     if no_boundary:
         lines += ["", f"{no_boundary} bridge row(s) drawn for items that never reached the boundary are not counted."]
     lines += ["", BRIDGE_NOTE]
-    return lines + [""], {"bit_exact": stat, "not_bit_exact_items": [str(i) for i in bad["item_id"]]}
+    plan = recorded_batch_plan(data.paths["bridge"]) if data.has("bridge") else None
+    if plan is not None:
+        lines += ["", f"Batched run (batch size {plan['batch_size']}, plan seed {plan['seed']}): each live row is "
+                  "compared with the incremental rebuild in its own recorded batch (stage ids teacher-forced in the "
+                  "live run's lockstep schedule, rows without a boundary fed padding); the prefill contrast is the "
+                  "row's batched one-shot prefill."]
+    return lines + [""], {"bit_exact": stat, "not_bit_exact_items": [str(i) for i in bad["item_id"]],
+                          "batch_plan": None if plan is None else {k: plan[k] for k in ("seed", "batch_size")}}
 
 
 def audit_section(data: RevisionData) -> tuple[list[str], dict]:
@@ -410,6 +418,37 @@ def cache_differences_section(data: RevisionData) -> tuple[list[str], dict]:
     return lines + [""], out
 
 
+def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
+    """Batching as a construction factor (beyond the study): sampled items rerun alone against their batched rows."""
+    table = data.frame("batch_invariance")
+    prov = read_provenance(data.paths["batch_invariance"]) if data.has("batch_invariance") else {}
+    control = prov.get("batch_invariance") or {}
+    if control.get("status") == "not_applicable" or table.empty:
+        reason = control.get("reason", "the control compared no rows")
+        return [f"_Nothing to compare: {reason}._", ""], {"status": control.get("status", "empty"), "reason": reason}
+    plan = prov.get("batch_plan") or {}
+    lines = [f"A seeded sample of {table['item_index'].nunique()} items, each rerun alone (batch 1, the same decode "
+             f"regime and precision) against its row in the recorded batch plan (batch size {plan.get('batch_size')}, "
+             f"plan seed {plan.get('seed')}). Batch composition is a construction factor: a difference is a finding, "
+             "not an error.", "",
+             "| precision | construction | rows | boundary caches identical | stage + suffix ids identical | "
+             "labels identical | first divergence (median [IQR]) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    out: dict = {"status": "compared", "batch_size": plan.get("batch_size"), "plan_seed": plan.get("seed")}
+    for precision in analysis.sort_precisions(table["precision"]):
+        for construction in sorted(table.loc[table["precision"] == precision, "construction"].unique()):
+            g = table[(table["precision"] == precision) & (table["construction"] == construction)]
+            n = len(g)
+            counts = {key: _seeded(stats.proportion(int(g[key].astype(bool).sum()), n), data.seed)
+                      for key in ("cache_equal", "suffix_equal", "label_equal")}
+            fd = stats.first_divergence_summary([int(x) for x in g["first_divergence"].dropna()])
+            out.setdefault(precision, {})[construction] = {**counts, "first_divergence": fd, "n": n}
+            fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
+            lines.append(f"| {precision} | {construction} | {n} | {_fmt_prop(counts['cache_equal'])} | "
+                         f"{_fmt_prop(counts['suffix_equal'])} | {_fmt_prop(counts['label_equal'])} | {fd_text} |")
+    return lines + [""], out
+
+
 def exclusions_section(data: RevisionData) -> tuple[list[str], dict]:
     """Items left out of the comparisons, and why."""
     excluded = analysis.exclusions(data.ledger)
@@ -441,6 +480,8 @@ SECTIONS: list[Section] = [
     Section("margins", "### Margins at the first divergence (beyond the study)", ("ledger",), margins_section),
     Section("cache_differences", "### Per-layer cache differences (beyond the study)", ("cache_differences",),
             cache_differences_section),
+    Section("batch_invariance", "### Batch invariance (beyond the study)", ("batch_invariance",),
+            batch_invariance_section),
     Section("excluded", "### Items excluded and why", ("ledger",), exclusions_section),
 ]
 

@@ -14,12 +14,13 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from . import datasets
-from .bridge import BRIDGE_SCHEMA, BridgeRecorder, choose_bridge_items
-from .fastdecode import batch_plan, make_decoder, matched_batch, regime_info
+from .bridge import BRIDGE_SCHEMA, BatchBridge, BridgeRecorder, choose_bridge_items
+from .fastdecode import batch_plan, make_decoder, matched_batch, plan_record, regime_info, shard_batches
 from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
 from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
+from .preflight import check_batching
 
 log = logging.getLogger("stagereplay")
 
@@ -58,7 +59,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                          precision: str, boundary: dict, max_stage_tokens: int, max_new_tokens: int,
                          shard: int = 0, n_shards: int = 1, threads: int = 1, device: str = "auto",
                          attn_implementation: str = "eager", decode_regime: str = "eager",
-                         batch_size: int = 1, answer_format: str = "last_number",
+                         batch_size: int = 1, batch_seed: int | None = None, answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
                          base_dir: str = ".", seed: int = 0, progress: bool = True,
@@ -68,17 +69,17 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     live-vs-prefill experiment while that cache exists (a live cache cannot cross a process boundary).
 
     With ``bridge_path``, the bridge rows (``bridge: {n_rows, seed}``, chosen from the whole selection before
-    any generation) compare their live cache with an incremental rebuild there (stagereplay.bridge)."""
+    any generation) compare their live cache with an incremental rebuild there (stagereplay.bridge); with
+    ``batch_size`` > 1, in the row's own batch (:class:`stagereplay.bridge.BatchBridge`)."""
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        decode_regime=decode_regime, batch_size=batch_size, answer_format=answer_format,
+                        decode_regime=decode_regime, batch_size=batch_size, batch_seed=batch_seed,
+                        answer_format=answer_format,
                         prompt=prompt, seed=seed, numerics=numerics)
     if bridge_path is not None:
         config_slice["bridge"] = bridge
-    if batch_size > 1 and decode_regime == "eager":
-        raise ValueError("batch_size > 1 decodes items together over a static buffer: set decode_regime to "
-                         "static or cuda_graph (or batch_size: 1)")
+    check_batching(batch_size, decode_regime)
     flags = set_determinism(threads)
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)
@@ -86,8 +87,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     if batch_size > 1:
         # The plan covers the whole selection and shards take whole batches, so an item's batch (and its bits)
         # does not depend on the shard count.
-        plan = batch_plan(list(selection["item_id"]), batch_size, seed)
-        mine = {i for j, batch in enumerate(plan.batches) if j % n_shards == shard for i in batch}
+        plan = batch_plan(list(selection["item_id"]), batch_size, seed if batch_seed is None else batch_seed)
+        mine = {i for j in shard_batches(plan, shard, n_shards) for i in plan.batches[j]}
         items = selection[selection["item_id"].isin(mine)]
     gpu = claim_gpu(device)  # a GPU of this job's own when several are visible; held until the job ends
     loaded = load_model(resolve_source(model, revision, base_dir), precision, gpu.device, attn_implementation,
@@ -103,12 +104,10 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
                         decode_regime, numerics=numerics)
     recorder = None
-    if bridge_path is not None and plan is None:
+    if bridge_path is not None:
         chosen = choose_bridge_items(selection["item_index"], int(bridge["n_rows"]), int(bridge["seed"]))
-        recorder = BridgeRecorder(decoder, chosen, revision, precision, max_new_tokens)
-    elif bridge_path is not None:
-        log.warning("bridge: not run with batch_size %d (the bridge compares a batch-1 live cache); its file is "
-                    "written empty and the report says so", batch_size)
+        recorder = (BridgeRecorder if plan is None else BatchBridge)(decoder, chosen, revision, precision,
+                                                                     max_new_tokens)
     rows, prefix_rows = [], []
     if plan is None:
         bar = tqdm(items.to_dict("records"), desc=f"matched {revision}/{precision} shard {shard}",
@@ -122,16 +121,16 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
             prefix_rows.append(prefix_row)
     else:
         by_id = {item["item_id"]: item for item in items.to_dict("records")}
-        mine = [j for j in range(len(plan.batches)) if j % n_shards == shard]
-        for j in tqdm(mine, desc=f"matched {revision}/{precision} shard {shard} (batches)", disable=not progress):
+        for j in tqdm(shard_batches(plan, shard, n_shards), desc=f"matched {revision}/{precision} shard {shard} "
+                      "(batches)", disable=not progress):
             batch_rows, batch_prefixes = matched_batch(decoder, loaded.tokenizer, prompter, matcher,
-                                                       [by_id[i] for i in plan.batches[j]], settings, j)
+                                                       [by_id[i] for i in plan.batches[j]], settings, j,
+                                                       on_live_batch=recorder.observe if recorder else None)
             rows += batch_rows
             prefix_rows += batch_prefixes
     prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder),
             "gpu_slot": gpu.record(),
-            "batch_plan": None if plan is None else {"seed": plan.seed, "batch_size": plan.batch_size,
-                                                     "batches": [list(b) for b in plan.batches]}}
+            "batch_plan": plan_record(plan)}
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
     if bridge_path is not None:

@@ -162,10 +162,12 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
 
 
 def run_transplants(decoder: Decoder, caches: dict, suffixes: dict, pending_id: int, prompt_len: int,
-                    specs: list[TransplantSpec], max_new_tokens: int) -> list[dict]:
+                    specs: list[TransplantSpec], max_new_tokens: int, continue_with=None) -> list[dict]:
     """Every spec in both directions between the two constructions of ``caches`` (name -> boundary cache).
 
     ``suffixes`` holds each construction's own continuation (name -> ids). Returns plain row dicts.
+    ``continue_with(recipient, cache)``, when given, continues a transplanted cache where the recipient's own
+    continuation ran (a batched row: in its batch) and returns what :func:`continue_greedy` would.
     """
     from .ledger import fingerprint_ids, fingerprint_layers
 
@@ -180,7 +182,8 @@ def run_transplants(decoder: Decoder, caches: dict, suffixes: dict, pending_id: 
             cache = transplant_cache(caches[recipient], caches[donor], spec.layers, spec.component, spec.positions,
                                      prompt_len)
             cache_fp = fingerprint_layers(compat.cache_layers(cache))[0]
-            cont = continue_greedy(decoder, cache, pending_id, max_new_tokens, copy_cache=False)
+            cont = (continue_with(recipient, cache) if continue_with is not None
+                    else continue_greedy(decoder, cache, pending_id, max_new_tokens, copy_cache=False))
             result = classify(cont.suffix_ids, suffixes[donor], suffixes[recipient])
             rows.append({
                 "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",

@@ -14,6 +14,10 @@ outputs; otherwise it is called ``incremental`` (the row's ``live_fingerprint_ma
 logged). Every other rebuilt cache and every own continuation is a replica of the baseline's and must match it
 exactly, or the stage stops (:class:`~stagereplay.experiment.ReplicaMismatchError`).
 
+A batched baseline (a ``batch_plan`` in its provenance, the primary revision's ledger at ``batch_size`` > 1) is
+rebuilt batch by batch (:class:`BatchRebuild`): both constructions for the row's whole recorded batch, and every
+transplanted continuation runs inside that batch. Replaying prefixes at another revision is not batched yet.
+
 None of this knows Snakemake.
 """
 
@@ -31,7 +35,8 @@ from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
 from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
 from .gpus import claim_gpu
-from .fastdecode import decoder_from_record, recorded_regime, regime_info
+from .fastdecode import (construct_batch, continue_in_batch, decoder_from_record, plan_record, recorded_plan,
+                         recorded_regime, regime_info)
 from .invariant import recorded_numerics
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .transplant import enumerate_sweeps, run_transplants, select_items
@@ -133,6 +138,26 @@ def construction_pairs(baseline: pd.DataFrame, precision: str) -> pd.DataFrame:
                                        "suffix_b"])
 
 
+def _label(row_a: dict, row_p: dict, inc_fp: str, prefill_fp: str) -> tuple[str, bool | None]:
+    """Check rebuilt fingerprints against the baseline's: the name of the ``live``/``incremental`` cache, and
+    whether it is the ledger's live cache byte for byte (None where the baseline has no live row)."""
+    item = row_a["item_id"]
+    if prefill_fp != row_p["cache_fingerprint"]:
+        raise ReplicaMismatchError(
+            f"item {item!r}: the rebuilt prefill cache at {row_p['precision']} differs from the baseline's "
+            "(a replica that is not bit-exact): check that the model, precision, device, threads, attention "
+            "implementation and batch plan are the ones the baseline ran with")
+    if row_a["construction"] == "live":
+        match = inc_fp == row_a["cache_fingerprint"]
+        if not match:
+            log.warning("item %r: the rebuilt incremental cache is not bit-exact with the ledger's live cache; it is "
+                        "labelled 'incremental', not 'live'", item)
+        return ("live" if match else "incremental"), match
+    if inc_fp != row_a["cache_fingerprint"]:
+        raise ReplicaMismatchError(f"item {item!r}: the rebuilt incremental cache differs from the baseline's")
+    return "incremental", None
+
+
 def rebuild_constructions(decoder: Decoder, row_a: dict, row_p: dict) -> tuple[dict, bool | None]:
     """The two boundary caches of an item, rebuilt from its ids and checked against the baseline's fingerprints.
 
@@ -144,21 +169,69 @@ def rebuild_constructions(decoder: Decoder, row_a: dict, row_p: dict) -> tuple[d
         raise ValueError(f"item {item!r}: the baseline's two constructions do not share their prefix ids")
     incremental = build_cache(decoder, "incremental", prompt, stage)
     prefill = build_cache(decoder, "prefill", prompt, stage)
-    if fingerprint_layers(compat.cache_layers(prefill))[0] != row_p["cache_fingerprint"]:
-        raise ReplicaMismatchError(
-            f"item {item!r}: the rebuilt prefill cache at {row_p['precision']} differs from the baseline's "
-            "(a replica that is not bit-exact): check that the model, precision, device, threads and attention "
-            "implementation are the ones the baseline ran with")
-    inc_fp = fingerprint_layers(compat.cache_layers(incremental))[0]
-    if row_a["construction"] == "live":
-        match = inc_fp == row_a["cache_fingerprint"]
-        if not match:
-            log.warning("item %r: the rebuilt incremental cache is not bit-exact with the ledger's live cache; it is "
-                        "labelled 'incremental', not 'live'", item)
-        return {("live" if match else "incremental"): incremental, "prefill": prefill}, match
-    if inc_fp != row_a["cache_fingerprint"]:
-        raise ReplicaMismatchError(f"item {item!r}: the rebuilt incremental cache differs from the baseline's")
-    return {"incremental": incremental, "prefill": prefill}, None
+    name, match = _label(row_a, row_p, fingerprint_layers(compat.cache_layers(incremental))[0],
+                         fingerprint_layers(compat.cache_layers(prefill))[0])
+    return {name: incremental, "prefill": prefill}, match
+
+
+class BatchRebuild:
+    """One recorded batch of a batched baseline, both constructions rebuilt for the whole batch as the experiment
+    decoded it (:func:`stagereplay.fastdecode.construct_batch`); rows are then taken, checked and continued in it."""
+
+    def __init__(self, decoder, model, baseline: pd.DataFrame, precision: str, batch_index: int,
+                 max_new_tokens: int):
+        members = baseline[(baseline["replica"] == 1) & (baseline["precision"] == precision)
+                           & (baseline["batch_index"] == batch_index)
+                           & baseline["experiment"].isin(["matched", BASELINE_EXPERIMENT])
+                           & baseline["construction"].isin(["live", "incremental"])]
+        members = members.sort_values("batch_row").to_dict("records")
+        if not members or [int(m["batch_row"]) for m in members] != list(range(int(members[0]["batch_rows"]))):
+            raise ValueError(f"batch {batch_index} at {precision}: the baseline does not hold one live or incremental "
+                             "row for every row of the recorded batch; rerun the generation")
+        self.decoder, self.model, self.max_new_tokens = decoder, model, max_new_tokens
+        self.prompts = [[int(i) for i in m["prompt_ids"]] for m in members]
+        self.stages = [[int(i) for i in m["stage_ids"]] or None for m in members]
+        self.built = {c: construct_batch(decoder, c, self.prompts, self.stages, max_new_tokens)
+                      for c in ("incremental", "prefill")}
+
+    def constructions(self, row_a: dict, row_p: dict) -> tuple[dict, dict, bool | None]:
+        """({name: cache}, {name: own continuation}, live_fingerprint_match) of one row, checked against the
+        baseline; the caches are copies (DynamicCache) of the row's boundary cache in its batch."""
+        r = int(row_a["batch_row"])
+        inc, pre = self.built["incremental"][r], self.built["prefill"][r]
+        name, match = _label(row_a, row_p, fingerprint_layers(inc.cache_layers)[0],
+                             fingerprint_layers(pre.cache_layers)[0])
+        caches = {name: compat.cache_from_tensors(self.model, inc.cache_layers),
+                  "prefill": compat.cache_from_tensors(self.model, pre.cache_layers)}
+        return caches, {name: inc, "prefill": pre}, match
+
+    def continue_row(self, row: int, recipient: str, cache):
+        """The row's continuation in its batch with ``cache`` (a transplant) as its boundary cache."""
+        construction = "prefill" if recipient == "prefill" else "incremental"
+        return continue_in_batch(self.decoder, construction, self.prompts, self.stages, row,
+                                 compat.cache_layers(cache), self.max_new_tokens)
+
+
+class _Batches:
+    """The batch rebuild of the row at hand, one batch held at a time (callers go batch by batch)."""
+
+    def __init__(self, decoder, model, baseline, precision, max_new_tokens):
+        self.args = (decoder, model, baseline, precision)
+        self.max_new_tokens = max_new_tokens
+        self.current: tuple[int, BatchRebuild] | None = None
+
+    def of(self, row_a: dict) -> BatchRebuild:
+        j = int(row_a["batch_index"])
+        if self.current is None or self.current[0] != j:
+            self.current = (j, BatchRebuild(*self.args, j, self.max_new_tokens))
+        return self.current[1]
+
+
+def _in_batch_order(pairs: pd.DataFrame, plan) -> pd.DataFrame:
+    if plan is None or pairs.empty:
+        return pairs
+    return pairs.assign(_batch=[int(r["batch_index"]) for r in pairs["row_a"]]).sort_values(
+        ["_batch", "item_index"], kind="stable").drop(columns="_batch")
 
 
 def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revision: str, precision: str,
@@ -170,6 +243,11 @@ def replay_fixed_prefixes(prefixes_path: str, out_path: str, *, model: str, revi
     prefix ids (``prefixes_path``, rows at ``precision`` with status ok), each continued, two replicas each."""
     config_slice = dict(model=model, revision=revision, precision=precision, max_new_tokens=max_new_tokens,
                         attn_implementation=attn_implementation, threads=threads, prefixes=str(prefixes_path))
+    if recorded_plan(prefixes_path) is not None:
+        raise NotImplementedError(
+            f"{prefixes_path} was decoded with batch_size > 1: replaying its prefixes at revision {revision!r} would "
+            "need that revision's own batched rows, which the replay does not build yet. Transplant at the primary "
+            "revision only (transplant.revisions), or run with batch_size: 1")
     prefixes = read_parquet(prefixes_path)
     prefixes = prefixes[(prefixes["precision"] == precision) & (prefixes["status"] == "ok")]
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
@@ -221,16 +299,23 @@ def select_transplant_items(baseline_path: str, out_path: str, *, revision: str,
 def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: str, model: str, revision: str,
                 device: str = "auto", attn_implementation: str = "sdpa", threads: int = 1,
                 trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
-                base_dir: str = ".", progress: bool = True) -> int:
+                base_dir: str = ".", progress: bool = True, max_new_tokens: int | None = None) -> int:
     """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) at every
-    precision of the baseline; returns the bytes written (also logged and recorded in the manifest)."""
+    precision of the baseline; returns the bytes written (also logged and recorded in the manifest).
+
+    A batched baseline's caches are rebuilt in their recorded batch (which continues its rows: ``max_new_tokens``,
+    the generation's, is then needed)."""
     if items not in ("divergent", "all", "none"):
         raise ValueError(f"dump.items must be divergent, all or none, got {items!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     baseline = read_parquet(baseline_path)
+    plan = recorded_plan(baseline_path)
+    if plan is not None and max_new_tokens is None:
+        raise ValueError(f"{baseline_path} is batched: dump_caches needs max_new_tokens (the generation's) to rebuild "
+                         "its rows in their batch")
     config_slice = dict(model=model, revision=revision, items=items, attn_implementation=attn_implementation,
-                        threads=threads)
+                        threads=threads, max_new_tokens=max_new_tokens)
     rows, total, loaded, flags = [], 0, None, {}
     for precision in ([] if items == "none" else sorted(baseline["precision"].unique())):
         pairs = construction_pairs(baseline, precision)
@@ -240,9 +325,14 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
             continue
         loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
                                                trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
-        file_prov = _provenance(loaded, flags, "dump_caches", config_slice)
-        for pair in tqdm(pairs.to_dict("records"), desc=f"dump {revision}/{precision}", disable=not progress):
-            caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
+        file_prov = {**_provenance(loaded, flags, "dump_caches", config_slice), "batch_plan": plan_record(plan)}
+        batches = _Batches(decoder, loaded.model, baseline, precision, max_new_tokens) if plan else None
+        for pair in tqdm(_in_batch_order(pairs, plan).to_dict("records"), desc=f"dump {revision}/{precision}",
+                         disable=not progress):
+            if batches is None:
+                caches, match = rebuild_constructions(decoder, pair["row_a"], pair["row_p"])
+            else:
+                caches, _, match = batches.of(pair["row_a"]).constructions(pair["row_a"], pair["row_p"])
             row_a = pair["row_a"]
             for construction, cache in caches.items():
                 name = cache_io.dump_filename(pair["item_index"], precision, construction)
@@ -258,7 +348,8 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
                              "bytes": written["bytes"], "prefix_fingerprint": row_a["prefix_fingerprint"],
                              "cache_fingerprint": written["cache_fingerprint"], "live_fingerprint_match": match})
     log.info("dump %s (%s items): %d files, %d bytes written", revision, items, len(rows), total)
-    prov = {**_provenance(loaded, flags, "dump_caches", config_slice), "files": len(rows), "bytes_written": total}
+    prov = {**_provenance(loaded, flags, "dump_caches", config_slice), "files": len(rows), "bytes_written": total,
+            "batch_plan": plan_record(plan)}
     write_parquet(pd.DataFrame(rows, columns=DUMP_SCHEMA.names), manifest_path, prov, DUMP_SCHEMA)
     return total
 
@@ -272,22 +363,37 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
     config_slice = dict(model=model, revision=revision, precision=precision, sweeps=list(sweeps),
                         max_new_tokens=max_new_tokens, attn_implementation=attn_implementation, threads=threads)
     selection = read_parquet(selection_path)
-    pairs = construction_pairs(read_parquet(baseline_path), precision).set_index("item_index")
+    baseline = read_parquet(baseline_path)
+    plan = recorded_plan(baseline_path)
+    pairs = construction_pairs(baseline, precision).set_index("item_index")
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
                                            trust_remote_code, allow_pickle, offline, base_dir, baseline_path)
     specs = enumerate_sweeps(sweeps, int(loaded.model.config.num_hidden_layers))
+    batches = _Batches(decoder, loaded.model, baseline, precision, max_new_tokens) if plan else None
+    missing = [i for i in selection["item_index"] if i not in pairs.index]
+    if missing:
+        raise ValueError(f"items {missing} of the selection have no baseline rows at {precision}; rerun the "
+                         "selection")
+    if plan is not None:  # one rebuild per batch: the selected items batch by batch
+        order = [int(pairs.loc[i, "row_a"]["batch_index"]) for i in selection["item_index"]]
+        selection = selection.assign(_batch=order).sort_values(["_batch", "item_index"], kind="stable")
     rows = []
     for item in tqdm(selection.to_dict("records"), desc=f"transplant {revision}/{precision}", disable=not progress):
-        if item["item_index"] not in pairs.index:
-            raise ValueError(f"item {item['item_id']!r} of the selection has no baseline rows at {precision}; "
-                             "rerun the selection")
         pair = pairs.loc[item["item_index"]]
         row_a, row_p = pair["row_a"], pair["row_p"]
-        caches, match = rebuild_constructions(decoder, row_a, row_p)
+        continue_with, own = None, {}
+        if batches is None:
+            caches, match = rebuild_constructions(decoder, row_a, row_p)
+        else:  # a batched row: rebuilt, continued and transplanted inside its recorded batch
+            rebuild = batches.of(row_a)
+            caches, own, match = rebuild.constructions(row_a, row_p)
+            row = int(row_a["batch_row"])
+            continue_with = lambda recipient, cache, rebuild=rebuild, row=row: rebuild.continue_row(  # noqa: E731
+                row, recipient, cache)
         expected = {row_a["construction"]: row_a, "prefill": row_p}
         suffixes, cache_fps, suffix_fps = {}, {}, {}
         for name, cache in caches.items():
-            cont = continue_greedy(decoder, cache, int(row_a["stage_ids"][-1]), max_new_tokens)
+            cont = own.get(name) or continue_greedy(decoder, cache, int(row_a["stage_ids"][-1]), max_new_tokens)
             # A rebuilt cache that is bit-exact with the baseline's must continue exactly as it did there; an
             # incremental cache standing in for a live one it does not equal has no baseline continuation.
             if name in expected and list(cont.suffix_ids) != list(expected[name]["suffix_ids"]):
@@ -298,7 +404,7 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
             cache_fps[name] = fingerprint_layers(compat.cache_layers(cache))[0]
             suffix_fps[name] = fingerprint_ids(cont.suffix_ids)
         for row in run_transplants(decoder, caches, suffixes, int(row_a["stage_ids"][-1]), len(row_a["prompt_ids"]),
-                                   specs, max_new_tokens):
+                                   specs, max_new_tokens, continue_with=continue_with):
             rows.append({"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": revision,
                          "precision": precision, **row,
                          "donor_suffix_fingerprint": suffix_fps[row["donor"]],
@@ -312,6 +418,6 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
     log.info("transplant %s/%s: %d rows; all-layer K/V transplants of divergent items following their donor: %d / %d",
              revision, precision, len(df), int((all_rows["outcome"] == "donor").sum()), len(all_rows))
     prov = {**_provenance(loaded, flags, "transplant_caches", config_slice),
-            "selection": read_provenance(selection_path).get("selection")}
+            "selection": read_provenance(selection_path).get("selection"), "batch_plan": plan_record(plan)}
     write_parquet(df, out_path, prov, TRANSPLANT_SCHEMA)
     return df

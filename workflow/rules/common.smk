@@ -6,6 +6,7 @@ from snakemake.utils import validate
 
 import stagereplay
 from stagereplay.models import revision_slug
+from stagereplay.preflight import check_batching
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 
@@ -23,12 +24,7 @@ if len(REVISIONS) != len(config["revisions"]):
         f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
     )
 SHARDS = list(range(config["shards"]))
-if config["batch_size"] > 1:
-    raise ValueError(
-        f"batch_size: {config['batch_size']}: the controls, audit and transplants rebuild caches at batch 1 and "
-        "could not reproduce batched rows; batched decoding runs through bench/benchmark.py and "
-        "stagereplay.fastdecode.matched_batch for now. Set batch_size: 1"
-    )
+check_batching(config["batch_size"], config["decode_regime"])
 if (
     config["boundary"].get("token_id") is not None
     and config["boundary"].get("marker") == "</think>"
@@ -46,21 +42,20 @@ def resolve_path(path):
     return str(shipped) if shipped.exists() else path
 
 
-def model_kwargs(wildcards):
+def generation_kwargs(revision):
+    """The generation's settings at one revision, for every stage that runs the model as it did."""
     return dict(
         model=resolve_path(config["model"]),
-        revision=REVISIONS[wildcards.revision],
-        precision=wildcards.precision,
+        revision=REVISIONS[revision],
         boundary=config["boundary"],
         max_stage_tokens=config["max_stage_tokens"],
         max_new_tokens=config["max_new_tokens"],
-        shard=int(wildcards.shard),
-        n_shards=config["shards"],
         threads=config["threads"],
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         decode_regime=config["decode_regime"],
         batch_size=config["batch_size"],
+        batch_seed=config["batch_seed"],
         numerics=config["numerics"],
         answer_format=config["answer_format"],
         stage_end=config["stage_end"],
@@ -69,6 +64,15 @@ def model_kwargs(wildcards):
         allow_pickle=config["allow_pickle"],
         offline=config["offline"],
         seed=config["seed"],
+    )
+
+
+def model_kwargs(wildcards):
+    return dict(
+        generation_kwargs(wildcards.revision),
+        precision=wildcards.precision,
+        shard=int(wildcards.shard),
+        n_shards=config["shards"],
     )
 
 

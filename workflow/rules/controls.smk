@@ -97,3 +97,29 @@ rule check_audit:
         version=CODE_VERSION,
     script:
         "../scripts/check_audit.py"
+
+
+# Batch invariance: a seeded sample of items rerun alone and compared with their batched rows (batch_size > 1);
+# at batch_size 1 its table is empty and says why.
+rule check_batch_invariance:
+    input:
+        selection=f"{RESULTS}/selection/items.parquet",
+        ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
+    output:
+        table=f"{RESULTS}/{{revision}}/batch_invariance.parquet",
+    log:
+        f"{LOGS}/{{revision}}/check_batch_invariance.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/check_batch_invariance.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=8000,
+        runtime=120,
+    params:
+        kwargs=batch_invariance_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/check_batch_invariance.py"

@@ -10,11 +10,17 @@ LEDGER_PARTS.append(
 )
 REPORT_INPUTS["bridge"] = f"{RESULTS}/{{revision}}/bridge.parquet"
 REPORT_INPUTS["audit"] = f"{RESULTS}/{{revision}}/audit.parquet"
+REPORT_INPUTS["batch_invariance"] = f"{RESULTS}/{{revision}}/batch_invariance.parquet"
 TARGETS.extend(
     expand(
         f"{RESULTS}/{{revision}}/{{name}}",
         revision=REVISIONS,
-        name=["bridge.parquet", "audit.parquet", "audit_check.json"],
+        name=[
+            "bridge.parquet",
+            "audit.parquet",
+            "audit_check.json",
+            "batch_invariance.parquet",
+        ],
     )
 )
 
@@ -38,4 +44,14 @@ def audit_parts(wildcards):
         f"{RESULTS}/{wildcards.revision}/parts/audit_{{precision}}_{{shard}}.parquet",
         precision=config["precisions"],
         shard=SHARDS,
+    )
+
+
+def batch_invariance_kwargs(wildcards):
+    """Model settings of the generation (every precision in one job), and the control's sample."""
+    return dict(
+        generation_kwargs(wildcards.revision),
+        precisions=config["precisions"],
+        sample=config["batch_invariance"]["sample"],
+        sample_seed=config["batch_invariance"]["seed"],
     )

@@ -64,7 +64,7 @@ rule dump_caches:
         runtime=120,
     params:
         dump_items=config["dump"]["items"],
-        kwargs=replay_model_kwargs,
+        kwargs=dump_kwargs,
         version=CODE_VERSION,
     script:
         "../scripts/dump_caches.py"

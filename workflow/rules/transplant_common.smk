@@ -19,6 +19,12 @@ for _slug, _name in TRANSPLANT_REVISIONS.items():
         raise ValueError(
             f"transplant.revisions: {_name!r} and {ALL_REVISIONS[_slug]!r} share the folder name {_slug!r}; rename one"
         )
+if config["batch_size"] > 1 and set(TRANSPLANT_REVISIONS) != {PRIMARY}:
+    raise ValueError(
+        f"transplant.revisions: {sorted(TRANSPLANT_REVISIONS)} with batch_size: {config['batch_size']}: at a "
+        "revision other than the primary the transplants replay the primary's prefixes, which is not batched yet; "
+        "transplant at the primary revision only, or run with batch_size: 1"
+    )
 REPORT_INPUTS["transplant"] = f"{RESULTS}/{{revision}}/transplant.parquet"
 REPORT_REVISIONS["transplant"] = list(TRANSPLANT_REVISIONS)
 
@@ -46,6 +52,11 @@ def replay_model_kwargs(wildcards):
         allow_pickle=config["allow_pickle"],
         offline=config["offline"],
     )
+
+
+def dump_kwargs(wildcards):
+    """A batched baseline's rows are rebuilt in their batch, which continues them: the suffix budget too."""
+    return dict(replay_model_kwargs(wildcards), max_new_tokens=config["max_new_tokens"])
 
 
 def baseline_kwargs(wildcards):
