@@ -293,6 +293,14 @@ def test_report_sections_from_frames():
     assert numbers["not_bit_exact_items"] == ["b"]
     text = "\n".join(lines)
     assert "| `b` | bf16 | 3 | V | 17 |" in text
+    assert "| | reference study | bf16 |" in text and "| rows bit-exact (every layer's K and V bytes) |" in text
+    assert "| 1 / 2 |" in text and (numbers["bit_exact_by_precision"]["bf16"]["k"], 1) == (1, 1)
+    # a second precision gets its own column, not a sum
+    fp32 = bridge.assign(precision="fp32", bit_exact=[True, True, None])
+    lines, numbers = bridge_section(RevisionData("primary", {}, _frames={"bridge": pd.concat([bridge, fp32])}))
+    text = "\n".join(lines)
+    assert "| | reference study | bf16 | fp32 |" in text and "| 1 / 2 | 2 / 2 |" in text
+    assert (numbers["bit_exact"]["k"], numbers["bit_exact"]["n"]) == (3, 4)
     assert "same chunks" in text and "not counted" in text
     audit = pd.DataFrame([
         {"item_id": "a", "experiment": "matched", "precision": "bf16", "construction": "live", "replica": 1,

@@ -262,14 +262,24 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
         bridge = bridge[bridge["status"] == "ok"]
     exact = int(bridge["bit_exact"].astype(bool).sum())
     stat = _seeded(stats.proportion(exact, len(bridge)), data.seed)
+    # one column per precision: the bridge is a claim about each precision's caches, not about their sum
+    groups = ([(str(p), g) for p, g in bridge.groupby("precision", sort=True)]
+              if "precision" in bridge.columns and len(bridge) else [("this run", bridge)])
+    by_precision = {name: _seeded(stats.proportion(int(g["bit_exact"].astype(bool).sum()), len(g)), data.seed)
+                    for name, g in groups if name != "this run"}
+
+    def row(label: str, reference: str, column: str) -> str:
+        counts = " | ".join(f"{int(g[column].astype(bool).sum())} / {len(g)}" for _, g in groups)
+        return f"| {label} | {reference} | {counts} |"
+
     lines = ["#### Claim: bridge, token-by-token incremental cache vs retained live cache", "",
-             "| | reference study | this run |", "| --- | --- | --- |",
-             f"| rows bit-exact (every layer's K and V bytes) | {REFERENCE['bridge']} | {exact} / {len(bridge)} |"]
+             "| | reference study | " + " | ".join(name for name, _ in groups) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in groups) + " |",
+             row("rows bit-exact (every layer's K and V bytes)", REFERENCE["bridge"], "bit_exact")]
     if "suffix_equal" in bridge.columns:
-        lines.append(f"| continuations identical | — | {int(bridge['suffix_equal'].sum())} / {len(bridge)} |")
+        lines.append(row("continuations identical", "—", "suffix_equal"))
     if "prefill_bit_exact" in bridge.columns:
-        lines.append(f"| contrast: one-shot prefill bit-exact with live | — | "
-                     f"{int(bridge['prefill_bit_exact'].astype(bool).sum())} / {len(bridge)} |")
+        lines.append(row("contrast: one-shot prefill bit-exact with live", "—", "prefill_bit_exact"))
     bad = bridge[~bridge["bit_exact"].astype(bool)]
     if len(bad):
         lines += ["", "Rows that are not bit-exact:", "", "| item | precision | first layer | component | first position |",
@@ -285,7 +295,8 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
                   "compared with the incremental rebuild in its own recorded batch (stage ids teacher-forced in the "
                   "live run's lockstep schedule, rows without a boundary fed padding); the prefill contrast is the "
                   "row's batched one-shot prefill."]
-    return lines + [""], {"bit_exact": stat, "not_bit_exact_items": [str(i) for i in bad["item_id"]],
+    return lines + [""], {"bit_exact": stat, "bit_exact_by_precision": by_precision,
+                          "not_bit_exact_items": [str(i) for i in bad["item_id"]],
                           "batch_plan": None if plan is None else {k: plan[k] for k in ("seed", "batch_size")}}
 
 
