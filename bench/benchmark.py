@@ -181,7 +181,7 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
     max_len = args.prompt_len + n + 8
     cuda = torch.cuda.is_available()  # CPU: the static regime stands in (no graphs), so every code path still runs
     graph = fd.StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches),
-                             regime="cuda_graph" if cuda else "static")
+                             regime="cuda_graph" if cuda else "static", attention=args.decode_attention)
     row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
     row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
     if cuda:
@@ -251,17 +251,23 @@ def projection_measure(model, shape, precision, args) -> dict:
     out = {"shape": shape, "precision": precision, "P": P, "S": S, "N": N, "max_len": max_len, "rows": rows,
            "kv_GB_per_row": per_row / 1e9}
     regime = "cuda_graph" if torch.cuda.is_available() else "static"
-    bucket = args.proj_bucket
-    dec = fd.StaticDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime, bucket=bucket)
+    triton_attention = args.decode_attention == "triton"
+    # the triton attention reads each row's keys up to its position: its "bucket" is one position
+    bucket = 1 if triton_attention else args.proj_bucket
+    dec = fd.StaticDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime,
+                           bucket=None if triton_attention else bucket, attention=args.decode_attention)
+    out["decode_attention"] = args.decode_attention
     vocab = model.config.vocab_size
     prompts = prompts_for(rows, 16, vocab, 7)
     cache = dec.new_cache(rows)
     dec.prefill_rows(prompts, cache)
     ids = torch.ones(rows, 1, dtype=torch.long, device=dec.device)
-    # A step's cost depends on the span it attends over (the whole buffer, or the position's bucket), not on
-    # the content: time a few steps at a few spans and fit time = a + b * span.
+    # A step's cost depends on the span it attends over (the whole buffer, the position's bucket, or with the
+    # triton attention the position itself), not on the content: time a few steps at a few spans and fit
+    # time = a + b * span.
     steps = args.proj_steps
-    spans = sorted({dec.span(e) for e in (bucket, max_len // 3, 2 * max_len // 3, max_len)})
+    points = (args.proj_bucket, max_len // 3, 2 * max_len // 3, max_len)
+    spans = sorted({min(p, max_len) for p in points} if triton_attention else {dec.span(e) for e in points})
     out["span_step_s"] = {}
     for span in spans:
         cache.length = span - steps - 1  # positions before hold zeros: timing only
@@ -370,9 +376,11 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
                                  "decode_steps_per_item": steps}
         total += decode_s + prefill_s + dump_s
+    fit = measures[0]["step_fit"]
+    described = (("exact span (triton attention)" if fit["bucket"] == 1 else
+                  f"span bucketed by {fit['bucket']} positions") if bucketed else "whole buffer")
     return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts,
-            "attention": f"span bucketed by {measures[0]['step_fit']['bucket']} positions" if bucketed
-            else "whole buffer"}
+            "attention": described}
 
 
 # -- the bridge on the device -------------------------------------------------------------------------------------
@@ -499,6 +507,8 @@ def main(argv=None):
     ap.add_argument("--proj-prefill-rows", type=int, default=4)
     ap.add_argument("--proj-steps", type=int, default=8)
     ap.add_argument("--proj-bucket", type=int, default=256, help="attention span bucket of the projection's decoder")
+    ap.add_argument("--decode-attention", default="masked", choices=list(fd.ATTENTIONS),
+                    help="the static decoder's attention (triton: each row's keys up to its position; needs Triton)")
     ap.add_argument("--only-projection", action="store_true", help="skip the decode-rate and bridge sections")
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--divergent", type=float, default=166 / 200)

@@ -141,7 +141,7 @@ def test_regime_errors_are_clear(models):
         continue_greedy(decoder, build_cache(decoder, "prefill", PROMPT, [3]), 3, 10)
     assert isinstance(fd.make_decoder(models["fp32"], (), "eager"), Decoder)
     assert fd.regime_info(decoder) == {"decode_regime": "static", "decode_max_len": 12, "decode_max_rows": 1,
-                                       "decode_bucket": None}
+                                       "decode_bucket": None, "decode_attention": "masked"}
     bucketed = fd.make_decoder(models["fp32"], (), "static", max_len=12, bucket=5)
     assert [bucketed.span(e) for e in (1, 5, 6, 11, 12)] == [5, 5, 10, 12, 12]
 

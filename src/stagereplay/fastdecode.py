@@ -43,6 +43,10 @@ from dataclasses import dataclass
 import torch
 
 REGIMES = ("eager", "static", "cuda_graph")
+# the static forward's attention: ``masked`` (one GEMM over the buffer span under an additive mask, softmax, GEMM)
+# or ``triton`` (a flash loop over each row's own keys up to its position; needs Triton): another regime parameter
+ATTENTIONS = ("masked", "triton")
+TRITON_ATTENTION_BLOCK = 64
 
 
 class RegimeError(ValueError):
@@ -185,7 +189,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
-                 regime: str = "static", pad_id: int = 0, bucket: int | None = None):
+                 regime: str = "static", pad_id: int = 0, bucket: int | None = None, attention: str = "masked"):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
         self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
@@ -203,6 +207,14 @@ class StaticDecoder:
         if bucket is not None and bucket < 1:
             raise RegimeError("decode_bucket must be a positive number of positions")
         self.bucket = int(bucket) if bucket else None
+        if attention not in ATTENTIONS:
+            raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
+        self.attention = attention
+        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks (no span to bucket)
+            from .invariant_triton import TritonKernels
+
+            self._triton = TritonKernels()
+            self.bucket = None
         self.dtype = next(model.parameters()).dtype
         shape = (self.max_rows, self.n_kv, self.max_len, self.head_dim)  # (rows, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
@@ -225,7 +237,7 @@ class StaticDecoder:
 
     def describe(self) -> dict:
         return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
-                "decode_bucket": self.bucket}
+                "decode_bucket": self.bucket, "decode_attention": self.attention}
 
     def span(self, end: int) -> int:
         """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, or
@@ -288,11 +300,13 @@ class StaticDecoder:
         half = D // 2
         cos = cos[:, None]
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]  # (rows, 1, T, D)
-        keys = self.positions[None, None, :span]  # (1, 1, span)
-        allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-        # (rows*KV, group*T, span): the query heads sharing a K/V head side by side, T innermost
-        bias = bias[:, None, None].expand(rows, KV, group, T, span).reshape(rows * KV, group * T, span)
+        if self.attention == "masked":
+            keys = self.positions[None, None, :span]  # (1, 1, span)
+            allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
+            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed,
+                                                                                                 float("-inf"))
+            # (rows*KV, group*T, span): the query heads sharing a K/V head side by side, T innermost
+            bias = bias[:, None, None].expand(rows, KV, group, T, span).reshape(rows * KV, group * T, span)
         hidden = h.shape[-1]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
@@ -308,12 +322,16 @@ class StaticDecoder:
             with _unique_index_writes():
                 kb.index_copy_(2, index, k)
                 vb.index_copy_(2, index, v)
-            qg = q.reshape(rows * KV, group * T, D)
-            kspan = kb.view(rows * KV, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
-            scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=attn.scaling)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
-            out = out.view(rows, H, T, D).transpose(1, 2).reshape(rows, T, H * D)
+            if self.attention == "triton":
+                out = self._triton.attention_rows(q.transpose(1, 2), kb, vb, pads, index, attn.scaling,
+                                                  TRITON_ATTENTION_BLOCK).reshape(rows, T, H * D)
+            else:
+                qg = q.reshape(rows * KV, group * T, D)
+                kspan = kb.view(rows * KV, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
+                scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=attn.scaling)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+                out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
+                out = out.view(rows, H, T, D).transpose(1, 2).reshape(rows, T, H * D)
             h = h + attn.o_proj(out)
             norm = layer.post_attention_layernorm
             x = torch.nn.functional.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
@@ -420,7 +438,7 @@ class StaticDecoder:
 
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
-                 bucket: int | None = None):
+                 bucket: int | None = None, attention: str = "masked"):
     """The decoder of a regime: the engine's eager Decoder, or a StaticDecoder for ``static``/``cuda_graph``."""
     if regime not in REGIMES:
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
@@ -430,7 +448,8 @@ def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None =
         return Decoder(model, tuple(eos_ids))
     if max_len is None:
         raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
-    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket)
+    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket,
+                         attention=attention)
 
 
 def regime_info(decoder) -> dict:
@@ -813,7 +832,7 @@ def recorded_plan(path) -> BatchPlan | None:
 
 # -- the regime, as later stages rebuild it ----------------------------------------------------------------------
 
-REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket")
+REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket", "decode_attention")
 
 
 def recorded_regime(path) -> dict:
@@ -835,4 +854,4 @@ def decoder_from_record(model, eos_ids, record: dict):
     (batched rows are rebuilt in their recorded batch: :func:`recorded_plan`)."""
     return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
                         max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
-                        bucket=record.get("decode_bucket"))
+                        bucket=record.get("decode_bucket"), attention=record.get("decode_attention") or "masked")
