@@ -14,7 +14,6 @@ MODEL, DEVICE = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
 
 from stagereplay import compat  # noqa: E402
 from stagereplay import fastdecode as fd  # noqa: E402

@@ -7,7 +7,6 @@ provenance. None of them knows Snakemake; the workflow's scripts are a few lines
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
