@@ -346,16 +346,24 @@ def decode_seconds(m: dict, start: int, count: int, bucketed: bool) -> float:
     return (count * fit["a_s"] + fit["b_s_per_position"] * spans) / m["rows"]
 
 
-def project(measures: list[dict], items: int, divergent: float, bucketed: bool = False) -> dict:
-    """Wall time of the paper-scale experiment from the measured rates.
+def project(measures: list[dict], items: int, divergent: float, bucketed: bool = False,
+            dumps: str = "none") -> dict:
+    """Wall time of the paper-scale experiment from the measured rates, counting the work the pipeline does.
 
     Per item (P prompt, S stage, N suffix tokens), at every precision: the fixed-prefix 2x2 arm, incremental
     x2 (a P prefill, S teacher-forced steps and N steps each) and prefill x2 (a P+S prefill and N steps each).
     At the primary precision (bf16) besides: the matched experiment's live x2 (a P prefill and S+N steps each;
     its prefill rows are the 2x2's), the bridge (live vs the 2x2's incremental caches: no extra work) and the
-    bidirectional all-layer transplants of the divergent items (2 x N steps, two caches dumped and read back;
-    fp32 had 0 divergences in the study, so none there).
+    bidirectional all-layer transplants of the divergent items. The transplant stage rebuilds both boundary
+    caches in its own process (the incremental one: a P prefill and S steps; the prefill one: a P+S prefill) and
+    continues each transplanted cache N steps, in both directions; fp32 had 0 divergences in the study, so none
+    there. Dumps are not needed by the transplants: ``dumps="divergent"`` adds writing both caches of every
+    divergent item (the pipeline's ``dump: {items: divergent}``; at paper scale about 150 GB), ``"none"`` does not.
+    Not counted: the saved-ledger audit (it recomputes every row, about the matched and 2x2 work again) and
+    model loads.
     """
+    if dumps not in ("none", "divergent"):
+        raise ValueError(f"dumps {dumps!r}: none or divergent")
     total = 0.0
     parts = {}
     for m in measures:
@@ -363,16 +371,17 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         steps = 2 * (S + N) + 2 * N
         per_item = 2 * decode_seconds(m, P, S + N, bucketed) + 2 * decode_seconds(m, P + S - 1, N, bucketed)
         prefill_tokens = items * (2 * (P + S) + 2 * P)
-        dumps = 0
+        dumped = 0.0
         if m["precision"] == "bf16":
-            steps += 2 * (S + N) + 2 * divergent * N
-            per_item += 2 * decode_seconds(m, P, S + N, bucketed) + 2 * divergent * decode_seconds(m, P + S - 1, N,
-                                                                                                   bucketed)
-            prefill_tokens += items * 2 * P
-            dumps = 2 * divergent
+            steps += 2 * (S + N) + divergent * (S + 2 * N)
+            per_item += 2 * decode_seconds(m, P, S + N, bucketed)  # matched live x2
+            per_item += divergent * (decode_seconds(m, P, S, bucketed)  # transplant stage: incremental rebuild
+                                     + 2 * decode_seconds(m, P + S - 1, N, bucketed))  # both directions
+            prefill_tokens += items * (2 * P + divergent * (P + (P + S)))
+            dumped = 2 * divergent if dumps == "divergent" else 0.0
         decode_s = items * per_item
         prefill_s = prefill_tokens / m["prefill_tokens_s"]
-        dump_s = items * dumps * m["dump_GB"] * (1 / m["dump_GB_s"] + 1 / m["load_GB_s"])
+        dump_s = items * dumped * m["dump_GB"] / m["dump_GB_s"]
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
                                  "decode_steps_per_item": steps}
         total += decode_s + prefill_s + dump_s
@@ -380,7 +389,7 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     described = (("exact span (triton attention)" if fit["bucket"] == 1 else
                   f"span bucketed by {fit['bucket']} positions") if bucketed else "whole buffer")
     return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts,
-            "attention": described}
+            "attention": described, "dumps": dumps}
 
 
 # -- the bridge on the device -------------------------------------------------------------------------------------
@@ -460,12 +469,13 @@ def render(meta: dict) -> str:
             L.append(f"| {m['shape']} | {m['precision']} | {m['P']}/{m['S']}/{m['N']} | {m['rows']} | "
                      f"{1e3 * m['step_s']:.1f} | {by_span} | {m['decode_tok_s']:.0f} | {m['prefill_tokens_s']:.0f} | "
                      f"{m['dump_GB']:.2f} | {m['dump_GB_s']:.2f} | {m['disk_write_GB_s']:.2f} | {m['load_GB_s']:.2f} |")
-        for key in ("projected", "projected_bucketed"):
+        for key in ("projected", "projected_bucketed", "projected_bucketed_with_dumps"):
             pr = RESULTS.get(key)
             if not pr:
                 continue
             L += ["", f"Projected paper-scale run ({pr['items']} items, divergent fraction {pr['divergent_fraction']:.2f}, "
-                  f"decode attention: {pr['attention']}): **{pr['total_s'] / 3600:.2f} h**"]
+                  f"decode attention: {pr['attention']}, dumps: {pr.get('dumps', 'divergent')}): "
+                  f"**{pr['total_s'] / 3600:.2f} h**"]
             for prec, p in pr["parts"].items():
                 L.append(f"- {prec}: decode {p['decode_s'] / 60:.1f} min ({p['decode_steps_per_item']:.0f} steps/item), "
                          f"prefill {p['prefill_s'] / 60:.1f} min, dumps {p['dump_s'] / 60:.1f} min")
@@ -572,6 +582,8 @@ def main(argv=None):
     if RESULTS["projection"]:
         RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent)
         RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True)
+        RESULTS["projected_bucketed_with_dumps"] = project(RESULTS["projection"], args.items, args.divergent,
+                                                           bucketed=True, dumps="divergent")
     save()
     log(render(meta))
 
