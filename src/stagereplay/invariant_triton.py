@@ -2,16 +2,18 @@
 
 Every kernel here computes a row (a token) in a way fixed by that row alone:
 
-- ``linear``: one tiled GEMM with a single launch configuration for every shape (``BLOCK_M`` x ``BLOCK_N``
-  output tiles, ``BLOCK_K`` reduction steps in ascending order, no split-K, no autotuning). Row ``i`` of the
-  output is the same sequence of tile products whatever ``m`` is; the other rows of its tile only ride along.
+- ``linear``: one tiled GEMM whose launch configuration never depends on the number of rows ``m``
+  (``BLOCK_M`` x ``BLOCK_N`` output tiles, ``BLOCK_N`` set by the weight's output features alone, ``BLOCK_K``
+  reduction steps in ascending order, no split-K, no autotuning). Row ``i`` of the output is the same sequence
+  of tile products whatever ``m`` is; the other rows of its tile only ride along.
 - ``rms_norm``: one program per row, the whole row in one block, one fixed reduction tree.
 - ``gated_act`` and ``rotary``: element-wise, one formula per element.
-- ``attention``: a flash-attention loop over keys in blocks of ``block_size`` keys in ascending order with an
-  online softmax in fp32. The query heads that share a K/V head are packed into the tile's rows next to the
-  query positions, so a decode step (one position, ``groups`` heads) and a prefill (``m`` positions) run the
-  same code: a row at cache position ``p`` sees the same key blocks, the same partial last block and the same
-  order in both. Blocks wholly after ``p`` (reached only because another row of the tile is further on) are
+- ``attention`` / ``attention_rows``: a flash-attention loop over keys in blocks of ``block_size`` keys in
+  ascending order with an online softmax in fp32. The query heads that share a K/V head are packed into the
+  tile's rows next to the query positions, so a decode step (one position, ``groups`` heads) and a prefill
+  (``m`` positions) run the same code: a row at cache position ``p`` sees the same key blocks, the same partial
+  last block and the same order in both. In a left-padded batch a row's blocks start at its first real key,
+  so its padding changes nothing either. Blocks wholly after ``p`` (reached only because another row of the tile is further on) are
   masked out entirely, which leaves the running max, sum and accumulator exactly as they were.
 
 fp32 inputs use ``input_precision="ieee"`` for every ``tl.dot``: TF32 would change the precision the study
@@ -43,6 +45,8 @@ LINEAR_WIDTHS = ((16384, 64), (4096, 32), (0, 16))  # (at least N output feature
 
 def _tile_width(n: int, widest: int) -> int:
     return min(widest, next(width for at_least, width in LINEAR_WIDTHS if n >= at_least))
+
+
 # Triton's CPU interpreter multiplies bf16 tiles as raw 16-bit integers; under it, tiles go to fp32 first (the
 # interpreter checks indexing, masking and the online softmax, not the GPU's bits)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
