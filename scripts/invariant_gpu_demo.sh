@@ -9,12 +9,16 @@
 #
 #   bash scripts/invariant_gpu_demo.sh [WORKDIR]            # default WORKDIR: a fresh temp folder
 #   SHAPE=tiny N_ITEMS=4 DEVICE=cpu bash scripts/invariant_gpu_demo.sh  # a 2-layer smoke test, reference kernels
+#   BATCH_SIZE=8 DECODE_REGIME=cuda_graph bash scripts/invariant_gpu_demo.sh  # batched, CUDA graphs: the
+#                                          # batch-invariance control of both regimes, every batched stage on a GPU
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SHAPE="${SHAPE:-qwen2.5-0.5b}"
 N_ITEMS="${N_ITEMS:-16}"
 DEVICE="${DEVICE:-cuda}"
+BATCH_SIZE="${BATCH_SIZE:-1}"
+DECODE_REGIME="${DECODE_REGIME:-eager}"
 WORK="${1:-$(mktemp -d "${TMPDIR:-/tmp}/stagereplay-invariant.XXXXXX")}"
 mkdir -p "$WORK"
 WORK="$(cd "$WORK" && pwd)"
@@ -47,6 +51,9 @@ threads: 1
 device: $DEVICE
 attn_implementation: sdpa
 numerics: $numerics
+batch_size: $BATCH_SIZE
+decode_regime: $DECODE_REGIME
+batch_invariance: {sample: 8, seed: 0}
 cache_differences: {n_items: 8, precisions: [bf16, fp32], prefix_precision: null}
 CFG
 done
@@ -84,8 +91,8 @@ for numerics in ("default", "invariant"):
     device = next((p["device"] for p in parts if "device" in p), "?")
     print(f"\n## numerics {numerics}: {regime} on {device}")
     report = (work / numerics / "results" / numerics / "report" / "report.md").read_text().splitlines()
-    keep = ("| bf16 |", "| fp32 |", "| rows bit-exact", "| continuations", "| contrast", "| ledger rows")
+    keep = ("| bf16 |", "| fp32 |", "| rows bit-exact", "| continuations", "| contrast", "| ledger rows", "| | ")
     for line in report:
-        if line.startswith("#### Claim") or line.startswith(keep):
+        if line.startswith(("#### Claim", "### Batch invariance")) or line.startswith(keep):
             print(line)
 PYEOF
