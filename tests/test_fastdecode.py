@@ -135,6 +135,8 @@ def test_regime_errors_are_clear(models):
         fd.make_decoder(models["fp32"], (), "static")
     with pytest.raises(fd.RegimeError, match=r"decode_attention 'flash' is not one of \['masked', 'triton'\]"):
         fd.make_decoder(models["fp32"], (), "static", max_len=8, attention="flash")
+    with pytest.raises(fd.RegimeError, match="decode_bucket has no effect"):
+        fd.make_decoder(models["fp32"], (), "static", max_len=8, bucket=4, attention="triton")
     if not torch.cuda.is_available():
         with pytest.raises(fd.RegimeError, match="CUDA device"):
             fd.make_decoder(models["fp32"], (), "cuda_graph", max_len=8)

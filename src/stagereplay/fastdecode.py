@@ -211,10 +211,12 @@ class StaticDecoder:
             raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
         self.attention = attention
         if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks (no span to bucket)
+            if self.bucket is not None:
+                raise RegimeError("decode_bucket has no effect with decode_attention 'triton' (it reads each row's "
+                                  "keys up to its position); drop one of them")
             from .invariant_triton import TritonKernels
 
             self._triton = TritonKernels()
-            self.bucket = None
         self.dtype = next(model.parameters()).dtype
         shape = (self.max_rows, self.n_kv, self.max_len, self.head_dim)  # (rows, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
