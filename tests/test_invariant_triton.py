@@ -28,12 +28,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compi
 TOLERANCE = {"float32": 2e-6, "bfloat16": 2e-2}
 
 
-def kernel_checks(device: str) -> dict:
+def run_checks(script: str, *args: str, timeout: int = 600) -> dict:
+    """Run one of the check scripts in its own process (TRITON_INTERPRET must be set before Triton compiles);
+    return the JSON object it prints last."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, str(REPO / "tests/triton_kernel_checks.py"), device], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(REPO / "tests" / script), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def kernel_checks(device: str) -> dict:
+    return run_checks("triton_kernel_checks.py", device)
 
 
 @pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
@@ -70,11 +76,7 @@ def test_toy_constructions_are_byte_identical_with_triton(tiny_model_dir, precis
 
 
 def static_checks(device: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, str(REPO / "tests/triton_static_checks.py"), str(REPO / "data/toy/primary"),
-                           device], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_checks("triton_static_checks.py", str(REPO / "data/toy/primary"), device, timeout=900)
 
 
 def assert_static_checks(results: dict):

@@ -23,6 +23,7 @@ the test suite checks them on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -244,8 +245,12 @@ class TritonKernels:
         if list(positions) != list(range(first, first + q.shape[0])):
             raise ValueError("the Triton attention takes consecutive cache positions")
         index = torch.full((1,), first, dtype=torch.long, device=q.device)
-        pads = torch.zeros(1, dtype=torch.long, device=q.device)
-        return self.attention_rows(q[None], keys[None], values[None], pads, index, scaling, block_size)[0]
+        return self.attention_rows(q[None], keys[None], values[None], self._no_padding(q.device), index, scaling,
+                                   block_size)[0]
+
+    @functools.cache  # noqa: B019  (one zero per device, made once: this runs per layer and per token)
+    def _no_padding(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long, device=device)
 
     def attention_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor,
                        index: torch.Tensor, scaling: float, block_size: int) -> torch.Tensor:

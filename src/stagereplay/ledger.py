@@ -32,24 +32,21 @@ def fingerprint_ids(ids) -> str:
     return hashlib.sha256(ids_bytes(ids)).hexdigest()
 
 
-def tensor_bytes(t) -> bytes:
-    """Raw bytes of a tensor in its own dtype (bf16 included), row-major."""
-    import torch
-
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def fingerprint_tensor(t) -> str:
-    return hashlib.sha256(tensor_bytes(t)).hexdigest()
-
-
 def _byte_view(t) -> memoryview:
     """The raw bytes of a tensor without a copy (one device-to-host copy for a GPU tensor)."""
     import torch
 
     t = t.detach().contiguous().cpu()
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def tensor_bytes(t) -> bytes:
+    """Raw bytes of a tensor in its own dtype (bf16 included), row-major."""
+    return _byte_view(t).tobytes()
+
+
+def fingerprint_tensor(t) -> str:
+    return hashlib.sha256(_byte_view(t)).hexdigest()
 
 
 PARALLEL_HASH_BYTES = 16 << 20  # from this size on, the hashes of a cache run in threads
