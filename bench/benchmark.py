@@ -334,6 +334,33 @@ def projection_measure(model, shape, precision, args) -> dict:
     log(f"  projection {shape} {precision}: cache dump {size / 1e9:.2f} GB at {out['dump_GB_s']:.2f} GB/s "
         f"(disk alone {out['disk_write_GB_s']:.2f} GB/s), load at {out['load_GB_s']:.2f} GB/s, exact {same}")
     del pdec, pcache, layers, loaded
+    out.update(gemm_rates(model, rows))
+    log(f"  projection {shape} {precision}: linear maps at {rows} rows {out['gemm_TFLOP_s_rows']:.1f} TFLOP/s, at "
+        f"{out['gemm_large_rows']} rows {out['gemm_TFLOP_s_large']:.1f} TFLOP/s")
+    return out
+
+
+def gemm_rates(model, rows: int, large: int = 2048, repeats: int = 10) -> dict:
+    """FLOP/s of one decoder layer's linear maps as the static decoder runs them (the model's own weights: q|k|v
+    fused, o, gate|up fused, down) at ``rows`` input rows (the decode step's batch) and at ``large`` rows (a
+    prefill-sized product, near the GEMM's best rate): the compute bound of a decode step whose weights no longer
+    dominate its time (fp32, where TF32 stays off)."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
+               torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    linear_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    linear_params += model.lm_head.weight.numel()
+    out = {"linear_params": linear_params}
+    for name, m in (("rows", rows), ("large", large)):
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+        for w in weights:  # warm up the library's kernel choice
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+        dt, _ = timed(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for _ in range(repeats) for w in weights])
+        flops = repeats * sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
+        out[f"gemm_TFLOP_s_{name}"] = flops / dt / 1e12
+        del xs
+    out["gemm_rows"], out["gemm_large_rows"] = rows, large
     return out
 
 
@@ -384,6 +411,9 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         dump_s = items * dumped * m["dump_GB"] / m["dump_GB_s"]
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
                                  "decode_steps_per_item": steps}
+        if "linear_params" in m:  # the linear maps alone, every row-step and prefill token at the best GEMM rate
+            flops = 2 * m["linear_params"] * (items * steps + prefill_tokens)
+            parts[m["precision"]]["linear_floor_s"] = flops / (m["gemm_TFLOP_s_large"] * 1e12)
         total += decode_s + prefill_s + dump_s
     fit = measures[0]["step_fit"]
     described = (("exact span (triton attention)" if fit["bucket"] == 1 else
@@ -478,7 +508,15 @@ def render(meta: dict) -> str:
                   f"**{pr['total_s'] / 3600:.2f} h**"]
             for prec, p in pr["parts"].items():
                 L.append(f"- {prec}: decode {p['decode_s'] / 60:.1f} min ({p['decode_steps_per_item']:.0f} steps/item), "
-                         f"prefill {p['prefill_s'] / 60:.1f} min, dumps {p['dump_s'] / 60:.1f} min")
+                         f"prefill {p['prefill_s'] / 60:.1f} min, dumps {p['dump_s'] / 60:.1f} min"
+                         + (f"; its linear maps alone at the best measured GEMM rate: "
+                            f"{p['linear_floor_s'] / 60:.1f} min" if "linear_floor_s" in p else ""))
+        gemm = [m for m in RESULTS["projection"] if "gemm_TFLOP_s_rows" in m]
+        if gemm:
+            L += ["", "| shape | prec | linear maps at the decode rows (TFLOP/s) | at 2048 rows (TFLOP/s) |",
+                  "| --- | --- | --- | --- |"]
+            L += [f"| {m['shape']} | {m['precision']} | {m['gemm_TFLOP_s_rows']:.1f} ({m['gemm_rows']} rows) | "
+                  f"{m['gemm_TFLOP_s_large']:.1f} |" for m in gemm]
     if RESULTS["bridge"]:
         L += ["", "### Bridge on the device (package engine)", "",
               "| regime | prec | prompt | live == incremental | prefill replicas equal | prefill == live | first K layer differing | "

@@ -46,9 +46,10 @@ def kernel_checks(device: str) -> dict:
                     reason="Triton's interpreter before 3.7 fails under numpy 2 (int() of a 1-element array)")
 def test_kernels_compute_their_formulas_in_the_interpreter():
     results = kernel_checks("cpu")
-    assert len(results["errors"]) == 22  # 11 checks at each of two dtypes
+    # 11 checks at each of two dtypes, and the 6 attention checks again with the fp32 keys cut into 5 chunks
+    assert len(results["errors"]) == 28
     for name, error in results["errors"].items():
-        assert error <= TOLERANCE[name.split("/")[1]], (name, error)
+        assert error <= TOLERANCE[name.split("/")[1].split("_")[0]], (name, error)
 
 
 def test_the_cpu_gets_the_reference_kernels():
@@ -59,8 +60,8 @@ def test_the_cpu_gets_the_reference_kernels():
 def test_kernels_are_row_invariant_on_cuda():
     results = kernel_checks("cuda")
     for name, error in results["errors"].items():
-        assert error <= TOLERANCE[name.split("/")[1]], (name, error)
-    assert len(results["invariant"]) == 10  # 5 kernels at each of two dtypes
+        assert error <= TOLERANCE[name.split("/")[1].split("_")[0]], (name, error)
+    assert len(results["invariant"]) == 11  # 5 kernels at each of two dtypes, the fp32 attention in 16-key chunks
     assert all(results["invariant"].values()), results["invariant"]
 
 

@@ -17,10 +17,11 @@ if DEVICE == "cpu":
 
 import torch  # noqa: E402
 
-from stagereplay.invariant_triton import TritonKernels  # noqa: E402
+from stagereplay.invariant_triton import CONFIGS, TritonKernels  # noqa: E402
 from stagereplay.ledger import tensor_bytes  # noqa: E402
 
 K = TritonKernels()
+FP32 = dict(CONFIGS["fp32"])
 torch.manual_seed(0)
 results = {"device": DEVICE, "errors": {}, "invariant": {} if DEVICE != "cpu" else None}
 
@@ -40,6 +41,30 @@ def check_invariant(name, op, n, windows=((0, 1), (3, 4), (5, 12), (0, 7))):
         return
     full = op(0, n)
     results["invariant"][name] = all(same(op(lo, hi), full[lo:hi]) for lo, hi in windows if hi <= n)
+
+
+def attention_checks(r, tag):
+    """attention: 6 query heads on 2 K/V heads (groups of 3), 70 positions (a partial last 16-key block), d=32"""
+    L, heads, kv, d, block = 70, 6, 2, 32, 16
+    qa, ka, va = r(L, heads, d), r(kv, L, d), r(kv, L, d)
+    scale = d ** -0.5
+    want = torch.nn.functional.scaled_dot_product_attention(
+        qa.double().transpose(0, 1), ka.double().repeat_interleave(3, 0), va.double().repeat_interleave(3, 0),
+        is_causal=True, scale=scale).transpose(0, 1)
+    record("attention_prefill", K.attention(qa, ka, va, list(range(L)), scale, block), want, tag)
+    # decode steps and a chunk: the rows at positions p..p+n-1 over the cache 0..p+n-1
+    for p in (0, 15, 16, 69):
+        record(f"attention_decode_{p}", K.attention(qa[p:p + 1], ka[:, :p + 1], va[:, :p + 1], [p], scale, block),
+               want[p:p + 1], tag)
+    record("attention_chunk", K.attention(qa[30:50], ka[:, :50], va[:, :50], list(range(30, 50)), scale, block),
+           want[30:50], tag)
+    if results["invariant"] is not None:
+        full = K.attention(qa, ka, va, list(range(L)), scale, block)
+        steps = all(same(K.attention(qa[p:p + 1], ka[:, :p + 1], va[:, :p + 1], [p], scale, block), full[p:p + 1])
+                    for p in range(L))
+        chunks = all(same(K.attention(qa[a:a + c], ka[:, :a + c], va[:, :a + c], list(range(a, a + c)), scale, block),
+                          full[a:a + c]) for a, c in ((0, 5), (5, 20), (25, 33), (58, 12)))
+        results["invariant"][f"attention/{tag}"] = steps and chunks
 
 
 for dtype in (torch.float32, torch.bfloat16):
@@ -68,26 +93,10 @@ for dtype in (torch.float32, torch.bfloat16):
     record("rotary", K.rotary(q, cos, sin), q.double() * cos.double()[:, None] + rot.double() * sin.double()[:, None],
            tag)
     check_invariant(f"rotary/{tag}", lambda lo, hi: K.rotary(q[lo:hi], cos[lo:hi], sin[lo:hi]), 5)
-    # attention: 6 query heads on 2 K/V heads (groups of 3), 70 positions (a partial last 16-key block), d=32
-    L, heads, kv, d, block = 70, 6, 2, 32, 16
-    qa, ka, va = r(L, heads, d), r(kv, L, d), r(kv, L, d)
-    scale = d ** -0.5
-    want = torch.nn.functional.scaled_dot_product_attention(
-        qa.double().transpose(0, 1), ka.double().repeat_interleave(3, 0), va.double().repeat_interleave(3, 0),
-        is_causal=True, scale=scale).transpose(0, 1)
-    record("attention_prefill", K.attention(qa, ka, va, list(range(L)), scale, block), want, tag)
-    # decode steps and a chunk: the rows at positions p..p+n-1 over the cache 0..p+n-1
-    for p in (0, 15, 16, 69):
-        record(f"attention_decode_{p}", K.attention(qa[p:p + 1], ka[:, :p + 1], va[:, :p + 1], [p], scale, block),
-               want[p:p + 1], tag)
-    record("attention_chunk", K.attention(qa[30:50], ka[:, :50], va[:, :50], list(range(30, 50)), scale, block),
-           want[30:50], tag)
-    if results["invariant"] is not None:
-        full = K.attention(qa, ka, va, list(range(L)), scale, block)
-        steps = all(same(K.attention(qa[p:p + 1], ka[:, :p + 1], va[:, :p + 1], [p], scale, block), full[p:p + 1])
-                    for p in range(L))
-        chunks = all(same(K.attention(qa[a:a + c], ka[:, :a + c], va[:, :a + c], list(range(a, a + c)), scale, block),
-                          full[a:a + c]) for a, c in ((0, 5), (5, 20), (25, 33), (58, 12)))
-        results["invariant"][f"attention/{tag}"] = steps and chunks
+    attention_checks(r, tag)
+    if dtype == torch.float32:  # the per-head fp32 kernel with chunks of one 16-key block: five chunks combined
+        CONFIGS["fp32"] = {**CONFIGS["fp32"], "attention_chunk_blocks": 1}
+        attention_checks(r, f"{tag}_chunks")
+        CONFIGS["fp32"] = FP32
 
 print(json.dumps(results))

@@ -15,6 +15,11 @@ Every kernel here computes a row (a token) in a way fixed by that row alone:
   last block and the same order in both. In a left-padded batch a row's blocks start at its first real key,
   so its padding changes nothing either. Blocks wholly after ``p`` (reached only because another row of the tile is further on) are
   masked out entirely, which leaves the running max, sum and accumulator exactly as they were.
+  That packed tile is the bf16/fp16 kernel (tensor cores). In fp32 a decode step would fill 16-row FMA tiles
+  with a group's few heads, so fp32 runs one program per (row, query head, token, chunk of keys): the same
+  blocks aligned at the row's first real key, an online softmax over each chunk's blocks, and the chunks
+  (``attention_chunk_blocks`` blocks each, counted from that first key) combined in ascending order. A decode
+  step and a prefill row at the same position cut their keys into the same chunks, so they agree bit for bit.
 
 fp32 inputs use ``input_precision="ieee"`` for every ``tl.dot``: TF32 would change the precision the study
 crosses. The kernels run on CUDA; with ``TRITON_INTERPRET=1`` they also run on the CPU (slowly), which is how
@@ -36,10 +41,10 @@ import triton.language as tl
 # tile width depends on the weight alone (its output features N), never on the rows: a narrow weight gets
 # narrow tiles so that a one-row decode step still spreads its weight over many programs (there is no split-K).
 CONFIGS = {
-    "half": {"linear": (64, 64, 64), "linear_warps": 4, "linear_stages": 3, "attention_rows": 64,
-             "attention_warps": 4},
-    "fp32": {"linear": (16, 64, 32), "linear_warps": 4, "linear_stages": 2, "attention_rows": 16,
-             "attention_warps": 4},
+    "half": {"linear": (64, 64, 64), "linear_warps": 4, "linear_stages": 3, "attention": "packed_tile",
+             "attention_rows": 64, "attention_warps": 4},
+    "fp32": {"linear": (16, 64, 32), "linear_warps": 4, "linear_stages": 2, "attention": "per_head",
+             "attention_chunk_blocks": 16, "attention_warps": 2},
 }
 LINEAR_WIDTHS = ((16384, 64), (4096, 32), (0, 16))  # (at least N output features, tile width)
 
@@ -178,6 +183,75 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
     tl.store(out_ptr + q_rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+@triton.jit
+def _attention_head_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, pads_ptr, T, heads, groups, chunks,
+                           stride_kr, stride_kh, stride_kl, scaling, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CHUNK: tl.constexpr):
+    """fp32 attention, one (row, query head, token, key chunk) per program, on the FMA units without ``tl.dot``.
+    The row's keys from its first real key on are cut into chunks of ``CHUNK`` keys (whole blocks); a program runs
+    the online softmax over its chunk's blocks in ascending order (a query reads its own head's keys only, up to
+    its own position: no tile rows of other heads or tokens to pad) and writes the chunk's (max, sum, weighted
+    values) for ``_attention_combine_kernel``. Products and sums in fp32, each sum one fixed reduction tree."""
+    row = tl.program_id(0) // heads
+    head = tl.program_id(0) % heads
+    token = tl.program_id(1)
+    chunk = tl.program_id(2)
+    kv_head = head // groups
+    pad = tl.load(pads_ptr + row)
+    position = tl.load(index_ptr) + token
+    d = tl.arange(0, D)
+    q_row = (row * T + token) * heads + head
+    q = tl.load(q_ptr + q_row * D + d)
+    running_max = tl.full((1,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((1,), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + row * stride_kr + kv_head * stride_kh
+    v_base = v_ptr + row * stride_kr + kv_head * stride_kh
+    first = pad + chunk * CHUNK
+    for start in range(first, tl.minimum(position + 1, first + CHUNK), BLOCK_N):
+        kpos = start + keys
+        seen = kpos <= position
+        k = tl.load(k_base + kpos[:, None] * stride_kl + d[None, :], mask=seen[:, None], other=0.0)  # (N, D)
+        scores = tl.sum(k * q[None, :], axis=1) * scaling
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+        p = tl.exp(scores - new_max)
+        rescale = tl.exp(running_max - new_max)
+        running_sum = running_sum * rescale + tl.sum(p, axis=0)
+        v = tl.load(v_base + kpos[:, None] * stride_kl + d[None, :], mask=seen[:, None], other=0.0)  # (N, D)
+        acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
+        running_max = new_max
+    # a chunk wholly after the position (or a padding query's) writes (-inf, 0, 0): it adds nothing when combined
+    part = part_ptr + (q_row * chunks + chunk) * (D + 2)
+    tl.store(part + d, acc)
+    tl.store(part + D + tl.arange(0, 1), running_max)
+    tl.store(part + D + 1 + tl.arange(0, 1), running_sum)
+
+
+@triton.jit
+def _attention_combine_kernel(part_ptr, out_ptr, chunks, D: tl.constexpr):
+    """One query's chunk results combined in ascending chunk order (the same chunks for a decode step and a
+    prefill row at the same position, so the same bits)."""
+    q_row = tl.program_id(0)
+    d = tl.arange(0, D)
+    running_max = tl.full((1,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((1,), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    for c in range(0, chunks):
+        part = part_ptr + (q_row * chunks + c) * (D + 2)
+        part_max = tl.load(part + D + tl.arange(0, 1))
+        new_max = tl.maximum(running_max, part_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet
+        mine = tl.exp(running_max - safe_max)
+        theirs = tl.exp(part_max - safe_max)
+        running_sum = running_sum * mine + tl.load(part + D + 1 + tl.arange(0, 1)) * theirs
+        acc = acc * mine + tl.load(part + d) * theirs
+        running_max = new_max
+    out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)
+    tl.store(out_ptr + q_row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
 def _config(dtype: torch.dtype) -> dict:
     return CONFIGS["fp32" if dtype == torch.float32 else "half"]
 
@@ -266,6 +340,16 @@ class TritonKernels:
         groups = heads // kv
         out = torch.empty_like(q)
         config = _config(q.dtype)
+        if config["attention"] == "per_head":
+            chunk = config["attention_chunk_blocks"] * block_size
+            chunks = triton.cdiv(keys.shape[2], chunk)  # the buffer's length: a fixed grid for a CUDA graph
+            parts = torch.empty((rows * T * heads, chunks, d + 2), dtype=torch.float32, device=q.device)
+            _attention_head_kernel[(rows * heads, T, chunks)](
+                q, keys, values, parts, index, pads, T, heads, groups, chunks, keys.stride(0), keys.stride(1),
+                keys.stride(2), float(scaling), D=d, BLOCK_N=block_size, CHUNK=chunk,
+                num_warps=config["attention_warps"])
+            _attention_combine_kernel[(rows * T * heads,)](parts, out, chunks, D=d, num_warps=1)
+            return out
         grid = (rows * kv, triton.cdiv(T * groups, config["attention_rows"]))
         _attention_kernel[grid](q, keys, values, out, index, pads, T, heads, kv, groups, keys.stride(0),
                                 keys.stride(1), keys.stride(2), float(scaling), IEEE=q.dtype == torch.float32,
