@@ -261,9 +261,10 @@ def test_partial_transplant_config_gets_the_other_defaults():
     assert cfg["transplant"]["seed"] == 0 and cfg["dump"] == {"items": "divergent"}
 
 
-@pytest.mark.parametrize("positions", [3, 4096])  # 0.1 MB: hashed in line; 32 MB: hashed in threads
+@pytest.mark.parametrize("positions", [3, 4096])  # 0.2 MB: hashed in line; 64 MB: hashed in threads
 def test_fingerprints_are_sha256_of_the_exact_bytes_at_any_size(positions):
     import hashlib
+    import struct
 
     from stagereplay.ledger import PARALLEL_HASH_BYTES
 
@@ -273,6 +274,7 @@ def test_fingerprints_are_sha256_of_the_exact_bytes_at_any_size(positions):
     raw = [bytes(t.view(torch.uint8).numpy()) for pair in layers for t in pair]
     assert (sum(map(len, raw)) >= PARALLEL_HASH_BYTES) == (positions == 4096)
     whole, ks, vs = fingerprint_layers(layers)
-    assert whole == hashlib.sha256(b"".join(raw)).hexdigest()
+    digests = [hashlib.sha256(b).digest() for b in raw]  # the whole: a hash list over the tensors' digests
+    assert whole == hashlib.sha256(b"stagereplay-cache-v2\0" + struct.pack("<Q", 16) + b"".join(digests)).hexdigest()
     assert ks == [hashlib.sha256(b).hexdigest() for b in raw[0::2]]
     assert vs == [hashlib.sha256(b).hexdigest() for b in raw[1::2]]

@@ -3,10 +3,11 @@
 One file holds one boundary cache (one item x revision x precision x construction). Tensors are named
 ``layers.<i>.keys`` and ``layers.<i>.values``, each (batch, kv_heads, seq, head_dim) in the cache's own dtype.
 The file's metadata (key ``stagereplay``, JSON) records the sha256 of every layer's K and V bytes, the
-whole-cache fingerprint, the prefix fingerprint, the pending token and what the cache is (item, revision,
-precision, construction). :func:`load_cache` recomputes every fingerprint and refuses a file whose bytes do not
-match, naming the file and the layer. Writes are atomic. This module knows nothing of models beyond building a
-cache object for one (through :mod:`compat`) and nothing of Snakemake.
+whole-cache fingerprint and its scheme (``fingerprint_scheme``, :data:`stagereplay.ledger.CACHE_FINGERPRINT_SCHEME`),
+the prefix fingerprint, the pending token and what the cache is (item, revision, precision, construction).
+:func:`load_cache` recomputes every fingerprint and refuses a file whose bytes do not match, naming the file and
+the layer, and a file whose whole-cache fingerprint was made by another scheme. Writes are atomic. This module
+knows nothing of models beyond building a cache object for one (through :mod:`compat`) and nothing of Snakemake.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import compat
-from .ledger import CorruptFileError, atomic_path, fingerprint_layers, fingerprint_tensor
+from .ledger import (CACHE_FINGERPRINT_SCHEME, SCHEME_KEY, CorruptFileError, atomic_path, check_fingerprint_scheme,
+                     fingerprint_layers)
 
 METADATA_KEY = "stagereplay"
 FORMAT = "stagereplay-boundary-cache/1"
@@ -55,7 +57,7 @@ def save_cache(path: str | Path, cache, meta: dict) -> dict:
     layers = [(k.detach().contiguous().cpu(), v.detach().contiguous().cpu()) for k, v in compat.cache_layers(cache)]
     whole, ks, vs = fingerprint_layers(layers)
     record = {**meta, "format": FORMAT, "num_layers": len(layers), "cache_fingerprint": whole,
-              "k_sha256": ks, "v_sha256": vs,
+              "fingerprint_scheme": CACHE_FINGERPRINT_SCHEME, "k_sha256": ks, "v_sha256": vs,
               "shape": list(layers[0][0].shape) if layers else [], "dtype": str(layers[0][0].dtype) if layers else ""}
     tensors = {}
     for i, (k, v) in enumerate(layers):
@@ -82,32 +84,33 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def load_cache(path: str | Path, device: str | torch.device = "cpu") -> CacheDump:
-    """Read a dump and check every layer's K and V bytes against the recorded sha256; refuse any mismatch."""
+    """Read a dump and check every layer's K and V bytes against the recorded sha256, and the whole-cache
+    fingerprint; refuse any mismatch, and a dump whose whole-cache fingerprint was made by another scheme."""
     meta = read_metadata(path)
+    check_fingerprint_scheme(path, {SCHEME_KEY: meta.get("fingerprint_scheme")}, rerun="dump_caches")
     try:
         tensors = load_file(str(path), device="cpu")
     except (OSError, SafetensorError) as exc:
         raise CacheDumpError(f"{path} is not a readable safetensors file ({exc}); delete it and rerun the dump") from exc
     layers = []
     for i in range(int(meta["num_layers"])):
-        pair = []
-        for part, recorded in (("keys", meta["k_sha256"][i]), ("values", meta["v_sha256"][i])):
-            name = f"layers.{i}.{part}"
-            if name not in tensors:
-                raise CacheDumpError(f"{path}: tensor {name} is missing; the dump is incomplete, rerun the dump")
-            actual = fingerprint_tensor(tensors[name])
-            if actual != recorded:
-                raise CacheDumpError(
-                    f"{path}: layer {i} {'K' if part == 'keys' else 'V'} bytes do not match their recorded sha256 "
-                    f"(recorded {recorded[:12]}..., found {actual[:12]}...); the file was altered or corrupted, "
-                    "rerun the dump rule instead of using it"
-                )
-            pair.append(tensors[name])
-        layers.append(tuple(pair))
+        for part in ("keys", "values"):
+            if f"layers.{i}.{part}" not in tensors:
+                raise CacheDumpError(f"{path}: tensor layers.{i}.{part} is missing; the dump is incomplete, rerun the "
+                                     "dump")
+        layers.append((tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]))
     extra = sorted(set(tensors) - {f"layers.{i}.{p}" for i in range(len(layers)) for p in ("keys", "values")})
     if extra:
         raise CacheDumpError(f"{path}: unexpected tensors {extra}; this is not a boundary cache dump written here")
-    whole, _, _ = fingerprint_layers(layers)
+    whole, ks, vs = fingerprint_layers(layers)  # every byte hashed once; the whole from the per-tensor digests
+    for i in range(len(layers)):
+        for part, recorded, actual in (("K", meta["k_sha256"][i], ks[i]), ("V", meta["v_sha256"][i], vs[i])):
+            if actual != recorded:
+                raise CacheDumpError(
+                    f"{path}: layer {i} {part} bytes do not match their recorded sha256 "
+                    f"(recorded {recorded[:12]}..., found {actual[:12]}...); the file was altered or corrupted, "
+                    "rerun the dump rule instead of using it"
+                )
     if whole != meta["cache_fingerprint"]:
         raise CacheDumpError(f"{path}: the whole-cache fingerprint does not match the recorded one; rerun the dump")
     return CacheDump([(k.to(device), v.to(device)) for k, v in layers], meta)

@@ -20,7 +20,7 @@ from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher
 from .fixed_prefix import fixed_prefix_batch, fixed_prefix_item
 from .gpus import claim_gpu
 from .invariant import recorded_numerics
-from .ledger import read_parquet, software_versions, write_parquet, write_text_atomic
+from .ledger import check_fingerprint_scheme, read_parquet, software_versions, write_parquet, write_text_atomic
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
 from .stages import gather, provenance, shard_of
 
@@ -114,6 +114,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, *, model: str
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)
     ledger = read_parquet(ledger_path)
+    check_fingerprint_scheme(ledger_path)  # its cache fingerprints are compared with recomputed ones
     plan = recorded_plan(ledger_path)
     if plan is None:
         ledger = ledger[(ledger["item_index"] % n_shards == shard)]
@@ -264,6 +265,7 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, *, precis
         chosen = set(choose_bridge_items(selection["item_index"], sample, sample_seed))
         control = {"status": "compared", "sampled_items": sorted(chosen)}
         ledger = read_parquet(ledger_path)
+        check_fingerprint_scheme(ledger_path)  # its cache fingerprints are compared with recomputed ones
         stored = ledger[(ledger["experiment"] == "matched") & (ledger["replica"] == 1)
                         & ledger["item_index"].isin(chosen)]
         for precision in precisions:

@@ -1,9 +1,11 @@
 """Fingerprints, provenance and atomic Parquet files: the ground floor every stage writes through.
 
 A fingerprint is a sha256 over exact bytes: token ids as little-endian int32, cache tensors as their raw
-storage bytes. Nothing here compares with a tolerance. Every Parquet file the pipeline writes carries a
-provenance record in its key-value metadata (key ``stagereplay``) and is written atomically (temp file, fsync,
-rename), so a crash never leaves a half-written file that a rerun would trust.
+storage bytes; a whole cache's fingerprint is a sha256 over its tensors' digests (:func:`fingerprint_layers`,
+scheme :data:`CACHE_FINGERPRINT_SCHEME`, recorded in every file's provenance). Nothing here compares with a
+tolerance. Every Parquet file the pipeline writes carries a provenance record in its key-value metadata (key
+``stagereplay``) and is written atomically (temp file, fsync, rename), so a crash never leaves a half-written file
+that a rerun would trust.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import json
 import os
 import secrets
+import struct
 import subprocess
 from pathlib import Path
 
@@ -49,39 +52,112 @@ def fingerprint_tensor(t) -> str:
     return hashlib.sha256(_byte_view(t)).hexdigest()
 
 
-PARALLEL_HASH_BYTES = 16 << 20  # from this size on, the hashes of a cache run in threads
+PARALLEL_HASH_BYTES = 4 << 20  # from this size on, the per-tensor hashes of a cache run in threads
+
+# The whole-cache fingerprint's definition, recorded in every file's provenance (software_versions) and in every
+# cache dump, so that fingerprints made by another definition are refused rather than compared
+# (check_fingerprint_scheme). "sha256-list-v2": see fingerprint_layers. Before it, with no name recorded, the
+# whole-cache fingerprint was one sequential sha256 over every layer's K bytes then V bytes.
+CACHE_FINGERPRINT_SCHEME = "sha256-list-v2"
+SCHEME_KEY = "cache_fingerprint_scheme"  # its key in a provenance record
+_CACHE_FINGERPRINT_TAG = b"stagereplay-cache-v2\0"
+
+
+def _digests(views: list[memoryview]) -> list[bytes]:
+    """The sha256 digest of each buffer, in order; in a thread pool when they are large (hashlib releases the
+    GIL), one buffer per task. pool.map keeps the input order whatever the threads' schedule."""
+    def one(b) -> bytes:
+        return hashlib.sha256(b).digest()
+
+    if len(views) < 2 or sum(b.nbytes for b in views) < PARALLEL_HASH_BYTES:
+        return [one(b) for b in views]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(views), max(2, min(8, os.cpu_count() or 2)))) as pool:
+        return list(pool.map(one, views))
+
+
+def combine_digests(digests: list[bytes]) -> str:
+    """The whole-cache fingerprint of tensors with these sha256 digests (in order layer 0 K, layer 0 V, layer 1 K,
+    ...): sha256 over ``b"stagereplay-cache-v2\\0"``, the number of digests as a little-endian uint64, then the
+    32-byte digests themselves."""
+    whole = hashlib.sha256(_CACHE_FINGERPRINT_TAG + struct.pack("<Q", len(digests)))
+    for d in digests:
+        whole.update(d)
+    return whole.hexdigest()
 
 
 def fingerprint_layers(layers) -> tuple[str, list[str], list[str]]:
     """(whole-cache fingerprint, per-layer K fingerprints, per-layer V fingerprints).
 
-    The whole-cache fingerprint is a sha256 over every layer's K bytes then V bytes, in layer order. The bytes
-    are hashed in place (no copy); a large cache's per-tensor hashes run in threads beside the whole-cache one
-    (hashlib releases the GIL), so the fingerprints cost about one sequential sha256 pass over the cache.
+    Each per-layer fingerprint is the plain sha256 of that tensor's raw bytes (as :func:`fingerprint_tensor`).
+    The whole-cache fingerprint (scheme :data:`CACHE_FINGERPRINT_SCHEME`, ``sha256-list-v2``) is a hash list over
+    them: sha256 of ``b"stagereplay-cache-v2\\0"`` + the number of tensors (2 x layers) as a little-endian uint64
+    + the raw 32-byte digests in the order layer 0 K, layer 0 V, layer 1 K, layer 1 V, ... (:func:`combine_digests`).
+    The tag keeps it apart from any plain sha256 of bytes; an empty cache gives the hash of the tag and a zero
+    count. It still changes with any byte of any tensor, and with the tensors' order and number.
+
+    Every byte is hashed exactly once, in place (no copy); a large cache's per-tensor hashes run in threads
+    (hashlib releases the GIL), so on several cores the fingerprints cost a fraction of one sha256 pass.
     """
-    views = [(_byte_view(k), _byte_view(v)) for k, v in layers]
-    flat = [b for pair in views for b in pair]
+    flat = [_byte_view(t) for pair in layers for t in pair]
+    digests = _digests(flat)
+    hexes = [d.hex() for d in digests]
+    return combine_digests(digests), hexes[0::2], hexes[1::2]
 
-    def whole_hash() -> str:
-        whole = hashlib.sha256()
-        for b in flat:
-            whole.update(b)
-        return whole.hexdigest()
 
-    def one(b) -> str:
-        return hashlib.sha256(b).hexdigest()
+class FingerprintSchemeError(ValueError):
+    """A file whose cache fingerprints were made by another definition than this code's: not comparable."""
 
-    if sum(b.nbytes for b in flat) < PARALLEL_HASH_BYTES:
-        each = [one(b) for b in flat]
-        whole = whole_hash()
-    else:
-        from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
-            whole_future = pool.submit(whole_hash)
-            each = list(pool.map(one, flat))
-            whole = whole_future.result()
-    return whole, each[0::2], each[1::2]
+def _leaf_records(record: dict) -> list[dict]:
+    """A provenance record's own records: a gathered file's parts (recursively), else the record itself."""
+    if record.get("parts"):
+        return [leaf for part in record["parts"] for leaf in _leaf_records(part)]
+    return [record]
+
+
+def holds_cache_fingerprints(path: str | Path) -> bool:
+    """Whether a Parquet file has a cache-fingerprint column (``cache_fingerprint``, ``live_cache_fingerprint``,
+    ...)."""
+    try:
+        names = pq.read_schema(path).names
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(f"{path} is not a readable Parquet file ({exc})") from exc
+    return any("cache_fingerprint" in name for name in names)
+
+
+def check_fingerprint_scheme(path: str | Path, provenance: dict | None = None, rerun: str | None = None) -> None:
+    """Refuse (:class:`FingerprintSchemeError`, naming ``path`` and the fix) a file whose cache fingerprints were
+    not made by this code's :data:`CACHE_FINGERPRINT_SCHEME`: recorded fingerprints are compared with recomputed
+    ones only when both follow one definition.
+
+    ``provenance`` is the record to check (a Parquet file's provenance, or ``{SCHEME_KEY: ...}`` from a cache
+    dump's metadata); without it, the Parquet file's own provenance is read, and a file without a cache-fingerprint
+    column passes (token-id fingerprints did not change). Every part of a gathered file must name the scheme.
+    ``rerun`` names the rule(s) to rerun in the message; by default the stages that the refused records name.
+    """
+    if provenance is None:
+        if not holds_cache_fingerprints(path):
+            return
+        provenance = read_provenance(path)
+    stale = [r for r in _leaf_records(provenance) if r.get(SCHEME_KEY) != CACHE_FINGERPRINT_SCHEME]
+    if not stale:
+        return
+    missing = any(r.get(SCHEME_KEY) is None for r in stale)
+    others = sorted({str(r[SCHEME_KEY]) for r in stale if r.get(SCHEME_KEY) is not None})
+    if rerun is None:
+        stages = sorted({str(r["stage"]) for r in stale if r.get("stage")})
+        rerun = " ".join(stages) if stages else "<the rule that makes it>"
+    older = ("an older scheme (none recorded: the single sequential sha256 over all the cache's bytes, used before "
+             "the scheme was named)")
+    found = older if not others else (f"another scheme ({', '.join(others)})"
+                                      + (f" and, in some parts, by {older}" if missing else ""))
+    raise FingerprintSchemeError(
+        f"{path}: its cache fingerprints were made by {found}, not this code's {CACHE_FINGERPRINT_SCHEME!r}, so "
+        "they cannot be compared with the fingerprints it recomputes. Rerun the stages that wrote it: delete "
+        f"results/<run> and run snakemake again, or rerun with `snakemake --forcerun {rerun}`"
+    )
 
 
 def file_sha256(path: str | Path) -> str:
@@ -119,6 +195,7 @@ def software_versions() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "git_commit": git_commit(),
+        SCHEME_KEY: CACHE_FINGERPRINT_SCHEME,
     }
 
 

@@ -33,7 +33,8 @@ from tqdm import tqdm
 from . import cache_io, compat
 from .engine import Decoder, build_cache, continue_greedy
 from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
-from .ledger import fingerprint_ids, fingerprint_layers, read_parquet, read_provenance, software_versions, write_parquet
+from .ledger import (check_fingerprint_scheme, fingerprint_ids, fingerprint_layers, read_parquet, read_provenance,
+                     software_versions, write_parquet)
 from .gpus import claim_gpu
 from .fastdecode import (construct_batch, continue_in_batch, decoder_from_record, plan_record, recorded_plan,
                          recorded_regime, regime_info)
@@ -307,9 +308,10 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, *, items: 
     the generation's, is then needed)."""
     if items not in ("divergent", "all", "none"):
         raise ValueError(f"dump.items must be divergent, all or none, got {items!r}")
+    baseline = read_parquet(baseline_path)
+    check_fingerprint_scheme(baseline_path)  # rebuilt caches are matched to its rows by cache fingerprint
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    baseline = read_parquet(baseline_path)
     plan = recorded_plan(baseline_path)
     if plan is not None and max_new_tokens is None:
         raise ValueError(f"{baseline_path} is batched: dump_caches needs max_new_tokens (the generation's) to rebuild "
@@ -364,6 +366,7 @@ def transplant_items(selection_path: str, baseline_path: str, out_path: str, *, 
                         max_new_tokens=max_new_tokens, attn_implementation=attn_implementation, threads=threads)
     selection = read_parquet(selection_path)
     baseline = read_parquet(baseline_path)
+    check_fingerprint_scheme(baseline_path)  # rebuilt caches are matched to its rows by cache fingerprint
     plan = recorded_plan(baseline_path)
     pairs = construction_pairs(baseline, precision).set_index("item_index")
     loaded, decoder, flags = _load_decoder(model, revision, precision, device, attn_implementation, threads,
