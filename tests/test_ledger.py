@@ -188,3 +188,27 @@ def test_a_dump_records_its_scheme_and_one_of_another_scheme_is_refused(tmp_path
         with pytest.raises(FingerprintSchemeError, match=f"made by {label}") as err:
             cache_io.load_cache(old)
         assert str(err.value).startswith(f"{old}: ") and "snakemake --forcerun dump_caches" in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the page-locked host copy is for CUDA tensors")
+def test_a_gpu_cache_fingerprints_and_dumps_like_its_host_copy(tmp_path):
+    from transformers import DynamicCache
+
+    layers = cache_layers(n_layers=4, shape=(1, 2, 9, 16), dtype=torch.bfloat16, seed=3)
+    def in_a_buffer(t):  # a window of a longer static buffer: not contiguous
+        buffer = torch.zeros(1, 2, 20, 16, dtype=t.dtype, device="cuda")
+        buffer[:, :, 3:12] = t.cuda()
+        return buffer[:, :, 3:12]
+
+    strided = [(in_a_buffer(k), v.cuda()) for k, v in layers]
+    assert not strided[0][0].is_contiguous()
+    assert ledger.fingerprint_layers(strided) == ledger.fingerprint_layers(layers) == (
+        by_hand(layers), [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[0::2]],
+        [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[1::2]])
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(strided):
+        cache.update(k, v, i)
+    written = cache_io.save_cache(tmp_path / "dump.safetensors", cache, {"item_index": 0})
+    assert written["cache_fingerprint"] == by_hand(layers)
+    loaded = cache_io.load_cache(tmp_path / "dump.safetensors")
+    assert [ledger.tensor_bytes(k) for k, _ in loaded.layers] == [ledger.tensor_bytes(k) for k, _ in layers]

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from . import compat
 from .ledger import (CACHE_FINGERPRINT_SCHEME, SCHEME_KEY, CorruptFileError, atomic_path, check_fingerprint_scheme,
-                     fingerprint_layers)
+                     fingerprint_layers, host_copies)
 
 METADATA_KEY = "stagereplay"
 FORMAT = "stagereplay-boundary-cache/1"
@@ -54,7 +54,8 @@ def save_cache(path: str | Path, cache, meta: dict) -> dict:
     prefix_fingerprint, pending_id, ...); the fingerprints are computed here from the exact bytes.
     """
     # one device-to-host copy per tensor, shared by the fingerprints and the file
-    layers = [(k.detach().contiguous().cpu(), v.detach().contiguous().cpu()) for k, v in compat.cache_layers(cache)]
+    flat = host_copies([t for pair in compat.cache_layers(cache) for t in pair])
+    layers = list(zip(flat[0::2], flat[1::2]))
     whole, ks, vs = fingerprint_layers(layers)
     record = {**meta, "format": FORMAT, "num_layers": len(layers), "cache_fingerprint": whole,
               "fingerprint_scheme": CACHE_FINGERPRINT_SCHEME, "k_sha256": ks, "v_sha256": vs,

@@ -43,6 +43,33 @@ def _byte_view(t) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+def host_copies(tensors: list) -> list:
+    """The tensors on the host, contiguous, in order. GPU tensors go through one page-locked buffer with one
+    asynchronous copy each and a single wait: a pageable copy per tensor runs several times slower and made the
+    device-to-host copy, not the hashing or the disk, the bottleneck of fingerprinting and dumping a GPU cache."""
+    import torch
+
+    tensors = [t.detach() for t in tensors]
+    on_gpu = [t.is_cuda for t in tensors]
+    if not any(on_gpu):
+        return [t.contiguous() for t in tensors]
+    sizes = [t.numel() * t.element_size() if cuda else 0 for t, cuda in zip(tensors, on_gpu)]
+    slots = [-(-size // 64) * 64 for size in sizes]  # each tensor's bytes start 64-byte aligned
+    buffer = torch.empty(sum(slots), dtype=torch.uint8, pin_memory=True)
+    out, offset = [], 0
+    for t, cuda, size, slot in zip(tensors, on_gpu, sizes, slots):
+        if not cuda:
+            out.append(t.contiguous())
+            continue
+        host = buffer[offset:offset + size].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+        offset += slot
+    for device in {t.device for t, cuda in zip(tensors, on_gpu) if cuda}:
+        torch.cuda.synchronize(device)
+    return out
+
+
 def tensor_bytes(t) -> bytes:
     """Raw bytes of a tensor in its own dtype (bf16 included), row-major."""
     return _byte_view(t).tobytes()
@@ -100,7 +127,7 @@ def fingerprint_layers(layers) -> tuple[str, list[str], list[str]]:
     Every byte is hashed exactly once, in place (no copy); a large cache's per-tensor hashes run in threads
     (hashlib releases the GIL), so on several cores the fingerprints cost a fraction of one sha256 pass.
     """
-    flat = [_byte_view(t) for pair in layers for t in pair]
+    flat = [_byte_view(t) for t in host_copies([t for pair in layers for t in pair])]
     digests = _digests(flat)
     hexes = [d.hex() for d in digests]
     return combine_digests(digests), hexes[0::2], hexes[1::2]
