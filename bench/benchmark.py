@@ -237,6 +237,19 @@ def kv_bytes_per_position(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
+def shared_rows(model, max_len: int, args) -> int:
+    """Rows of ``max_len`` positions that fit next to the weights at the run's widest precision, less
+    ``--proj-headroom-gib`` for activations, graphs and the allocator. The pipeline decodes every precision in one
+    batch plan (the batch is a construction factor, so the 2x2 compares precisions over the same batches), so the
+    projection gives every precision this one row count: the widest precision's memory sets it."""
+    widest = max(PRECISIONS[p].itemsize for p in args.precisions.split(","))
+    element = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * widest
+    per_row = kv_bytes_per_position(model) // element * widest * max_len
+    total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 16 * 2**30
+    return int((total - weights - args.proj_headroom_gib * 2**30) // per_row)
+
+
 def projection_measure(model, shape, precision, args) -> dict:
     """A reduced run of every stage at paper-scale lengths: batched decode steps, batched one-shot prefills,
     cache dumps to disk and back."""
@@ -246,10 +259,9 @@ def projection_measure(model, shape, precision, args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     per_row = kv_bytes_per_position(model) * max_len
-    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 8 * 2**30
-    rows = max(1, min(args.proj_max_rows, int((free * 0.8 - 6 * 2**30) // per_row)))
+    rows = max(1, min(args.proj_max_rows, shared_rows(model, max_len, args)))
     out = {"shape": shape, "precision": precision, "P": P, "S": S, "N": N, "max_len": max_len, "rows": rows,
-           "kv_GB_per_row": per_row / 1e9}
+           "kv_GB_per_row": per_row / 1e9, "rows_rule": "one batch size for every precision"}
     regime = "cuda_graph" if torch.cuda.is_available() else "static"
     triton_attention = args.decode_attention == "triton"
     # the triton attention reads each row's keys up to its position: its "bucket" is one position
@@ -551,13 +563,17 @@ def main(argv=None):
     ap.add_argument("--proj-prompt", type=int, default=256)
     ap.add_argument("--proj-stage", type=int, default=2048)
     ap.add_argument("--proj-suffix", type=int, default=1024)
-    ap.add_argument("--proj-max-rows", type=int, default=64)
+    ap.add_argument("--proj-max-rows", type=int, default=256, help="cap on the projection's decode rows")
+    ap.add_argument("--proj-headroom-gib", type=float, default=8.0,
+                    help="device memory left beside the weights and K/V rows when sizing the projection's batch")
     ap.add_argument("--proj-prefill-rows", type=int, default=4)
     ap.add_argument("--proj-steps", type=int, default=8)
     ap.add_argument("--proj-bucket", type=int, default=256, help="attention span bucket of the projection's decoder")
     ap.add_argument("--decode-attention", default="masked", choices=list(fd.ATTENTIONS),
                     help="the static decoder's attention (triton: each row's keys up to its position; needs Triton)")
     ap.add_argument("--only-projection", action="store_true", help="skip the decode-rate and bridge sections")
+    ap.add_argument("--fp32-attention-config", type=json.loads, default=None,
+                    help="JSON object of fp32 attention settings for the Triton kernels (see bench/fp32_attention.py)")
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--divergent", type=float, default=166 / 200)
     ap.add_argument("--scratch", default=None, help="folder for the cache-dump measurement (default: temp dir)")
@@ -570,6 +586,10 @@ def main(argv=None):
         args.proj_prompt, args.proj_stage, args.proj_suffix, args.proj_max_rows, args.proj_steps = 8, 16, 8, 3, 2
         args.proj_bucket = 8
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.fp32_attention_config:
+        from stagereplay import invariant_triton
+
+        invariant_triton.CONFIGS["fp32"] = {**invariant_triton.CONFIGS["fp32"], **args.fp32_attention_config}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -581,6 +601,10 @@ def main(argv=None):
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "numerics": flags, "argv": sys.argv[1:],
             "weights": "random (Qwen2Config with the real shapes)"}
+    if args.decode_attention == "triton":
+        from stagereplay import invariant_triton
+
+        meta["triton_attention_configs"] = invariant_triton.CONFIGS
     meta["copy_TB_s"] = copy_rate(device, 0.05 if args.tiny else 4.0) / 1e12
     log(f"{meta['device']}: copy rate {meta['copy_TB_s']:.2f} TB/s; torch {meta['torch']}, transformers "
         f"{meta['transformers']}")

@@ -1,6 +1,7 @@
 """The invariant regime's fp32 attention kernels on a GPU, side by side in one run: the packed 16-row ``ieee`` tile
-(the bf16 kernel's layout) against one program per (row, query head, token, chunk of keys), for a few chunk sizes
-and warp counts. A decode step of ``--rows`` rows of a 14B-shaped layer (40 query heads on 8 K/V heads, d 128) over
+(the bf16 kernel's layout) against one program per (row, query head, token, chunk of keys), the regime's choice.
+(A per-K/V-head program sharing each key among its query heads on the FMA units, tried on 2026-11-30, ran at 0.27
+to 0.58 TB/s and was dropped: bench/runs/fp32_attention_sweep2_h200.txt.) A decode step of ``--rows`` rows of a 14B-shaped layer (40 query heads on 8 K/V heads, d 128) over
 random keys; the rate counts the K and V bytes each call must read once.
 
     python bench/fp32_attention.py [--rows 50] [--spans 256,2048,3336]
@@ -9,6 +10,7 @@ random keys; the rate counts the K and V bytes each call must read once.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--spans", default="256,2048,3336")
     parser.add_argument("--repeats", type=int, default=48)
+    parser.add_argument("--out", help="write the timings as JSON here")
     args = parser.parse_args(argv)
     spans = [int(s) for s in args.spans.split(",")]
     rows, heads, kv, d, length = args.rows, args.heads, args.kv_heads, 128, max(spans)
@@ -37,11 +40,10 @@ def main(argv=None) -> None:
     q = torch.randn(rows, 1, heads, d, device="cuda", generator=g)
     pads = torch.zeros(rows, dtype=torch.long, device="cuda")
     chosen = dict(it.CONFIGS["fp32"])
-    modes = {"packed 16-row tile, 4 warps": {"attention": "packed_tile", "attention_rows": 16, "attention_warps": 4}}
-    for blocks in (2, 4, 8, 16):
-        for warps in (1, 2, 4):
-            modes[f"per head, chunks of {blocks} blocks, {warps} warps"] = {
-                "attention": "per_head", "attention_chunk_blocks": blocks, "attention_warps": warps}
+    modes = {"packed 16-row tile, 4 warps": {"attention": "packed_tile", "attention_rows": 16, "attention_warps": 4},
+             "per head, chunks of 16 blocks, 2 warps": {"attention": "per_head", "attention_chunk_blocks": 16,
+                                                         "attention_warps": 2}}
+    results = []
     print(f"{torch.cuda.get_device_name()}, triton {it.triton.__version__}; the regime's fp32 choice: {chosen}")
     try:
         for span in spans:
@@ -55,9 +57,14 @@ def main(argv=None) -> None:
                     kernels.attention_rows(q, keys, values, pads, index, d ** -0.5, 64)
                 torch.cuda.synchronize()
                 dt = (time.perf_counter() - start) / args.repeats
-                print(f"span {span:5d}  {name:40s} {dt * 1e3:7.3f} ms  {rows * kv * span * d * 4 * 2 / dt / 1e12:5.2f} TB/s")
+                rate = rows * kv * span * d * 4 * 2 / dt / 1e12
+                results.append({"span": span, "name": name, "config": config, "ms": dt * 1e3, "TB_s": rate})
+                print(f"span {span:5d}  {name:60s} {dt * 1e3:7.3f} ms  {rate:5.2f} TB/s", flush=True)
     finally:
         it.CONFIGS["fp32"] = chosen
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "heads": heads,
+                                              "kv_heads": kv, "chosen": chosen, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

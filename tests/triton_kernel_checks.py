@@ -21,6 +21,8 @@ from stagereplay.invariant_triton import CONFIGS, TritonKernels  # noqa: E402
 from stagereplay.ledger import tensor_bytes  # noqa: E402
 
 K = TritonKernels()
+if len(sys.argv) > 2:  # a JSON object of fp32 settings to check instead of the module's (a candidate configuration)
+    CONFIGS["fp32"] = {**CONFIGS["fp32"], **json.loads(sys.argv[2])}
 FP32 = dict(CONFIGS["fp32"])
 torch.manual_seed(0)
 results = {"device": DEVICE, "errors": {}, "invariant": {} if DEVICE != "cpu" else None}
@@ -94,8 +96,8 @@ for dtype in (torch.float32, torch.bfloat16):
            tag)
     check_invariant(f"rotary/{tag}", lambda lo, hi: K.rotary(q[lo:hi], cos[lo:hi], sin[lo:hi]), 5)
     attention_checks(r, tag)
-    if dtype == torch.float32:  # the per-head fp32 kernel with chunks of one 16-key block: five chunks combined
-        CONFIGS["fp32"] = {**CONFIGS["fp32"], "attention_chunk_blocks": 1}
+    if dtype == torch.float32 and FP32["attention"] == "per_head":  # chunks of one 16-key block: five combined
+        CONFIGS["fp32"] = {**FP32, "attention_chunk_blocks": 1}
         attention_checks(r, f"{tag}_chunks")
         CONFIGS["fp32"] = FP32
 
