@@ -1,7 +1,10 @@
 """The invariant regime's fp32 attention kernels on a GPU, side by side in one run: the packed 16-row ``ieee`` tile
 (the bf16 kernel's layout) against one program per (row, query head, token, chunk of keys), the regime's choice.
-(A per-K/V-head program sharing each key among its query heads on the FMA units, tried on 2026-11-30, ran at 0.27
-to 0.58 TB/s and was dropped: bench/runs/fp32_attention_sweep2_h200.txt.) A decode step of ``--rows`` rows of a 14B-shaped layer (40 query heads on 8 K/V heads, d 128) over
+Two other layouts were tried on 2026-11-30 and dropped: a per-K/V-head program sharing each key among its query
+heads through a 3-D broadcast ran at 0.27 to 0.58 TB/s (bench/runs/fp32_attention_sweep2_h200.txt), and a program
+per pair of query heads, with the online-softmax step in a shared helper, at 1.18 TB/s at best; that refactor also
+slowed the one-head kernel to 0.82 TB/s (bench/runs/fp32_attention_sweep3_pairs_h200.txt), so the kept kernel is
+the one measured at 1.47 TB/s. A decode step of ``--rows`` rows of a 14B-shaped layer (40 query heads on 8 K/V heads, d 128) over
 random keys; the rate counts the K and V bytes each call must read once.
 
     python bench/fp32_attention.py [--rows 50] [--spans 256,2048,3336]
