@@ -11,7 +11,7 @@ from stagereplay.ledger import read_provenance
 from test_workflow import snakemake, tiny_config
 
 BATCHED = dict(n_items=6, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
-               decode_regime="static", batch_size=4, bridge={"n_rows": 3, "seed": 0},
+               decode_regime="static", batch_size=4, decode_prefill_group=3, bridge={"n_rows": 3, "seed": 0},
                batch_invariance={"sample": 3, "seed": 0}, dump={"items": "all"},
                transplant={"select": "sample:3", "seed": 0, "sweeps": ["all", "k_only"]})
 LEDGER = "results/tiny/primary/ledger.parquet"
@@ -38,6 +38,8 @@ def test_batched_run_end_to_end(run_a):
     ledger = pd.read_parquet(res / "ledger.parquet")
     plan = read_provenance(res / "ledger.parquet")["parts"][0]["batch_plan"]
     assert plan["batch_size"] == 4 and plan["seed"] == 0 and [len(b) for b in plan["batches"]] == [4, 2]
+    # the first batch's prefills ran as rows 0-2, then row 3; every later stage rebuilt them so (the audit below)
+    assert read_provenance(res / "ledger.parquet")["parts"][0]["decode_prefill_group"] == 3
     # every part of the ledger (matched and fixed-prefix, both precisions) records the one plan
     parts = read_provenance(res / "ledger.parquet")["parts"]
     assert {p["stage"] for p in parts} == {"reconstruct_prefixes", "generate_fixed_prefix"}
@@ -131,6 +133,10 @@ def test_batching_refuses_what_cannot_work(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", check=False)
     assert proc.returncode != 0
     assert "transplant at the primary revision only, or run with batch_size: 1" in proc.stdout + proc.stderr
+    tiny_config(tmp_path, decode_regime="eager", decode_prefill_group=2)
+    proc = snakemake(tmp_path, "--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "set decode_regime: static or cuda_graph, or leave them at their defaults" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

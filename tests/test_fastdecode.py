@@ -7,6 +7,7 @@ itself need a CUDA device and are skipped without one.
 import copy
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,17 @@ def test_regime_errors_are_clear(models):
         continue_greedy(decoder, build_cache(decoder, "prefill", PROMPT, [3]), 3, 10)
     assert isinstance(fd.make_decoder(models["fp32"], (), "eager"), Decoder)
     assert fd.regime_info(decoder) == {"decode_regime": "static", "decode_max_len": 12, "decode_max_rows": 1,
-                                       "decode_bucket": None, "decode_attention": "masked"}
+                                       "decode_bucket": None, "decode_attention": "masked",
+                                       "decode_prefill_group": None}
+    with pytest.raises(fd.RegimeError, match="decode_prefill_group 0: a positive number of rows"):
+        fd.make_decoder(models["fp32"], (), "static", max_len=8, prefill_group=0)
+    with pytest.raises(fd.RegimeError, match="need decode_regime static or cuda_graph"):
+        fd.make_decoder(models["fp32"], (), "eager", prefill_group=2)
+    with pytest.raises(fd.RegimeError, match="need decode_regime static or cuda_graph"):
+        fd.make_decoder(models["fp32"], (), "eager", attention="triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the triton attention on a CPU model, outside the interpreter
+        with pytest.raises(fd.RegimeError, match="use decode_attention masked there"):
+            fd.make_decoder(models["fp32"], (), "static", max_len=8, attention="triton")
     bucketed = fd.make_decoder(models["fp32"], (), "static", max_len=12, bucket=5)
     assert [bucketed.span(e) for e in (1, 5, 6, 11, 12)] == [5, 5, 10, 12, 12]
 

@@ -78,3 +78,25 @@ def test_cuda_graph_batched_rows_equal_batch_one_with_triton(tiny_model_dir, pre
 
     eager = generate_to_boundary(Decoder(model, ()), PROMPTS[0], BoundaryMatcher(10_000, token_ids=[10_000]), 6)
     assert eager.generated_ids == batched[0].stage_ids
+
+
+@pytest.mark.parametrize("numerics", ["invariant", "default"])
+def test_a_prefill_in_row_groups_is_recorded_and_reproduces(tiny_model_dir, numerics):
+    """decode_prefill_group: a batch's one-shot prefill in groups of rows (bounded memory). Under the invariant
+    regime the groups change no bit; in the default regime they are a recorded regime parameter whose replicas,
+    rebuilt from the record, are byte-identical."""
+    model = model_for(tiny_model_dir, "fp32", numerics)
+    whole = fd.StaticDecoder(model, (), max_len=48, max_rows=4)
+    grouped = fd.StaticDecoder(model, (), max_len=48, max_rows=4, prefill_group=3)  # rows 0-2, then row 3
+    assert grouped.describe()["decode_prefill_group"] == 3 and whole.describe()["decode_prefill_group"] is None
+    stages = [PROMPT[:4]] * len(PROMPTS)
+
+    def prefill_rows(decoder):
+        cache, ends = fd.build_batch(decoder, "prefill", PROMPTS, stages)
+        return [fingerprint_layers(row) for row in fd.row_caches(cache, ends)]
+
+    rebuilt = fd.decoder_from_record(model, (), grouped.describe())
+    assert rebuilt.prefill_group == 3
+    assert prefill_rows(grouped) == prefill_rows(rebuilt)
+    if numerics == "invariant":
+        assert prefill_rows(grouped) == prefill_rows(whole)

@@ -36,6 +36,7 @@ byte for byte, and prefill equals live.
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -189,7 +190,8 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
-                 regime: str = "static", pad_id: int = 0, bucket: int | None = None, attention: str = "masked"):
+                 regime: str = "static", pad_id: int = 0, bucket: int | None = None, attention: str = "masked",
+                 prefill_group: int | None = None):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
         self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
@@ -210,10 +212,20 @@ class StaticDecoder:
         if attention not in ATTENTIONS:
             raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
         self.attention = attention
+        if prefill_group is not None and int(prefill_group) < 1:
+            raise RegimeError(f"decode_prefill_group {prefill_group!r}: a positive number of rows, or null for all rows")
+        # rows of a multi-token forward (a batch's one-shot prefill) run in groups of this many, in row order: the
+        # memory of a prefill's attention grows with rows x tokens x span. A regime parameter (in the default
+        # numerics a row's bits may depend on the rows it is computed with); None: every row in one forward
+        self.prefill_group = int(prefill_group) if prefill_group else None
         if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks (no span to bucket)
             if self.bucket is not None:
                 raise RegimeError("decode_bucket has no effect with decode_attention 'triton' (it reads each row's "
                                   "keys up to its position); drop one of them")
+            if next(model.parameters()).device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RegimeError("decode_attention 'triton' runs Triton kernels on a CUDA device and the model is "
+                                  "on the CPU: use decode_attention masked there (TRITON_INTERPRET=1 runs the "
+                                  "kernels in Triton's slow interpreter, for tests)")
             from .invariant_triton import TritonKernels
 
             self._triton = TritonKernels()
@@ -239,7 +251,8 @@ class StaticDecoder:
 
     def describe(self) -> dict:
         return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
-                "decode_bucket": self.bucket, "decode_attention": self.attention}
+                "decode_bucket": self.bucket, "decode_attention": self.attention,
+                "decode_prefill_group": self.prefill_group}
 
     def span(self, end: int) -> int:
         """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, or
@@ -280,8 +293,9 @@ class StaticDecoder:
         self.resident = cache
 
     # -- forwards -----------------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int) -> torch.Tensor:
-        """Feed ``ids`` (rows, T) at buffer positions ``index`` (T,); return fp32 logits of the last position.
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int, row0: int = 0) -> torch.Tensor:
+        """Feed ``ids`` (rows, T) at buffer positions ``index`` (T,) into buffer rows ``row0``..``row0 + rows``;
+        return fp32 logits of the last position.
 
         Every query attends over the first ``span`` buffer positions under an additive mask: keys at or after the row's padding
         and at or before the query's own position (a padding query sees itself only, so it stays finite).
@@ -289,12 +303,12 @@ class StaticDecoder:
         device): fused RMSNorm, one RoPE over q and k together, scale and mask folded into one batched GEMM.
         """
         if self.kernels is not None:
-            return self._forward_invariant(ids, index, rows)
+            return self._forward_invariant(ids, index, rows, row0)
         inner = self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         group = H // KV
-        pads = self.pads[:rows]
+        pads = self.pads[row0:row0 + rows]
         position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
         h = inner.embed_tokens(ids)  # (rows, T, hidden)
         cos, sin = inner.rotary_emb(h, position_ids)  # (rows, T, D)
@@ -320,7 +334,7 @@ class StaticDecoder:
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)  # RoPE: (rows, H+KV, T, D)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[..., (H + KV) * D:].view(rows, T, KV, D).transpose(1, 2)
-            kb, vb = self.k[i][:rows], self.v[i][:rows]  # (rows, KV, max_len, D)
+            kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
             with _unique_index_writes():
                 kb.index_copy_(2, index, k)
                 vb.index_copy_(2, index, v)
@@ -343,14 +357,14 @@ class StaticDecoder:
         h = torch.nn.functional.rms_norm(h[:, -1:], (hidden,), norm.weight, norm.variance_epsilon)
         return self.model.lm_head(h)[:, 0].float()  # (rows, vocab)
 
-    def _forward_invariant(self, ids: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    def _forward_invariant(self, ids: torch.Tensor, index: torch.Tensor, rows: int, row0: int = 0) -> torch.Tensor:
         """``_forward`` under ``numerics: invariant``: the same layer, every operation through the regime's
         row-invariant kernels (token rows flattened to (rows * T, features)), attention over each row's own keys."""
         ops = self.kernels
         inner = self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        pads = self.pads[:rows]
+        pads = self.pads[row0:row0 + rows]
         position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
         cos = self.cos_table[position_ids].reshape(rows * T, D)
         sin = self.sin_table[position_ids].reshape(rows * T, D)
@@ -363,7 +377,7 @@ class StaticDecoder:
             q = ops.rotary(qkv[:, : H * D].reshape(rows * T, H, D), cos, sin)
             k = ops.rotary(qkv[:, H * D: (H + KV) * D].reshape(rows * T, KV, D), cos, sin)
             v = qkv[:, (H + KV) * D:].reshape(rows, T, KV, D).transpose(1, 2)
-            kb, vb = self.k[i][:rows], self.v[i][:rows]  # (rows, KV, max_len, D)
+            kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
             with _unique_index_writes():
                 kb.index_copy_(2, index, k.view(rows, T, KV, D).transpose(1, 2))
                 vb.index_copy_(2, index, v)
@@ -419,7 +433,10 @@ class StaticDecoder:
             logits = g_logits.clone()
         else:
             index = torch.arange(cache.length, cache.length + T, device=self.device)
-            logits = self._forward(ids, index, rows, self.span(cache.length + T))
+            span = self.span(cache.length + T)
+            group = self.prefill_group if T > 1 and self.prefill_group else rows
+            logits = torch.cat([self._forward(ids[r0:r0 + group], index, min(group, rows - r0), span, r0)
+                                for r0 in range(0, rows, group)])
         cache.length += T
         return logits
 
@@ -440,18 +457,21 @@ class StaticDecoder:
 
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
-                 bucket: int | None = None, attention: str = "masked"):
+                 bucket: int | None = None, attention: str = "masked", prefill_group: int | None = None):
     """The decoder of a regime: the engine's eager Decoder, or a StaticDecoder for ``static``/``cuda_graph``."""
     if regime not in REGIMES:
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
     if regime == "eager":
+        if attention != "masked" or prefill_group is not None:
+            raise RegimeError("decode_attention and decode_prefill_group set the static K/V buffer's forward: they "
+                              "need decode_regime static or cuda_graph (drop them for eager)")
         from .engine import Decoder
 
         return Decoder(model, tuple(eos_ids))
     if max_len is None:
         raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
     return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket,
-                         attention=attention)
+                         attention=attention, prefill_group=prefill_group)
 
 
 def regime_info(decoder) -> dict:
@@ -834,7 +854,8 @@ def recorded_plan(path) -> BatchPlan | None:
 
 # -- the regime, as later stages rebuild it ----------------------------------------------------------------------
 
-REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket", "decode_attention")
+REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket", "decode_attention",
+               "decode_prefill_group")
 
 
 def recorded_regime(path) -> dict:
@@ -856,4 +877,5 @@ def decoder_from_record(model, eos_ids, record: dict):
     (batched rows are rebuilt in their recorded batch: :func:`recorded_plan`)."""
     return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
                         max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
-                        bucket=record.get("decode_bucket"), attention=record.get("decode_attention") or "masked")
+                        bucket=record.get("decode_bucket"), attention=record.get("decode_attention") or "masked",
+                        prefill_group=record.get("decode_prefill_group"))

@@ -33,12 +33,24 @@ def check_batching(batch_size: int, decode_regime: str) -> None:
             "batch_size: 1")
 
 
+def check_decode_settings(batch_size: int, decode_regime: str, decode_attention: str = "masked",
+                          decode_prefill_group: int | None = None) -> None:
+    """Refuse decode settings that the decode regime cannot run (the workflow checks them at parse time too)."""
+    check_batching(batch_size, decode_regime)
+    if decode_regime == "eager" and (decode_attention != "masked" or decode_prefill_group is not None):
+        raise ValueError(
+            f"decode_attention: {decode_attention} and decode_prefill_group: {decode_prefill_group} set the forward "
+            "over the static K/V buffer, which decode_regime: eager does not have; set decode_regime: static or "
+            "cuda_graph, or leave them at their defaults (masked, null)")
+
+
 def check_run(config: dict, base_dir: str | Path = ".") -> dict:
     """Every check that needs no weights, over the whole validated config; returns a short summary.
 
     ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
     """
-    check_batching(config.get("batch_size", 1), config.get("decode_regime", "eager"))
+    check_decode_settings(config.get("batch_size", 1), config.get("decode_regime", "eager"),
+                          config.get("decode_attention", "masked"), config.get("decode_prefill_group"))
     numeric = config["answer_format"] != "boxed"
     if config["offline"]:
         go_offline()

@@ -19,7 +19,7 @@ from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched
 from .gpus import claim_gpu
 from .ledger import read_parquet, software_versions, write_parquet
 from .models import eos_token_ids, load_model, resolve_source, set_determinism
-from .preflight import check_batching
+from .preflight import check_decode_settings
 
 log = logging.getLogger("stagereplay")
 
@@ -58,6 +58,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                          precision: str, boundary: dict, max_stage_tokens: int, max_new_tokens: int,
                          shard: int = 0, n_shards: int = 1, threads: int = 1, device: str = "auto",
                          attn_implementation: str = "eager", decode_regime: str = "eager",
+                         decode_attention: str = "masked", decode_prefill_group: int | None = None,
                          batch_size: int = 1, batch_seed: int | None = None, answer_format: str = "last_number",
                          stage_end: str | None = "</think>", prompt: dict | None = None,
                          trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
@@ -73,12 +74,13 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     config_slice = dict(model=model, revision=revision, precision=precision, boundary=boundary,
                         max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens, shard=shard,
                         n_shards=n_shards, threads=threads, attn_implementation=attn_implementation,
-                        decode_regime=decode_regime, batch_size=batch_size, batch_seed=batch_seed,
+                        decode_regime=decode_regime, decode_attention=decode_attention,
+                        decode_prefill_group=decode_prefill_group, batch_size=batch_size, batch_seed=batch_seed,
                         answer_format=answer_format,
                         prompt=prompt, seed=seed, numerics=numerics)
     if bridge_path is not None:
         config_slice["bridge"] = bridge
-    check_batching(batch_size, decode_regime)
+    check_decode_settings(batch_size, decode_regime, decode_attention, decode_prefill_group)
     flags = set_determinism(threads)
     selection = read_parquet(items_path)
     items = shard_of(selection, shard, n_shards)
@@ -98,7 +100,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     # attention reduction, so it comes from the whole selection (not this shard) and is recorded.
     longest = max((len(prompter(q)) for q in selection["question"]), default=0)
     decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), decode_regime,
-                           max_len=longest + max_stage_tokens + max_new_tokens, max_rows=batch_size)
+                           max_len=longest + max_stage_tokens + max_new_tokens, max_rows=batch_size,
+                           attention=decode_attention, prefill_group=decode_prefill_group)
     matcher = make_matcher(boundary, loaded.tokenizer)
     settings = Settings(revision, precision, max_stage_tokens, max_new_tokens, answer_format, stage_end,
                         decode_regime, numerics=numerics)

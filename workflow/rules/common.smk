@@ -6,7 +6,7 @@ from snakemake.utils import validate
 
 import stagereplay
 from stagereplay.models import revision_slug
-from stagereplay.preflight import check_batching
+from stagereplay.preflight import check_decode_settings
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 
@@ -24,7 +24,12 @@ if len(REVISIONS) != len(config["revisions"]):
         f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
     )
 SHARDS = list(range(config["shards"]))
-check_batching(config["batch_size"], config["decode_regime"])
+check_decode_settings(
+    config["batch_size"],
+    config["decode_regime"],
+    config["decode_attention"],
+    config["decode_prefill_group"],
+)
 if (
     config["boundary"].get("token_id") is not None
     and config["boundary"].get("marker") == "</think>"
@@ -54,6 +59,8 @@ def generation_kwargs(revision):
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         decode_regime=config["decode_regime"],
+        decode_attention=config["decode_attention"],
+        decode_prefill_group=config["decode_prefill_group"],
         batch_size=config["batch_size"],
         batch_seed=config["batch_seed"],
         numerics=config["numerics"],
