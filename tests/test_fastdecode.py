@@ -344,6 +344,32 @@ def test_forced_batch_is_the_live_batch_byte_for_byte(models, precision):
         fd.generate_batch(decoder, prompts, None, 0, 6, forced=[[], None, None, None])
 
 
+@pytest.mark.parametrize("construction", ["live", "incremental", "prefill"])
+def test_rows_can_keep_fingerprints_only(models, construction):
+    """keep_rows: every row keeps its boundary cache's fingerprints, only the named rows a copy of the cache (a
+    paper-scale batch cannot hold a copy per row, replica and construction); the fingerprints are those of the
+    copies that a full keep makes."""
+    decoder = fd.StaticDecoder(models["fp32"], (), max_len=48, max_rows=4)
+    live = fd.generate_batch(decoder, PROMPTS, uneven_boundary, 10, 6)
+    stages = [r.stage_ids or None for r in live]
+
+    def run(keep_rows):
+        if construction == "live":
+            return dict(enumerate(fd.generate_batch(decoder, PROMPTS, uneven_boundary, 10, 6, keep_rows=keep_rows)))
+        return fd.construct_batch(decoder, construction, PROMPTS, stages, 6, keep_rows=keep_rows)
+
+    full, slim = run(None), run({0})
+    assert sorted(full) == sorted(slim)
+    kept = [r for r in full if full[r].stage_ids]
+    assert 0 in kept and len(kept) > 1
+    for r in kept:
+        assert full[r].fingerprints is None and full[r].cache_layers is not None
+        assert slim[r].fingerprints == fingerprint_layers(full[r].cache_layers) == fd.row_fingerprints(full[r])
+        assert (slim[r].cache_layers is not None) == (r == 0)
+        assert slim[r].suffix_ids == full[r].suffix_ids
+    assert fingerprint_layers(slim[0].cache_layers) == slim[0].fingerprints
+
+
 def test_construct_batch_prefill_leaves_rows_without_a_prefix_out(models):
     decoder = fd.StaticDecoder(models["bf16"], (), max_len=48, max_rows=4)
     stages = [[3, 4, 5], None, [6, 7]]

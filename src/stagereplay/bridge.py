@@ -169,15 +169,21 @@ class BatchBridge:
         self.revision, self.precision, self.max_new_tokens = revision, precision, max_new_tokens
         self.rows: list[dict] = []
 
+    def wanted(self, items: list[dict]) -> list[int]:
+        """Rows of a batch that are bridge rows: the only live caches ``observe`` reads."""
+        return [r for r, item in enumerate(items) if int(item["item_index"]) in self.chosen]
+
     def observe(self, items: list[dict], prompts: list[list[int]], live: list) -> None:
         from .fastdecode import construct_batch
 
-        wanted = [r for r, item in enumerate(items) if int(item["item_index"]) in self.chosen]
+        wanted = self.wanted(items)
         if not wanted:
             return
         stages = [res.stage_ids if res.stage_ids else None for res in live]
-        rebuilt = construct_batch(self.decoder, "incremental", prompts, stages, self.max_new_tokens)
-        prefill = construct_batch(self.decoder, "prefill", prompts, stages, self.max_new_tokens)
+        rebuilt = construct_batch(self.decoder, "incremental", prompts, stages, self.max_new_tokens,
+                                  keep_rows=set(wanted))
+        prefill = construct_batch(self.decoder, "prefill", prompts, stages, self.max_new_tokens,
+                                  keep_rows=set(wanted))
         for r in wanted:
             item, res = items[r], live[r]
             base = {"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": self.revision,

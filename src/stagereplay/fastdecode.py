@@ -517,6 +517,28 @@ class RowResult:
     margins: list[float]
     stop_reason: str  # eos | max_new_tokens | boundary_missing
     cache_layers: list | None  # the live boundary cache of the row (prompt + stage[:-1]), unpadded
+    # (whole, K per layer, V per layer) of that cache when only its fingerprints were kept (``keep_rows``)
+    fingerprints: tuple | None = None
+
+
+def row_fingerprints(res: RowResult) -> tuple | None:
+    """A row result's boundary-cache fingerprints: kept ones, else computed from its layers (None: no cache)."""
+    from .ledger import fingerprint_layers
+
+    if res.fingerprints is not None:
+        return res.fingerprints
+    return fingerprint_layers(res.cache_layers) if res.cache_layers else None
+
+
+def _kept(layers, r: int, keep_rows: set[int] | None) -> tuple[list | None, tuple | None]:
+    """A row's boundary cache as a result keeps it: a copy of every layer (``keep_rows`` None), or its
+    fingerprints, plus a copy for the rows in ``keep_rows`` (a paper-scale batch cannot hold a copy of every
+    row's cache per replica and construction beside the K/V buffer)."""
+    from .ledger import fingerprint_layers
+
+    if keep_rows is None:
+        return [(k.clone(), v.clone()) for k, v in layers], None
+    return ([(k.clone(), v.clone()) for k, v in layers] if r in keep_rows else None), fingerprint_layers(layers)
 
 
 def _greedy(logits: torch.Tensor):
@@ -529,7 +551,7 @@ def _greedy(logits: torch.Tensor):
 
 def generate_batch(decoder: StaticDecoder, prompts: list[list[int]], boundary_reached, max_stage_tokens: int,
                    max_new_tokens: int, keep_cache: bool = True, forced: list[list[int] | None] | None = None,
-                   at_boundary=None) -> list[RowResult]:
+                   at_boundary=None, keep_rows: set[int] | None = None) -> list[RowResult]:
     """Live construction for several items at once: greedy from each prompt to its boundary, then its suffix.
 
     ``boundary_reached(generated_ids) -> bool`` is the engine's matcher. Every row steps until all rows have a
@@ -544,6 +566,7 @@ def generate_batch(decoder: StaticDecoder, prompts: list[list[int]], boundary_re
     run, so a forced row whose ids are the live row's own is the live row, byte for byte (the batched bridge).
     ``at_boundary(row, cache, end)``, when given, runs when a row's boundary token is chosen and before it is
     fed: the row's boundary cache is then buffer positions [its padding, ``end``) (a transplant swaps them there).
+    With ``keep_rows`` a result keeps its cache's fingerprints, and a copy of the cache only for those rows.
     """
     rows = len(prompts)
     if forced is not None and len(forced) != rows:
@@ -598,14 +621,12 @@ def generate_batch(decoder: StaticDecoder, prompts: list[list[int]], boundary_re
         if b is None:
             results.append(RowResult([], generated[r], [], done[r] or "boundary_missing", None))
             continue
-        layers = None
+        layers = fingerprints = None
         if keep_cache:
             end = width + b  # buffer positions of prompt + stage[:-1] end here
-            pad = int(cache.pads[r])
-            layers = [(k[r:r + 1, :, pad:end].clone(), v[r:r + 1, :, pad:end].clone())
-                      for k, v in (cache._tensors(i) for i in range(decoder.n_layers))]
+            layers, fingerprints = _kept(row_layers(cache, r, end), r, keep_rows)
         results.append(RowResult(generated[r][: b + 1], generated[r][b + 1:], margins[r][b + 1:],
-                                 done[r] or "max_new_tokens", layers))
+                                 done[r] or "max_new_tokens", layers, fingerprints))
     return results
 
 
@@ -659,27 +680,31 @@ def build_batch(decoder: StaticDecoder, construction: str, prompts: list[list[in
     return cache, ends
 
 
+def row_layers(cache: StaticKV, r: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row ``r``'s (K, V) layers over [its padding, ``end``): views of the buffer, what its fingerprint covers."""
+    pad = int(cache.pads[r])
+    return [(k[r:r + 1, :, pad:end], v[r:r + 1, :, pad:end])
+            for k, v in (cache._tensors(i) for i in range(cache.decoder.n_layers))]
+
+
 def row_caches(cache: StaticKV, ends: list[int]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per-row (K, V) layers over [row padding, end): what the row's fingerprint covers."""
-    out = []
-    for r, end in enumerate(ends):
-        pad = int(cache.pads[r])
-        out.append([(k[r:r + 1, :, pad:end], v[r:r + 1, :, pad:end])
-                    for k, v in (cache._tensors(i) for i in range(cache.decoder.n_layers))])
-    return out
+    return [row_layers(cache, r, end) for r, end in enumerate(ends)]
 
 
 def construct_batch(decoder: StaticDecoder, construction: str, prompts: list[list[int]],
-                    stages: list[list[int] | None], max_new_tokens: int) -> dict[int, RowResult]:
+                    stages: list[list[int] | None], max_new_tokens: int,
+                    keep_rows: set[int] | None = None) -> dict[int, RowResult]:
     """Boundary caches of one batch built the way ``construction`` says, each continued: {row: RowResult}.
 
     Rows whose stage is None take no part (they have no prefix). ``prefill``: the rows with a stage, left-padded
     to one width, one forward, continued together (the matched experiment's schedule). ``incremental``: the live
     run's batched schedule with the stage ids teacher-forced (:func:`generate_batch` with ``forced``); rows
     without a stage stay in the batch as filler, so the batch keeps the plan's rows and prompt padding.
+    ``keep_rows``: as :func:`generate_batch` (fingerprints of every row, a copy of the cache for those rows).
     """
     if construction == "incremental":
-        results = generate_batch(decoder, prompts, None, 0, max_new_tokens, forced=stages)
+        results = generate_batch(decoder, prompts, None, 0, max_new_tokens, forced=stages, keep_rows=keep_rows)
         return {r: res for r, res in enumerate(results) if stages[r] is not None}
     if construction != "prefill":
         raise ValueError(f"construct_batch builds prefill and incremental, not {construction!r}")
@@ -687,10 +712,10 @@ def construct_batch(decoder: StaticDecoder, construction: str, prompts: list[lis
     if not rows:
         return {}
     cache, ends = build_batch(decoder, "prefill", [prompts[r] for r in rows], [stages[r] for r in rows])
-    layers = [[(k.clone(), v.clone()) for k, v in row] for row in row_caches(cache, ends)]  # before continuing
+    kept = [_kept(row, r, keep_rows) for r, row in zip(rows, row_caches(cache, ends))]  # before continuing
     conts = continue_batch(decoder, cache, [stages[r][-1] for r in rows], max_new_tokens)
-    return {r: RowResult(list(stages[r]), suffix, margins, stop, lay)
-            for r, lay, (suffix, margins, stop) in zip(rows, layers, conts)}
+    return {r: RowResult(list(stages[r]), suffix, margins, stop, lay, fps)
+            for r, (lay, fps), (suffix, margins, stop) in zip(rows, kept, conts)}
 
 
 def write_row_layers(cache: StaticKV, row: int, end: int, layers) -> None:
@@ -730,13 +755,12 @@ def continue_in_batch(decoder: StaticDecoder, construction: str, prompts: list[l
 def compare_rows(batched: list[RowResult], single: list[RowResult], rows: list[int]) -> list[dict]:
     """Batch-invariance records: each sampled row of a batched run against the same item run alone."""
     from .engine import first_divergence
-    from .ledger import fingerprint_layers
 
     out = []
     for r, alone in zip(rows, single):
         b = batched[r]
-        fp_b = fingerprint_layers(b.cache_layers)[0] if b.cache_layers else ""
-        fp_s = fingerprint_layers(alone.cache_layers)[0] if alone.cache_layers else ""
+        fp_b = (row_fingerprints(b) or ("",))[0]
+        fp_s = (row_fingerprints(alone) or ("",))[0]
         out.append({"row": r, "stage_equal": b.stage_ids == alone.stage_ids,
                     "suffix_equal": b.stage_ids == alone.stage_ids and b.suffix_ids == alone.suffix_ids,
                     "cache_equal": fp_b == fp_s and fp_b != "",
@@ -770,13 +794,12 @@ def ledger_row(item: dict, settings, experiment: str, construction: str, replica
                res: RowResult, tokenizer) -> dict:
     """The ledger row of one row's result (the engine path's statuses: ok, nonfinite, boundary_missing)."""
     from .experiment import _row
-    from .ledger import fingerprint_layers
 
     if not res.stage_ids:
         status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
         return _row(item, settings, experiment, construction, replica, status, prompt, [], {}, res.suffix_ids, [],
                     status, tokenizer)
-    whole, ks, vs = fingerprint_layers(res.cache_layers)
+    whole, ks, vs = row_fingerprints(res)
     fields = {"cache_fingerprint": whole, "cache_k_fingerprints": ks, "cache_v_fingerprints": vs}
     status = "nonfinite" if res.stop_reason == "nonfinite" else "ok"
     return _row(item, settings, experiment, construction, replica, status, prompt, res.stage_ids, fields,
@@ -785,7 +808,7 @@ def ledger_row(item: dict, settings, experiment: str, construction: str, replica
 
 def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: list[dict], settings,
                   batch_index: int, replicas: tuple[int, ...] = (1, 2),
-                  on_live_batch=None) -> tuple[list[dict], list[dict]]:
+                  on_live_batch=None, live_rows_kept=None) -> tuple[list[dict], list[dict]]:
     """Ledger rows of the matched experiment for the items of one batch, decoded together.
 
     ``live`` replicas 1 and 2 are two batched greedy runs of the same rows; ``prefill`` replicas 1 and 2 are
@@ -793,7 +816,8 @@ def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: l
     bit-exact as at batch 1 (:class:`stagereplay.experiment.ReplicaMismatchError` otherwise). Every row records
     its batch (index, row, size): batch composition is part of the construction. The audit recomputes with
     ``replicas=(1,)``. ``on_live_batch(items, prompts, results)`` sees replica 1's live rows, caches included
-    (the only moment a live cache exists: the batched bridge uses it).
+    (the only moment a live cache exists: the batched bridge uses it); ``live_rows_kept(items)`` names the rows
+    whose live cache it needs (the others keep fingerprints only; None: every row).
     """
     from .experiment import check_replicas
 
@@ -801,8 +825,10 @@ def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: l
     prompts = [prompter(item["question"]) for item in items]
     runs = []
     for replica in replicas:
+        observed = replica == replicas[0] and on_live_batch is not None
+        keep = (None if live_rows_kept is None else set(live_rows_kept(items))) if observed else set()
         runs.append(generate_batch(decoder, prompts, matcher.reached, settings.max_stage_tokens,
-                                   settings.max_new_tokens))
+                                   settings.max_new_tokens, keep_rows=keep))
         if replica == replicas[0] and on_live_batch is not None:
             on_live_batch(items, prompts, runs[0])
     rows, prefix_rows = [], []
@@ -819,7 +845,8 @@ def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: l
                             "stage_ids": reference["stage_ids"], "prefix_fingerprint": reference["prefix_fingerprint"],
                             "gold_answer": item["gold_answer"]})
     stages = [run.stage_ids if run.stage_ids else None for run in runs[0]]
-    prefill = [construct_batch(decoder, "prefill", prompts, stages, settings.max_new_tokens) for _ in replicas]
+    prefill = [construct_batch(decoder, "prefill", prompts, stages, settings.max_new_tokens, keep_rows=set())
+               for _ in replicas]
     for r in sorted(prefill[0]):
         cell = [batch_row_fields(ledger_row(items[r], settings, "matched", "prefill", replica, prompts[r], run[r],
                                             tokenizer), r, n, batch_index)

@@ -66,8 +66,8 @@ def fixed_prefix_batch(decoder, tokenizer, items: list[dict], prefix_rows: list[
     n = len(items)
     prompts = [[int(i) for i in p["prompt_ids"]] for p in prefix_rows]
     stages = [[int(i) for i in p["stage_ids"]] if has_prefix(p) else None for p in prefix_rows]
-    runs = {c: [construct_batch(decoder, c, prompts, stages, settings.max_new_tokens) for _ in replicas]
-            for c in CONSTRUCTIONS}
+    runs = {c: [construct_batch(decoder, c, prompts, stages, settings.max_new_tokens, keep_rows=set())
+                for _ in replicas] for c in CONSTRUCTIONS}  # fingerprints only: four sets of a batch's caches
     rows: list[dict] = []
     for r in (r for r in range(n) if stages[r] is not None):
         for construction in CONSTRUCTIONS:

@@ -127,7 +127,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
                       "(batches)", disable=not progress):
             batch_rows, batch_prefixes = matched_batch(decoder, loaded.tokenizer, prompter, matcher,
                                                        [by_id[i] for i in plan.batches[j]], settings, j,
-                                                       on_live_batch=recorder.observe if recorder else None)
+                                                       on_live_batch=recorder.observe if recorder else None,
+                                                       live_rows_kept=recorder.wanted if recorder else None)
             rows += batch_rows
             prefix_rows += batch_prefixes
     prov = {**provenance(loaded, flags, config_slice, "reconstruct_prefixes"), **regime_info(decoder),
