@@ -358,9 +358,8 @@ def gemm_rates(model, rows: int, large: int = 2048, repeats: int = 10) -> dict:
     prefill-sized product, near the GEMM's best rate): the compute bound of a decode step whose weights no longer
     dominate its time (fp32, where TF32 stays off)."""
     layer = model.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    weights = [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
-               torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    qkv_w, _, gate_up_w = fd._fuse_layer(layer)  # the static decoder's fused weights (made once, reused)
+    weights = [qkv_w, layer.self_attn.o_proj.weight, gate_up_w, layer.mlp.down_proj.weight]
     linear_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     linear_params += model.lm_head.weight.numel()
     out = {"linear_params": linear_params}

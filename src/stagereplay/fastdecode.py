@@ -456,15 +456,23 @@ class StaticDecoder:
         return self.forward_rows(ids, cache)
 
 
+def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None) -> None:
+    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
+    workflow's parse-time check both call this)."""
+    if regime == "eager" and (attention != "masked" or prefill_group is not None):
+        raise RegimeError(
+            f"decode_attention: {attention} and decode_prefill_group: {prefill_group} set the forward over the static "
+            "K/V buffer, which decode_regime: eager does not have: they need decode_regime static or cuda_graph; set "
+            "decode_regime: static or cuda_graph, or leave them at their defaults (masked, null)")
+
+
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
                  bucket: int | None = None, attention: str = "masked", prefill_group: int | None = None):
     """The decoder of a regime: the engine's eager Decoder, or a StaticDecoder for ``static``/``cuda_graph``."""
     if regime not in REGIMES:
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
+    check_static_options(regime, attention, prefill_group)
     if regime == "eager":
-        if attention != "masked" or prefill_group is not None:
-            raise RegimeError("decode_attention and decode_prefill_group set the static K/V buffer's forward: they "
-                              "need decode_regime static or cuda_graph (drop them for eager)")
         from .engine import Decoder
 
         return Decoder(model, tuple(eos_ids))

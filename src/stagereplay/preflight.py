@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import datasets
 from .experiment import Prompter, check_context
+from .fastdecode import check_static_options
 from .models import ModelLoadError, ModelSource, checked_config, checked_tokenizer, go_offline, resolve_source
 
 
@@ -37,11 +38,7 @@ def check_decode_settings(batch_size: int, decode_regime: str, decode_attention:
                           decode_prefill_group: int | None = None) -> None:
     """Refuse decode settings that the decode regime cannot run (the workflow checks them at parse time too)."""
     check_batching(batch_size, decode_regime)
-    if decode_regime == "eager" and (decode_attention != "masked" or decode_prefill_group is not None):
-        raise ValueError(
-            f"decode_attention: {decode_attention} and decode_prefill_group: {decode_prefill_group} set the forward "
-            "over the static K/V buffer, which decode_regime: eager does not have; set decode_regime: static or "
-            "cuda_graph, or leave them at their defaults (masked, null)")
+    check_static_options(decode_regime, decode_attention, decode_prefill_group)
 
 
 def check_run(config: dict, base_dir: str | Path = ".") -> dict:
