@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from stagereplay import compat
+from stagereplay.models import compat
 from stagereplay import fastdecode as fd
 from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, first_divergence, \
     generate_to_boundary
-from stagereplay.ledger import fingerprint_layers
-from stagereplay.models import PRECISIONS, set_determinism
+from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.models.loading import PRECISIONS, set_determinism
 
 SHAPES = {
     # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads / 2 KV heads, tied embeddings
@@ -586,7 +586,7 @@ def main(argv=None):
         args.proj_bucket = 8
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.fp32_attention_config:
-        from stagereplay import invariant_triton
+        from stagereplay.models import invariant_triton
 
         invariant_triton.CONFIGS["fp32"] = {**invariant_triton.CONFIGS["fp32"], **args.fp32_attention_config}
     out = Path(args.out)
@@ -601,7 +601,7 @@ def main(argv=None):
             "python": platform.python_version(), "numerics": flags, "argv": sys.argv[1:],
             "weights": "random (Qwen2Config with the real shapes)"}
     if args.decode_attention == "triton":
-        from stagereplay import invariant_triton
+        from stagereplay.models import invariant_triton
 
         meta["triton_attention_configs"] = invariant_triton.CONFIGS
     meta["copy_TB_s"] = copy_rate(device, 0.05 if args.tiny else 4.0) / 1e12

@@ -26,9 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stagereplay import compat  # noqa: E402
-from stagereplay.cache_io import load_cache, save_cache  # noqa: E402
-from stagereplay.ledger import fingerprint_layers  # noqa: E402
+from stagereplay.models import compat  # noqa: E402
+from stagereplay.io.cache_dumps import load_cache, save_cache  # noqa: E402
+from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
 
 
 def fake_cache(layers: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, device: str):

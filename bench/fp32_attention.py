@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stagereplay import invariant_triton as it  # noqa: E402
+from stagereplay.models import invariant_triton as it  # noqa: E402
 
 
 def main(argv=None) -> None:

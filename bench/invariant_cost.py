@@ -34,11 +34,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stagereplay import compat, invariant  # noqa: E402
+from stagereplay.models import compat  # noqa: E402
+from stagereplay.models import invariant  # noqa: E402
 from stagereplay import fastdecode as fd  # noqa: E402
 from stagereplay.engine import Decoder  # noqa: E402
-from stagereplay.ledger import fingerprint_layers  # noqa: E402
-from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
+from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
+from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from benchmark import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)

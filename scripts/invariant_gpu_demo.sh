@@ -79,7 +79,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stagereplay.ledger import read_provenance
+from stagereplay.io.parquet import read_provenance
 
 work = Path(sys.argv[1])
 print("model: RANDOM weights,", (work / "model/RANDOM_WEIGHTS.json").read_text().split('"shape": ')[1].split(",")[0])

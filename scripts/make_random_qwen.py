@@ -35,7 +35,7 @@ def build_tokenizer(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from stagereplay.toy import CHARS, CHAT_TEMPLATE, SPECIAL_TOKENS
+    from stagereplay.data.toy import CHARS, CHAT_TEMPLATE, SPECIAL_TOKENS
 
     base = SPECIAL_TOKENS + CHARS
     vocab = {tok: i for i, tok in enumerate(base + [f"~{i}" for i in range(vocab_size - len(base))])}

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stagereplay.ledger import read_provenance
+from stagereplay.io.parquet import read_provenance
 
 work = Path(sys.argv[1])
 res = work / "results/multigpu-demo/local"

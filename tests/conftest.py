@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 def make_tiny_model(folder: Path, seed: int = 0, layers: int = 3, vocab_extra: int = 0) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stagereplay.toy import build_tokenizer
+    from stagereplay.data.toy import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
@@ -38,7 +38,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def loaded_fp32(tiny_model_dir):
-    from stagereplay.models import ModelSource, load_model, set_determinism
+    from stagereplay.models.loading import ModelSource, load_model, set_determinism
 
     set_determinism(1)
     return load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu")
@@ -46,7 +46,7 @@ def loaded_fp32(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def loaded_bf16(tiny_model_dir):
-    from stagereplay.models import ModelSource, load_model, set_determinism
+    from stagereplay.models.loading import ModelSource, load_model, set_determinism
 
     set_determinism(1)
     return load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")

@@ -1,8 +1,8 @@
 """Shared by the invariant-regime tests: every construction of one toy trajectory, fingerprinted."""
 
-from stagereplay import compat
+from stagereplay.models import compat
 from stagereplay.engine import BoundaryMatcher, build_cache, continue_greedy, generate_to_boundary
-from stagereplay.ledger import fingerprint_layers
+from stagereplay.io.fingerprints import fingerprint_layers
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]  # "Q:37+45=<think>"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from stagereplay.experiment import LEDGER_SCHEMA
-from stagereplay.ledger import write_parquet
+from stagereplay.io.parquet import write_parquet
 
 
 def _fp(*parts) -> str:

@@ -1,6 +1,6 @@
 import pytest
 
-from stagereplay.answers import extract_answer, is_correct, normalize_answer
+from stagereplay.data.answers import extract_answer, is_correct, normalize_answer
 
 
 @pytest.mark.parametrize("text,fmt,expected", [

@@ -25,11 +25,11 @@ from snakemake.utils import validate
 
 from conftest import make_tiny_model
 from stagereplay import stages
-from stagereplay.datasets import DatasetError
+from stagereplay.data.datasets import DatasetError
 from stagereplay.experiment import PromptTooLongError, Settings
-from stagereplay.models import ModelLoadError, ModelSource, load_model, resolve_source
+from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, resolve_source
 from stagereplay.preflight import check_model, check_run
-from stagereplay.report import build_report
+from stagereplay.analysis.report import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from stagereplay.ledger import read_provenance
+from stagereplay.io.parquet import read_provenance
 from test_workflow import snakemake, tiny_config
 
 BATCHED = dict(n_items=6, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
@@ -144,7 +144,7 @@ def test_audit_of_a_batched_ledger_names_a_tampered_row(run_a, tmp_path):
     """Byte for byte, batch columns included: a row moved to another place of the plan does not reproduce."""
     from stagereplay.control_stages import audit_ledger
     from stagereplay.experiment import LEDGER_SCHEMA
-    from stagereplay.ledger import write_parquet
+    from stagereplay.io.parquet import write_parquet
     from test_workflow import REPO
 
     run = run_a[0]

@@ -9,9 +9,9 @@ import pytest
 from gguf_fixture import write_tiny_gguf
 from stagereplay.engine import BoundaryMatcher, Decoder, generate_to_boundary
 from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
-from stagereplay.ledger import write_parquet
-from stagereplay.models import ModelSource, load_model
-from stagereplay.report import build_report
+from stagereplay.io.parquet import write_parquet
+from stagereplay.models.loading import ModelSource, load_model
+from stagereplay.analysis.report import build_report
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import copy
 import pandas as pd
 import pytest
 
-from stagereplay import compat
+from stagereplay.models import compat
 from stagereplay.cache_differences import layer_differences, measure_cache_differences, sample_items
 from stagereplay.engine import Decoder, build_cache
-from stagereplay.ledger import read_parquet, read_provenance, write_parquet
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.stages import PREFIX_SCHEMA
 
 PROMPT, STAGE = [5, 9, 12, 7, 3, 20, 14], [8, 15, 4, 19, 11, 6]  # ids within the toy vocabulary (21)

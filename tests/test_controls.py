@@ -7,17 +7,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stagereplay import compat
+from stagereplay.models import compat
 from stagereplay.audit import AuditFailedError, ItemRecomputer, audit_item, compare_row
 from stagereplay.bridge import BridgeRecorder, choose_bridge_items, compare_caches
 from stagereplay.control_stages import check_audit
 from stagereplay.engine import Decoder, build_cache
 from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
 from stagereplay.fixed_prefix import fixed_prefix_item
-from stagereplay.ledger import fingerprint_layers, write_parquet
-from stagereplay.models import ModelSource, eos_token_ids, load_model, set_determinism
-from stagereplay.report import RevisionData, audit_section, bridge_section, fixed_prefix_section
-from stagereplay.toy import synthetic_items
+from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.io.parquet import write_parquet
+from stagereplay.models.loading import ModelSource, eos_token_ids, load_model, set_determinism
+from stagereplay.analysis.report import RevisionData, audit_section, bridge_section, fixed_prefix_section
+from stagereplay.data.toy import synthetic_items
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "data/toy/primary"

@@ -6,9 +6,9 @@ import json
 import pandas as pd
 import pytest
 
-from stagereplay.report import REFERENCE
+from stagereplay.analysis.report import REFERENCE
 from stagereplay.experiment import LEDGER_SCHEMA
-from stagereplay.ledger import read_provenance, write_parquet
+from stagereplay.io.parquet import read_provenance, write_parquet
 from test_workflow import snakemake, tiny_config
 
 TINY = dict(n_items=4, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",

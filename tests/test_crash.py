@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from stagereplay import cache_io
-from stagereplay.ledger import atomic_path, read_parquet, write_parquet
+from stagereplay.io import cache_dumps as cache_io
+from stagereplay.io.parquet import atomic_path, read_parquet, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_a_process_killed_while_writing_leaves_the_old_file(tmp_path):
         import os, signal
         import pandas as pd
         import pyarrow.parquet as pq
-        from stagereplay.ledger import write_parquet
+        from stagereplay.io.parquet import write_parquet
 
         def half_then_die(table, where, **kwargs):
             with open(where, "wb") as f:

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from stagereplay.datasets import DatasetError, load_source, select_items
-from stagereplay.toy import make_item, target_text
+from stagereplay.data.datasets import DatasetError, load_source, select_items
+from stagereplay.data.toy import make_item, target_text
 
 
 def write_jsonl(path, rows):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stagereplay.datasets import DatasetError, load_source
+from stagereplay.data.datasets import DatasetError, load_source
 
 hf = pytest.importorskip("datasets")
 

@@ -4,10 +4,16 @@ import struct
 import pytest
 import torch
 
-from stagereplay import compat
-from stagereplay.engine import (BoundaryMatcher, Decoder, build_cache, continue_greedy, first_divergence,
-                                generate_to_boundary)
-from stagereplay.ledger import fingerprint_ids, fingerprint_layers, fingerprint_tensor
+from stagereplay.models import compat
+from stagereplay.engine import (
+    BoundaryMatcher,
+    Decoder,
+    build_cache,
+    continue_greedy,
+    first_divergence,
+    generate_to_boundary,
+)
+from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers, fingerprint_tensor
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]  # "Q:37+45=<think>"
 

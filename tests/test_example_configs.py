@@ -9,7 +9,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from stagereplay.models import resolve_source
+from stagereplay.models.loading import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "config").glob("*.yaml"))

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagereplay import compat
+from stagereplay.models import compat
 from stagereplay import fastdecode as fd
 from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
-from stagereplay.ledger import fingerprint_layers
+from stagereplay.io.fingerprints import fingerprint_layers
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 REPO = Path(__file__).resolve().parents[1]
@@ -30,14 +30,14 @@ def fp(cache):
 
 def fresh_model(tiny_model_dir, precision, device="cpu"):
     """A private copy: the static decoder rebinds weights to fused tensors, which session fixtures must not see."""
-    from stagereplay.models import ModelSource, load_model
+    from stagereplay.models.loading import ModelSource, load_model
 
     return load_model(ModelSource("local", str(tiny_model_dir)), precision, device).model
 
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
-    from stagereplay.models import set_determinism
+    from stagereplay.models.loading import set_determinism
 
     set_determinism(1)
     return {p: fresh_model(tiny_model_dir, p) for p in ("fp32", "bf16")}
@@ -236,7 +236,7 @@ def test_cuda_graph_regime_replicas_and_bridge(tiny_model_dir, precision, bucket
 
 
 def test_pipeline_stage_records_the_regime(tmp_path):
-    from stagereplay.ledger import read_parquet, read_provenance
+    from stagereplay.io.parquet import read_parquet, read_provenance
     from stagereplay.stages import reconstruct_prefixes, select_items
 
     items = tmp_path / "items.parquet"
@@ -279,7 +279,7 @@ def test_generate_batch_of_one_row_is_the_engine_path(models):
 
 
 def test_pipeline_stage_runs_batched_with_a_recorded_plan(tmp_path):
-    from stagereplay.ledger import read_parquet, read_provenance
+    from stagereplay.io.parquet import read_parquet, read_provenance
     from stagereplay.stages import reconstruct_prefixes, select_items
 
     items = tmp_path / "items.parquet"
@@ -387,7 +387,8 @@ def test_construct_batch_prefill_leaves_rows_without_a_prefix_out(models):
 def test_shard_batches_and_the_recorded_plan(tmp_path):
     import pandas as pd
 
-    from stagereplay.ledger import recorded_batch_plan, write_parquet
+    from stagereplay.io.parquet import write_parquet
+    from stagereplay.io.provenance import recorded_batch_plan
 
     plan = fd.batch_plan([f"i{n}" for n in range(9)], 2, seed=3)
     shards = [fd.shard_batches(plan, s, 2) for s in range(2)]

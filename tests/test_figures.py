@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from report_data import synthetic_cache_differences, synthetic_ledger, synthetic_transplant, write
-from stagereplay import figures
+from stagereplay.analysis import figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -74,13 +74,13 @@ def test_figure_tables_hold_what_the_ledger_says(tables):
 
 
 def test_figures_and_analysis_know_nothing_of_torch():
-    code = "import sys, stagereplay.figures, stagereplay.analysis; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, stagereplay.analysis.figures, stagereplay.analysis.tables; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cache_differences_figure_when_no_layer_differs(tmp_path):
     """Under numerics: invariant every cache is bit-identical: the figure says so instead of failing on a log axis."""
-    from stagereplay import analysis
+    from stagereplay.analysis import tables as analysis
 
     equal = synthetic_cache_differences().assign(bit_equal=True, max_abs=0.0, rms=0.0, first_position_differs=None)
     paths = {fmt: str(tmp_path / f"fig4.{fmt}") for fmt in figures.FORMATS}

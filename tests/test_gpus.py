@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from stagereplay.gpus import GpuSlotTimeout, claim_gpu, visible_gpus
+from stagereplay.models.gpus import GpuSlotTimeout, claim_gpu, visible_gpus
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:1"])
@@ -50,7 +50,7 @@ def test_a_lock_held_by_another_process_is_respected_and_freed_when_it_dies(tmp_
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from stagereplay.gpus import claim_gpu
+        from stagereplay.models.gpus import claim_gpu
         slot = claim_gpu("auto", n_visible=2, lock_dir={str(tmp_path)!r})
         print(slot.device, flush=True)
         time.sleep(60)
@@ -73,7 +73,7 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     import torch
 
     import stagereplay.stages as stages
-    from stagereplay.ledger import read_provenance
+    from stagereplay.io.parquet import read_provenance
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))

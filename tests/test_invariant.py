@@ -13,11 +13,11 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay import invariant
+from stagereplay.models import invariant
 from stagereplay.engine import Decoder
-from stagereplay.ledger import tensor_bytes
+from stagereplay.io.fingerprints import tensor_bytes
 from invariant_helpers import PROMPT, constructions
-from stagereplay.models import ModelLoadError, ModelSource, load_model, set_determinism
+from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, set_determinism
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -239,7 +239,7 @@ def test_cost_benchmark_runs_and_checks_the_regime(tiny_model_dir, tmp_path):
 def test_later_stages_read_the_recorded_regime(tmp_path):
     import pandas as pd
 
-    from stagereplay.ledger import write_parquet
+    from stagereplay.io.parquet import write_parquet
 
     frame = pd.DataFrame({"item_index": [0]})
     regime = {"numerics": "invariant", "kernels": "reference", "attention_block_size": 64, "rotary_chunk": 256}
@@ -251,7 +251,7 @@ def test_later_stages_read_the_recorded_regime(tmp_path):
 
 def batched_and_single_ledgers(tmp_path, precision, numerics):
     """The matched stage's ledger for 4 toy items with the static decoder, at batch 1 and in batches of 3."""
-    from stagereplay.ledger import read_parquet
+    from stagereplay.io.parquet import read_parquet
     from stagereplay.stages import reconstruct_prefixes, select_items
 
     items = tmp_path / "items.parquet"

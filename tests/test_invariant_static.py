@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stagereplay import fastdecode as fd
-from stagereplay.ledger import fingerprint_layers
-from stagereplay.models import ModelSource, load_model, set_determinism
+from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.models.loading import ModelSource, load_model, set_determinism
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 # four lengths: rows get different left padding; the longest crosses a 4-key attention block several times
@@ -27,7 +27,7 @@ def model_for(tiny_model_dir, precision, numerics, device="cpu", block_size=4):
     set_determinism(1)
     model = load_model(ModelSource("local", str(tiny_model_dir)), precision, device).model
     if numerics == "invariant":
-        from stagereplay import invariant
+        from stagereplay.models import invariant
 
         invariant.apply(model, block_size=block_size)
     return model

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from stagereplay import stages
-from stagereplay.ledger import read_parquet, read_provenance, write_parquet
-from stagereplay.report import compare_constructions
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
+from stagereplay.analysis.report import compare_constructions
 
 REPO = Path(__file__).resolve().parents[1]
 ITEMS = {1: [69, 114, 152], 2: [49, 81, 93]}  # boundary occurrence -> item indices

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from invariant_helpers import constructions
-from stagereplay import invariant
+from stagereplay.models import invariant
 from stagereplay.engine import Decoder
-from stagereplay.models import ModelSource, load_model, set_determinism
+from stagereplay.models.loading import ModelSource, load_model, set_determinism
 
 triton = pytest.importorskip("triton")
 

@@ -9,10 +9,17 @@ import pandas as pd
 import pytest
 import torch
 
-from stagereplay import cache_io, ledger
+from stagereplay.io import cache_dumps
+from stagereplay.io import fingerprints, provenance
 from stagereplay.experiment import LEDGER_SCHEMA
-from stagereplay.ledger import (CACHE_FINGERPRINT_SCHEME, SCHEME_KEY, FingerprintSchemeError, check_fingerprint_scheme,
-                                fingerprint_layers, write_parquet)
+from stagereplay.io.fingerprints import (
+    CACHE_FINGERPRINT_SCHEME,
+    SCHEME_KEY,
+    FingerprintSchemeError,
+    check_fingerprint_scheme,
+    fingerprint_layers,
+)
+from stagereplay.io.parquet import write_parquet
 from stagereplay.stages import PREFIX_SCHEMA
 
 from test_tampering import ledger_rows
@@ -82,7 +89,7 @@ def test_empty_cache_has_a_well_defined_fingerprint():
 
 
 def test_the_scheme_is_recorded_in_provenance():
-    assert ledger.software_versions()[SCHEME_KEY] == CACHE_FINGERPRINT_SCHEME == "sha256-list-v2"
+    assert provenance.software_versions()[SCHEME_KEY] == CACHE_FINGERPRINT_SCHEME == "sha256-list-v2"
 
 
 # -- refusing files made by another scheme ----------------------------------------------------------------------
@@ -174,9 +181,9 @@ def test_a_dump_records_its_scheme_and_one_of_another_scheme_is_refused(tmp_path
 
     layers = cache_layers(n_layers=3)
     path = tmp_path / "c.safetensors"
-    written = cache_io.save_cache(path, make_cache(layers), {"item_id": "x"})
+    written = cache_dumps.save_cache(path, make_cache(layers), {"item_id": "x"})
     assert written["fingerprint_scheme"] == CACHE_FINGERPRINT_SCHEME and written["cache_fingerprint"] == by_hand(layers)
-    assert cache_io.load_cache(path).meta["cache_fingerprint"] == by_hand(layers)
+    assert cache_dumps.load_cache(path).meta["cache_fingerprint"] == by_hand(layers)
     tensors = load_file(str(path))
     for label, change in (("an older scheme", lambda m: m.pop("fingerprint_scheme")),
                           ("another scheme", lambda m: m.update(fingerprint_scheme="sha256-seq-v1"))):
@@ -184,9 +191,9 @@ def test_a_dump_records_its_scheme_and_one_of_another_scheme_is_refused(tmp_path
         meta.pop("bytes")
         change(meta)
         old = tmp_path / f"{label.split()[0]}.safetensors"
-        save_file(tensors, str(old), metadata={cache_io.METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        save_file(tensors, str(old), metadata={cache_dumps.METADATA_KEY: json.dumps(meta, sort_keys=True)})
         with pytest.raises(FingerprintSchemeError, match=f"made by {label}") as err:
-            cache_io.load_cache(old)
+            cache_dumps.load_cache(old)
         assert str(err.value).startswith(f"{old}: ") and "snakemake --forcerun dump_caches" in str(err.value)
 
 
@@ -202,13 +209,13 @@ def test_a_gpu_cache_fingerprints_and_dumps_like_its_host_copy(tmp_path):
 
     strided = [(in_a_buffer(k), v.cuda()) for k, v in layers]
     assert not strided[0][0].is_contiguous()
-    assert ledger.fingerprint_layers(strided) == ledger.fingerprint_layers(layers) == (
+    assert fingerprints.fingerprint_layers(strided) == fingerprints.fingerprint_layers(layers) == (
         by_hand(layers), [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[0::2]],
         [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[1::2]])
     cache = DynamicCache()
     for i, (k, v) in enumerate(strided):
         cache.update(k, v, i)
-    written = cache_io.save_cache(tmp_path / "dump.safetensors", cache, {"item_index": 0})
+    written = cache_dumps.save_cache(tmp_path / "dump.safetensors", cache, {"item_index": 0})
     assert written["cache_fingerprint"] == by_hand(layers)
-    loaded = cache_io.load_cache(tmp_path / "dump.safetensors")
-    assert [ledger.tensor_bytes(k) for k, _ in loaded.layers] == [ledger.tensor_bytes(k) for k, _ in layers]
+    loaded = cache_dumps.load_cache(tmp_path / "dump.safetensors")
+    assert [fingerprints.tensor_bytes(k) for k, _ in loaded.layers] == [fingerprints.tensor_bytes(k) for k, _ in layers]

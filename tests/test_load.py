@@ -5,7 +5,7 @@ import gc
 
 import torch
 
-from stagereplay import datasets
+from stagereplay.data import datasets
 from stagereplay.engine import Decoder
 from stagereplay.experiment import Prompter, Settings, make_matcher, matched_item
 from stagereplay.fixed_prefix import fixed_prefix_item, has_prefix

@@ -10,7 +10,7 @@ import torch
 from gguf_fixture import write_tiny_gguf
 from stagereplay.engine import Decoder, continue_greedy, generate_to_boundary
 from stagereplay.experiment import Prompter, make_matcher
-from stagereplay.models import ModelLoadError, ModelSource, eos_token_ids, load_model, resolve_source
+from stagereplay.models.loading import ModelLoadError, ModelSource, eos_token_ids, load_model, resolve_source
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_generation_config_sampling_defaults_do_not_leak(tmp_path, tiny_model_di
 
 
 def test_gguf_runs_through_the_reconstruct_stage(gguf_dir, tmp_path):
-    from stagereplay.ledger import read_provenance
+    from stagereplay.io.parquet import read_provenance
     from stagereplay.stages import reconstruct_prefixes, select_items
 
     folder, _ = gguf_dir

@@ -7,9 +7,9 @@ import pytest
 
 from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_differences, synthetic_ledger,
                          synthetic_transplant, write)
-from stagereplay import analysis
+from stagereplay.analysis import tables as analysis
 from stagereplay.engine import first_divergence as engine_first_divergence
-from stagereplay.report import build_report, compare_constructions
+from stagereplay.analysis.report import build_report, compare_constructions
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import hashlib
 import pandas as pd
 import pytest
 
-from stagereplay.ledger import read_provenance
+from stagereplay.io.parquet import read_provenance
 from test_workflow import snakemake, tiny_config
 
 

@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from stagereplay.stats import (first_divergence_summary, follow_rate, margin_comparison, paired_accuracy_difference,
-                               proportion)
+from stagereplay.analysis.stats import (
+    first_divergence_summary,
+    follow_rate,
+    margin_comparison,
+    paired_accuracy_difference,
+    proportion,
+)
 
 
 def wilson_bounds(k, n, alpha=0.05):

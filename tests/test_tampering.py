@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stagereplay.experiment import LEDGER_SCHEMA
-from stagereplay.ledger import CorruptFileError, read_parquet, write_parquet
-from stagereplay.report import build_report
+from stagereplay.io.parquet import CorruptFileError, read_parquet, write_parquet
+from stagereplay.analysis.report import build_report
 from stagereplay.stages import gather_ledger
 
 

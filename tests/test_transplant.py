@@ -6,13 +6,13 @@ import pandas as pd
 import pytest
 import torch
 
-from stagereplay import cache_io, compat
+from stagereplay.io import cache_dumps as cache_io
+from stagereplay.models import compat
 from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
 from stagereplay.experiment import ReplicaMismatchError
-from stagereplay.ledger import fingerprint_ids, fingerprint_layers, tensor_bytes
-from stagereplay.report import RevisionData, transplant_section
-from stagereplay.transplant import (SWEEPS, classify, enumerate_sweeps, run_transplants, select_items,
-                                    transplant_cache)
+from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers, tensor_bytes
+from stagereplay.analysis.report import RevisionData, transplant_section
+from stagereplay.transplant import SWEEPS, classify, enumerate_sweeps, run_transplants, select_items, transplant_cache
 from stagereplay.transplant_stages import TRANSPLANT_SCHEMA, rebuild_constructions
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
@@ -266,7 +266,7 @@ def test_fingerprints_are_sha256_of_the_exact_bytes_at_any_size(positions):
     import hashlib
     import struct
 
-    from stagereplay.ledger import PARALLEL_HASH_BYTES
+    from stagereplay.io.fingerprints import PARALLEL_HASH_BYTES
 
     generator = torch.Generator().manual_seed(0)
     layers = [tuple(torch.randn(1, 4, positions, 128, generator=generator).to(torch.bfloat16) for _ in range(2))

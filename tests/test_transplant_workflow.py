@@ -5,8 +5,8 @@ import hashlib
 import pandas as pd
 import pytest
 
-from stagereplay import cache_io
-from stagereplay.ledger import read_provenance
+from stagereplay.io import cache_dumps as cache_io
+from stagereplay.io.parquet import read_provenance
 from stagereplay.transplant_stages import TRANSPLANT_SCHEMA
 
 from test_workflow import snakemake, tiny_config

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from stagereplay.ledger import read_provenance
+from stagereplay.io.parquet import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",

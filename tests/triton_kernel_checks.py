@@ -17,8 +17,8 @@ if DEVICE == "cpu":
 
 import torch  # noqa: E402
 
-from stagereplay.invariant_triton import CONFIGS, TritonKernels  # noqa: E402
-from stagereplay.ledger import tensor_bytes  # noqa: E402
+from stagereplay.models.invariant_triton import CONFIGS, TritonKernels  # noqa: E402
+from stagereplay.io.fingerprints import tensor_bytes  # noqa: E402
 
 K = TritonKernels()
 if len(sys.argv) > 2:  # a JSON object of fp32 settings to check instead of the module's (a candidate configuration)

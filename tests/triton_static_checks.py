@@ -15,11 +15,11 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-from stagereplay import compat  # noqa: E402
+from stagereplay.models import compat  # noqa: E402
 from stagereplay import fastdecode as fd  # noqa: E402
 from stagereplay.engine import BoundaryMatcher, build_cache, continue_greedy, generate_to_boundary  # noqa: E402
-from stagereplay.ledger import fingerprint_layers  # noqa: E402
-from stagereplay.models import ModelSource, load_model, set_determinism  # noqa: E402
+from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
+from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 PROMPTS = [PROMPT, PROMPT[:5], PROMPT[2:] + [3, 4]]

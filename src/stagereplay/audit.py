@@ -23,9 +23,16 @@ from functools import cached_property
 import numpy as np
 import pyarrow as pa
 
-from .engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, first_divergence, generate_to_boundary
-from .experiment import LEDGER_SCHEMA, Prompter, Settings, _cache_fields, _row
-from .fixed_prefix import CONSTRUCTIONS as FIXED_PREFIX_CONSTRUCTIONS
+from stagereplay.engine import (
+    BoundaryMatcher,
+    Decoder,
+    build_cache,
+    continue_greedy,
+    first_divergence,
+    generate_to_boundary,
+)
+from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, _cache_fields, _row
+from stagereplay.fixed_prefix import CONSTRUCTIONS as FIXED_PREFIX_CONSTRUCTIONS
 
 AUDIT_SCHEMA = pa.schema([
     ("item_index", pa.int32()),
@@ -177,8 +184,8 @@ def recompute_batch(decoder, tokenizer, prompter: Prompter, matcher: BoundaryMat
     """Recompute one batch of the recorded plan at one precision, each computation once (replica 1), exactly
     as the experiments decoded it: the matched experiment (:func:`stagereplay.fastdecode.matched_batch`) and the
     fixed-prefix 2x2 (:func:`stagereplay.fixed_prefix.fixed_prefix_batch`) over the reference prefixes."""
-    from .fastdecode import matched_batch
-    from .fixed_prefix import fixed_prefix_batch
+    from stagereplay.fastdecode import matched_batch
+    from stagereplay.fixed_prefix import fixed_prefix_batch
 
     refs = [reference_stage.get(int(item["item_index"])) for item in items]
     try:

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from . import compat
-from .engine import Decoder, build_cache, continue_greedy
-from .ledger import fingerprint_ids, fingerprint_layers
+from stagereplay.models import compat
+from stagereplay.engine import Decoder, build_cache, continue_greedy
+from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers
 
 BRIDGE_SCHEMA = pa.schema([
     ("item_index", pa.int32()),
@@ -174,7 +174,7 @@ class BatchBridge:
         return [r for r, item in enumerate(items) if int(item["item_index"]) in self.chosen]
 
     def observe(self, items: list[dict], prompts: list[list[int]], live: list) -> None:
-        from .fastdecode import construct_batch
+        from stagereplay.fastdecode import construct_batch
 
         wanted = self.wanted(items)
         if not wanted:

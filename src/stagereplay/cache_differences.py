@@ -18,13 +18,14 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from . import compat
-from .engine import build_cache
-from .fastdecode import decoder_from_record, recorded_regime
-from .gpus import claim_gpu
-from .invariant import recorded_numerics
-from .ledger import read_parquet, software_versions, write_parquet
-from .models import load_model, resolve_source, set_determinism
+from stagereplay.models import compat
+from stagereplay.engine import build_cache
+from stagereplay.fastdecode import decoder_from_record, recorded_regime
+from stagereplay.models.gpus import claim_gpu
+from stagereplay.models.invariant import recorded_numerics
+from stagereplay.io.parquet import read_parquet, write_parquet
+from stagereplay.io.provenance import software_versions
+from stagereplay.models.loading import load_model, resolve_source, set_determinism
 
 log = logging.getLogger("stagereplay")
 

@@ -13,16 +13,32 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from .audit import AUDIT_SCHEMA, AuditFailedError, ItemRecomputer, audit_item, failures_message, recompute_batch
-from .bridge import BRIDGE_SCHEMA
-from .fastdecode import decoder_from_record, plan_record, recorded_plan, recorded_regime, regime_info, shard_batches
-from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher
-from .fixed_prefix import fixed_prefix_batch, fixed_prefix_item
-from .gpus import claim_gpu
-from .invariant import recorded_numerics
-from .ledger import check_fingerprint_scheme, read_parquet, software_versions, write_parquet, write_text_atomic
-from .models import eos_token_ids, load_model, resolve_source, set_determinism
-from .stages import gather, provenance, shard_of
+from stagereplay.audit import (
+    AUDIT_SCHEMA,
+    AuditFailedError,
+    ItemRecomputer,
+    audit_item,
+    failures_message,
+    recompute_batch,
+)
+from stagereplay.bridge import BRIDGE_SCHEMA
+from stagereplay.fastdecode import (
+    decoder_from_record,
+    plan_record,
+    recorded_plan,
+    recorded_regime,
+    regime_info,
+    shard_batches,
+)
+from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher
+from stagereplay.fixed_prefix import fixed_prefix_batch, fixed_prefix_item
+from stagereplay.models.gpus import claim_gpu
+from stagereplay.models.invariant import recorded_numerics
+from stagereplay.io.fingerprints import check_fingerprint_scheme
+from stagereplay.io.parquet import read_parquet, write_parquet, write_text_atomic
+from stagereplay.io.provenance import software_versions
+from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.stages import gather, provenance, shard_of
 
 log = logging.getLogger("stagereplay")
 
@@ -218,7 +234,7 @@ BATCH_INVARIANCE_SCHEMA = pa.schema([
 
 def compare_alone(batched: dict, alone: dict) -> dict:
     """One batch-invariance record: a stored batched ledger row against the same computation at batch 1."""
-    from .engine import first_divergence
+    from stagereplay.engine import first_divergence
 
     stage_b, stage_a = [int(i) for i in batched["stage_ids"]], [int(i) for i in alone["stage_ids"]]
     ids_b = stage_b + [int(i) for i in batched["suffix_ids"]]
@@ -248,8 +264,8 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, *, precis
     Disagreements are findings, not errors: batch composition is a construction factor. The sample is drawn
     from the selection alone (:func:`stagereplay.bridge.choose_bridge_items`), before any outcome. At batch
     size 1 there is nothing to compare: the table is empty and its provenance says why."""
-    from .bridge import choose_bridge_items
-    from .fastdecode import construct_batch, generate_batch, ledger_row
+    from stagereplay.bridge import choose_bridge_items
+    from stagereplay.fastdecode import construct_batch, generate_batch, ledger_row
 
     config_slice = dict(model=model, revision=revision, precisions=list(precisions), sample=sample,
                         sample_seed=sample_seed, max_stage_tokens=max_stage_tokens, max_new_tokens=max_new_tokens,

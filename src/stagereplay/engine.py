@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat
+from stagereplay.models import compat
 
 
 class NonFiniteLogitsError(RuntimeError):

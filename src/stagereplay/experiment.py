@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from . import compat
-from .answers import extract_answer, is_correct
-from .engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
-from .ledger import fingerprint_ids, fingerprint_layers
+from stagereplay.models import compat
+from stagereplay.data.answers import extract_answer, is_correct
+from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, generate_to_boundary
+from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers
 
 
 class ReplicaMismatchError(RuntimeError):

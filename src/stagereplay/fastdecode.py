@@ -226,7 +226,7 @@ class StaticDecoder:
                 raise RegimeError("decode_attention 'triton' runs Triton kernels on a CUDA device and the model is "
                                   "on the CPU: use decode_attention masked there (TRITON_INTERPRET=1 runs the "
                                   "kernels in Triton's slow interpreter, for tests)")
-            from .invariant_triton import TritonKernels
+            from stagereplay.models.invariant_triton import TritonKernels
 
             self._triton = TritonKernels()
         self.dtype = next(model.parameters()).dtype
@@ -241,7 +241,7 @@ class StaticDecoder:
         self.fused = [_fuse_layer(layer) for layer in model.model.layers]
         self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
         if self.kernels is not None:
-            from .invariant import describe
+            from stagereplay.models.invariant import describe
 
             self.block_size = int(describe(model)["attention_block_size"])
             with torch.no_grad():  # the regime's rotary table, gathered by position in the forward (no host sync)
@@ -473,7 +473,7 @@ def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None =
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
     check_static_options(regime, attention, prefill_group)
     if regime == "eager":
-        from .engine import Decoder
+        from stagereplay.engine import Decoder
 
         return Decoder(model, tuple(eos_ids))
     if max_len is None:
@@ -531,7 +531,7 @@ class RowResult:
 
 def row_fingerprints(res: RowResult) -> tuple | None:
     """A row result's boundary-cache fingerprints: kept ones, else computed from its layers (None: no cache)."""
-    from .ledger import fingerprint_layers
+    from stagereplay.io.fingerprints import fingerprint_layers
 
     if res.fingerprints is not None:
         return res.fingerprints
@@ -542,7 +542,7 @@ def _kept(layers, r: int, keep_rows: set[int] | None) -> tuple[list | None, tupl
     """A row's boundary cache as a result keeps it: a copy of every layer (``keep_rows`` None), or its
     fingerprints, plus a copy for the rows in ``keep_rows`` (a paper-scale batch cannot hold a copy of every
     row's cache per replica and construction beside the K/V buffer)."""
-    from .ledger import fingerprint_layers
+    from stagereplay.io.fingerprints import fingerprint_layers
 
     if keep_rows is None:
         return [(k.clone(), v.clone()) for k, v in layers], None
@@ -762,7 +762,7 @@ def continue_in_batch(decoder: StaticDecoder, construction: str, prompts: list[l
 
 def compare_rows(batched: list[RowResult], single: list[RowResult], rows: list[int]) -> list[dict]:
     """Batch-invariance records: each sampled row of a batched run against the same item run alone."""
-    from .engine import first_divergence
+    from stagereplay.engine import first_divergence
 
     out = []
     for r, alone in zip(rows, single):
@@ -801,7 +801,7 @@ def batch_row_fields(row: dict, batch_row: int, batch_rows: int, batch_index: in
 def ledger_row(item: dict, settings, experiment: str, construction: str, replica: int, prompt: list[int],
                res: RowResult, tokenizer) -> dict:
     """The ledger row of one row's result (the engine path's statuses: ok, nonfinite, boundary_missing)."""
-    from .experiment import _row
+    from stagereplay.experiment import _row
 
     if not res.stage_ids:
         status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
@@ -827,7 +827,7 @@ def matched_batch(decoder: StaticDecoder, tokenizer, prompter, matcher, items: l
     (the only moment a live cache exists: the batched bridge uses it); ``live_rows_kept(items)`` names the rows
     whose live cache it needs (the others keep fingerprints only; None: every row).
     """
-    from .experiment import check_replicas
+    from stagereplay.experiment import check_replicas
 
     n = len(items)
     prompts = [prompter(item["question"]) for item in items]
@@ -879,7 +879,7 @@ def plan_record(plan: BatchPlan | None) -> dict | None:
 
 def recorded_plan(path) -> BatchPlan | None:
     """The batch plan recorded in a results file's provenance (a gathered file: its parts'), or None at batch 1."""
-    from .ledger import recorded_batch_plan
+    from stagereplay.io.provenance import recorded_batch_plan
 
     plan = recorded_batch_plan(path)
     if plan is None:
@@ -897,7 +897,7 @@ def recorded_regime(path) -> dict:
     """The decode regime recorded in a results file's provenance (a gathered file: its first part that has one).
 
     Files made before regimes were recorded read as ``eager``."""
-    from .ledger import read_provenance
+    from stagereplay.io.parquet import read_provenance
 
     prov = read_provenance(path)
     for record in [prov, *prov.get("parts", [])]:

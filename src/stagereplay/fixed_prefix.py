@@ -12,8 +12,8 @@ mark its row ``nonfinite``; such rows are never compared as if valid.
 
 from __future__ import annotations
 
-from .engine import Decoder, build_cache, continue_greedy
-from .experiment import Settings, _cache_fields, _row, check_replicas
+from stagereplay.engine import Decoder, build_cache, continue_greedy
+from stagereplay.experiment import Settings, _cache_fields, _row, check_replicas
 
 EXPERIMENT = "fixed_prefix"
 CONSTRUCTIONS = ("incremental", "prefill")
@@ -57,7 +57,7 @@ def fixed_prefix_batch(decoder, tokenizer, items: list[dict], prefix_rows: list[
     over the rows with a prefix, one forward; ``incremental`` as the live run was stepped, stage ids forced.
     Rows record the plan's batch, row and size; replicas must be bit-exact, as at batch 1.
     """
-    from .fastdecode import batch_row_fields, construct_batch, ledger_row
+    from stagereplay.fastdecode import batch_row_fields, construct_batch, ledger_row
 
     for item, prefix_row in zip(items, prefix_rows, strict=True):
         if int(prefix_row["item_index"]) != int(item["item_index"]):

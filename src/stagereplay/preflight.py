@@ -12,10 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import datasets
-from .experiment import Prompter, check_context
-from .fastdecode import check_static_options
-from .models import ModelLoadError, ModelSource, checked_config, checked_tokenizer, go_offline, resolve_source
+from stagereplay.data import datasets
+from stagereplay.experiment import Prompter, check_context
+from stagereplay.fastdecode import check_static_options
+from stagereplay.models.loading import (
+    ModelLoadError,
+    ModelSource,
+    checked_config,
+    checked_tokenizer,
+    go_offline,
+    resolve_source,
+)
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,

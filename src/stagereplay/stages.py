@@ -12,14 +12,15 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from . import datasets
-from .bridge import BRIDGE_SCHEMA, BatchBridge, BridgeRecorder, choose_bridge_items
-from .fastdecode import batch_plan, make_decoder, matched_batch, plan_record, regime_info, shard_batches
-from .experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
-from .gpus import claim_gpu
-from .ledger import read_parquet, software_versions, write_parquet
-from .models import eos_token_ids, load_model, resolve_source, set_determinism
-from .preflight import check_decode_settings
+from stagereplay.data import datasets
+from stagereplay.bridge import BRIDGE_SCHEMA, BatchBridge, BridgeRecorder, choose_bridge_items
+from stagereplay.fastdecode import batch_plan, make_decoder, matched_batch, plan_record, regime_info, shard_batches
+from stagereplay.experiment import LEDGER_SCHEMA, Prompter, Settings, make_matcher, matched_item
+from stagereplay.models.gpus import claim_gpu
+from stagereplay.io.parquet import read_parquet, write_parquet
+from stagereplay.io.provenance import software_versions
+from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.preflight import check_decode_settings
 
 log = logging.getLogger("stagereplay")
 
@@ -149,7 +150,7 @@ def gather(parts: list[str], out_path: str, schema: pa.Schema, sort_keys: list[s
     """Join per-shard (and per-precision) parts in a deterministic order, whatever the shard count."""
     frames = [read_parquet(p) for p in parts]
     provs = []
-    from .ledger import read_provenance
+    from stagereplay.io.parquet import read_provenance
 
     for p in parts:
         prov = read_provenance(p)

@@ -25,8 +25,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import compat
-from .engine import Decoder, continue_greedy, first_divergence
+from stagereplay.models import compat
+from stagereplay.engine import Decoder, continue_greedy, first_divergence
 
 SWEEPS = ("all", "single_layers", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions")
 COMPONENTS = ("kv", "k", "v")
@@ -169,7 +169,7 @@ def run_transplants(decoder: Decoder, caches: dict, suffixes: dict, pending_id: 
     ``continue_with(recipient, cache)``, when given, continues a transplanted cache where the recipient's own
     continuation ran (a batched row: in its batch) and returns what :func:`continue_greedy` would.
     """
-    from .ledger import fingerprint_ids, fingerprint_layers
+    from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers
 
     names = list(caches)
     if len(names) != 2:

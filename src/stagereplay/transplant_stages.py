@@ -30,17 +30,26 @@ import pandas as pd
 import pyarrow as pa
 from tqdm import tqdm
 
-from . import cache_io, compat
-from .engine import Decoder, build_cache, continue_greedy
-from .experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
-from .ledger import (check_fingerprint_scheme, fingerprint_ids, fingerprint_layers, read_parquet, read_provenance,
-                     software_versions, write_parquet)
-from .gpus import claim_gpu
-from .fastdecode import (construct_batch, continue_in_batch, decoder_from_record, plan_record, recorded_plan,
-                         recorded_regime, regime_info)
-from .invariant import recorded_numerics
-from .models import eos_token_ids, load_model, resolve_source, set_determinism
-from .transplant import enumerate_sweeps, run_transplants, select_items
+from stagereplay.io import cache_dumps as cache_io
+from stagereplay.models import compat
+from stagereplay.engine import Decoder, build_cache, continue_greedy
+from stagereplay.experiment import LEDGER_SCHEMA, ReplicaMismatchError, Settings, _row, check_replicas
+from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids, fingerprint_layers
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
+from stagereplay.io.provenance import software_versions
+from stagereplay.models.gpus import claim_gpu
+from stagereplay.fastdecode import (
+    construct_batch,
+    continue_in_batch,
+    decoder_from_record,
+    plan_record,
+    recorded_plan,
+    recorded_regime,
+    regime_info,
+)
+from stagereplay.models.invariant import recorded_numerics
+from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.transplant import enumerate_sweeps, run_transplants, select_items
 
 log = logging.getLogger("stagereplay")
 

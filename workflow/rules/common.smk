@@ -5,7 +5,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import stagereplay
-from stagereplay.models import revision_slug
+from stagereplay.models.loading import revision_slug
 from stagereplay.preflight import check_decode_settings
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)

@@ -2,7 +2,7 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w")
 
-from stagereplay.report import build_report
+from stagereplay.analysis.report import build_report
 
 revisions = snakemake.params.revisions
 inputs = {kind: dict(zip(revisions[kind], getattr(snakemake.input, kind))) for kind in snakemake.input.keys()

@@ -2,7 +2,7 @@ import sys
 
 sys.stderr = open(snakemake.log[0], "w")
 
-from stagereplay.figures import plot_figures
+from stagereplay.analysis.figures import plot_figures
 
 revisions = snakemake.params.revisions
 inputs = {kind: dict(zip(revisions[kind], getattr(snakemake.input, kind))) for kind in snakemake.input.keys()}

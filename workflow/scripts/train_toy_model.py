@@ -4,8 +4,8 @@ from pathlib import Path
 
 sys.stderr = open(snakemake.log[0], "w")
 
-from stagereplay.ledger import write_text_atomic
-from stagereplay.toy import check_reproduced, reproduce_revision
+from stagereplay.io.parquet import write_text_atomic
+from stagereplay.data.toy import check_reproduced, reproduce_revision
 
 root = Path(snakemake.output.weights).parent.parent
 reproduce_revision(snakemake.wildcards.toy_revision, root)

@@ -244,7 +244,7 @@ def recorded_numerics(path) -> str:
 
     Every stage after generation rebuilds its caches in the regime the ledger was made in; files made before the
     regime was recorded read as ``default``."""
-    from .ledger import read_provenance
+    from stagereplay.io.parquet import read_provenance
 
     prov = read_provenance(path)
     for record in [prov, *prov.get("parts", [])]:
@@ -269,7 +269,7 @@ def default_kernels(device: torch.device):
     each invariant in itself, and they need not agree with each other bit for bit."""
     if torch.device(device).type == "cuda":
         try:
-            from .invariant_triton import TritonKernels
+            from stagereplay.models.invariant_triton import TritonKernels
         except ImportError:
             import logging
 

@@ -3,7 +3,7 @@
 One file holds one boundary cache (one item x revision x precision x construction). Tensors are named
 ``layers.<i>.keys`` and ``layers.<i>.values``, each (batch, kv_heads, seq, head_dim) in the cache's own dtype.
 The file's metadata (key ``stagereplay``, JSON) records the sha256 of every layer's K and V bytes, the
-whole-cache fingerprint and its scheme (``fingerprint_scheme``, :data:`stagereplay.ledger.CACHE_FINGERPRINT_SCHEME`),
+whole-cache fingerprint and its scheme (``fingerprint_scheme``, :data:`stagereplay.io.fingerprints.CACHE_FINGERPRINT_SCHEME`),
 the prefix fingerprint, the pending token and what the cache is (item, revision, precision, construction).
 :func:`load_cache` recomputes every fingerprint and refuses a file whose bytes do not match, naming the file and
 the layer, and a file whose whole-cache fingerprint was made by another scheme. Writes are atomic. This module
@@ -20,9 +20,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import compat
-from .ledger import (CACHE_FINGERPRINT_SCHEME, SCHEME_KEY, CorruptFileError, atomic_path, check_fingerprint_scheme,
-                     fingerprint_layers, host_copies)
+from stagereplay.models import compat
+from stagereplay.io.fingerprints import (
+    CACHE_FINGERPRINT_SCHEME,
+    SCHEME_KEY,
+    check_fingerprint_scheme,
+    fingerprint_layers,
+    host_copies,
+)
+from stagereplay.io.parquet import CorruptFileError, atomic_path
 
 METADATA_KEY = "stagereplay"
 FORMAT = "stagereplay-boundary-cache/1"

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import analysis, stats
-from .engine import first_divergence
-from .ledger import read_parquet, read_provenance, recorded_batch_plan, software_versions, write_text_atomic
+from stagereplay.analysis import tables as analysis
+from stagereplay.analysis import stats
+from stagereplay.engine import first_divergence
+from stagereplay.io.parquet import read_parquet, read_provenance, write_text_atomic
+from stagereplay.io.provenance import recorded_batch_plan, software_versions
 
 REFERENCE = {
     "matched_disagreements": "166 / 200",

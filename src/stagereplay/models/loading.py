@@ -339,7 +339,7 @@ def load_model(
     model.requires_grad_(False)
     regime = {"numerics": "default"}
     if numerics == "invariant":
-        from . import invariant
+        from stagereplay.models import invariant
 
         try:
             regime = invariant.apply(model)

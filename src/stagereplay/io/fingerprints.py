@@ -1,31 +1,22 @@
-"""Fingerprints, provenance and atomic Parquet files: the ground floor every stage writes through.
+"""Fingerprints: sha256 over exact bytes, the ground truth every comparison in the pipeline rests on.
 
-A fingerprint is a sha256 over exact bytes: token ids as little-endian int32, cache tensors as their raw
-storage bytes; a whole cache's fingerprint is a sha256 over its tensors' digests (:func:`fingerprint_layers`,
-scheme :data:`CACHE_FINGERPRINT_SCHEME`, recorded in every file's provenance). Nothing here compares with a
-tolerance. Every Parquet file the pipeline writes carries a provenance record in its key-value metadata (key
-``stagereplay``) and is written atomically (temp file, fsync, rename), so a crash never leaves a half-written file
-that a rerun would trust.
+Token ids are hashed as little-endian int32, cache tensors as their raw storage bytes; a whole cache's fingerprint
+is a sha256 over its tensors' digests (:func:`fingerprint_layers`, scheme :data:`CACHE_FINGERPRINT_SCHEME`, recorded
+in every file's provenance). Nothing here compares with a tolerance.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import secrets
 import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-PROVENANCE_KEY = b"stagereplay"
-CONTENT_KEY = b"stagereplay.content_sha256"
-
+from stagereplay.io.parquet import CorruptFileError, read_provenance
 
 def ids_bytes(ids) -> bytes:
     return np.asarray(list(ids), dtype="<i4").tobytes()
@@ -81,12 +72,17 @@ def fingerprint_tensor(t) -> str:
 
 PARALLEL_HASH_BYTES = 4 << 20  # from this size on, the per-tensor hashes of a cache run in threads
 
+
 # The whole-cache fingerprint's definition, recorded in every file's provenance (software_versions) and in every
 # cache dump, so that fingerprints made by another definition are refused rather than compared
 # (check_fingerprint_scheme). "sha256-list-v2": see fingerprint_layers. Before it, with no name recorded, the
 # whole-cache fingerprint was one sequential sha256 over every layer's K bytes then V bytes.
 CACHE_FINGERPRINT_SCHEME = "sha256-list-v2"
+
+
 SCHEME_KEY = "cache_fingerprint_scheme"  # its key in a provenance record
+
+
 _CACHE_FINGERPRINT_TAG = b"stagereplay-cache-v2\0"
 
 
@@ -185,154 +181,3 @@ def check_fingerprint_scheme(path: str | Path, provenance: dict | None = None, r
         "they cannot be compared with the fingerprints it recomputes. Rerun the stages that wrote it: delete "
         f"results/<run> and run snakemake again, or rerun with `snakemake --forcerun {rerun}`"
     )
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def git_commit(start: str | Path | None = None) -> str:
-    """The commit of the code that ran (with ``-dirty`` when the tree had changes), or ``unknown``."""
-    here = Path(start or Path(__file__).resolve().parent)
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here, capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def software_versions() -> dict:
-    import torch
-    import transformers
-
-    from . import __version__
-
-    return {
-        "stagereplay": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "git_commit": git_commit(),
-        SCHEME_KEY: CACHE_FINGERPRINT_SCHEME,
-    }
-
-
-def atomic_path(path: str | Path):
-    """Context manager yielding a temp path beside ``path``; renamed onto it only if the block succeeds."""
-    return _AtomicPath(Path(path))
-
-
-class _AtomicPath:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Not mkstemp: its files are private (0600); the block creates this one, with the usual permissions.
-        self.tmp = self.path.parent / f".{self.path.name}.{secrets.token_hex(8)}.tmp"
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            return False
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.path)
-        # The rename itself reaches the disk only with its folder.
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return False
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def write_parquet(df: pd.DataFrame, path: str | Path, provenance: dict, schema: pa.Schema | None = None) -> None:
-    """Write ``df`` atomically with ``provenance`` (JSON) in the file's key-value metadata.
-
-    No timestamps go into the file: two runs of the same code and inputs give byte-identical files.
-    """
-    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False)
-    meta = dict(table.schema.metadata or {})
-    meta.pop(b"pandas", None)  # pandas' metadata records the pandas version, not ours to carry
-    meta[PROVENANCE_KEY] = json.dumps(provenance, sort_keys=True, default=str).encode()
-    meta[CONTENT_KEY] = content_sha256(table, meta[PROVENANCE_KEY]).encode()
-    table = table.replace_schema_metadata(meta)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
-
-
-def content_sha256(table: pa.Table, provenance: bytes) -> str:
-    """sha256 over a table's values, column by column, and its provenance record.
-
-    Taken over decoded values rather than file bytes so that it can live inside the file it checks: a flipped
-    bit anywhere that changes what a reader would get (a value, a column name, the provenance) changes it.
-    """
-    h = hashlib.sha256(provenance)
-    for name, column in zip(table.column_names, table.columns):
-        h.update(json.dumps([name, column.to_pylist()], default=str).encode())
-    return h.hexdigest()
-
-
-class CorruptFileError(ValueError):
-    """A results file that cannot be trusted (unreadable, truncated, or fingerprints that do not match)."""
-
-
-def read_parquet(path: str | Path) -> pd.DataFrame:
-    """Read a Parquet file, refusing it (:class:`CorruptFileError`, naming the file) unless its pages' checksums
-    and the content fingerprint :func:`write_parquet` recorded still match. Files without a recorded
-    fingerprint (not written by this package) are read as they are."""
-    try:
-        table = pq.read_table(path, page_checksum_verification=True)
-        meta = table.schema.metadata or {}
-        recorded = meta.get(CONTENT_KEY)
-        if recorded is not None and content_sha256(table, meta.get(PROVENANCE_KEY, b"")) != recorded.decode():
-            raise CorruptFileError(
-                f"{path}: its content does not match the fingerprint recorded when it was written (a flipped bit "
-                "or an edit); delete it and rerun the rule that makes it"
-            )
-        return table.to_pandas()
-    except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
-        raise CorruptFileError(
-            f"{path} is not a readable Parquet file ({exc}); delete it and rerun the rule that makes it"
-        ) from exc
-
-
-def read_provenance(path: str | Path) -> dict:
-    try:
-        meta = pq.read_schema(path).metadata or {}
-    except (OSError, pa.ArrowException) as exc:
-        raise CorruptFileError(f"{path} is not a readable Parquet file ({exc})") from exc
-    return json.loads(meta.get(PROVENANCE_KEY, b"{}"))
-
-
-def recorded_batch_plan(path: str | Path) -> dict | None:
-    """The batch plan (``{seed, batch_size, batches}``) in a results file's provenance, its parts' for a gathered
-    file; None when its rows were decoded at batch 1. Parts that record different plans are an error: their rows
-    were not decoded in one plan."""
-    prov = read_provenance(path)
-    plans = []
-    for record in [prov, *prov.get("parts", [])]:
-        plan = record.get("batch_plan")
-        if plan and plan not in plans:
-            plans.append(plan)
-    if len(plans) > 1:
-        raise ValueError(f"{path}: its parts record {len(plans)} different batch plans (seeds "
-                         f"{[p['seed'] for p in plans]}, sizes {[p['batch_size'] for p in plans]}); rerun the "
-                         "generation so that every part uses one plan")
-    return plans[0] if plans else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from . import stats
+from stagereplay.analysis import stats
 
 # (experiment, reference construction, other construction): the comparisons of the reference study.
 COMPARISONS = (

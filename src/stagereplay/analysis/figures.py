@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import analysis  # noqa: E402
-from .ledger import atomic_path, read_parquet  # noqa: E402
+from stagereplay.analysis import tables as analysis  # noqa: E402
+from stagereplay.io.parquet import atomic_path, read_parquet  # noqa: E402
 
 FIGURES = {
     "fig1_disagreement": "suffix disagreement per construction x precision cell",

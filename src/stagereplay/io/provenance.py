@@ -1,0 +1,56 @@
+"""Provenance: what every results file records about the code and software that made it, and readers for it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from stagereplay.io.fingerprints import CACHE_FINGERPRINT_SCHEME, SCHEME_KEY
+from stagereplay.io.parquet import read_provenance
+
+def git_commit(start: str | Path | None = None) -> str:
+    """The commit of the code that ran (with ``-dirty`` when the tree had changes), or ``unknown``."""
+    here = Path(start or Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def software_versions() -> dict:
+    import torch
+    import transformers
+
+    from stagereplay import __version__
+
+    return {
+        "stagereplay": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": git_commit(),
+        SCHEME_KEY: CACHE_FINGERPRINT_SCHEME,
+    }
+
+
+def recorded_batch_plan(path: str | Path) -> dict | None:
+    """The batch plan (``{seed, batch_size, batches}``) in a results file's provenance, its parts' for a gathered
+    file; None when its rows were decoded at batch 1. Parts that record different plans are an error: their rows
+    were not decoded in one plan."""
+    prov = read_provenance(path)
+    plans = []
+    for record in [prov, *prov.get("parts", [])]:
+        plan = record.get("batch_plan")
+        if plan and plan not in plans:
+            plans.append(plan)
+    if len(plans) > 1:
+        raise ValueError(f"{path}: its parts record {len(plans)} different batch plans (seeds "
+                         f"{[p['seed'] for p in plans]}, sizes {[p['batch_size'] for p in plans]}); rerun the "
+                         "generation so that every part uses one plan")
+    return plans[0] if plans else None
