@@ -8,15 +8,6 @@ configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/transplant_common.smk"
-
-
-wildcard_constraints:
-    revision="[A-Za-z0-9._-]+",
-    precision="bf16|fp32|fp16",
-    shard=r"\d+",
-
-
 include: "workflow/rules/select.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/transplant.smk"

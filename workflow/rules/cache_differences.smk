@@ -13,14 +13,10 @@ rule measure_cache_differences:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=60,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=cache_difference_kwargs,
         version=CODE_VERSION,
     script:
         "../scripts/measure_cache_differences.py"
-
-
-REPORT_INPUTS["cache_differences"] = f"{RESULTS}/{{revision}}/cache_differences.parquet"
-TARGETS.extend(expand(f"{RESULTS}/{{revision}}/cache_differences.parquet", revision=REVISIONS))

@@ -1,4 +1,5 @@
-# Helpers, config validation and input functions shared by every rule.
+# Config validation and checks, the constants derived from the config, the model settings and input functions shared
+# by the rules, and the workflow's targets: all defined here, so no stage's .smk depends on the order of the includes.
 import os
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import stagereplay
 from stagereplay.models.loading import revision_slug
 from stagereplay.preflight import check_decode_settings
 
+# ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 
 RUN = config["run"]
@@ -37,8 +39,48 @@ if (
     config["boundary"][
         "marker"
     ] = None  # the token id was given: the schema's default marker does not apply
+if config["reference_precision"] not in config["precisions"]:
+    raise ValueError(
+        f"reference_precision: {config['reference_precision']!r} is not one of precisions "
+        f"{config['precisions']}; the fixed-prefix 2x2 takes its prefixes from that precision's generation"
+    )
+
+# Transplants run at each of transplant.revisions on the primary revision's prefix ids: the primary's constructions
+# and continuations come from its ledger, any other revision's from its own replay_baseline.parquet.
+PRIMARY = revision_slug(config["revisions"][0])
+# .get: a transplant block given on the command line lacks the keys whose default is null.
+TRANSPLANT_PRECISION = config["transplant"].get("precision") or config["precisions"][0]
+if TRANSPLANT_PRECISION not in config["precisions"]:
+    raise ValueError(
+        f"transplant.precision: {TRANSPLANT_PRECISION!r} is not among precisions {config['precisions']}; "
+        "the fixed prefixes exist only at those precisions"
+    )
+TRANSPLANT_REVISIONS = {
+    revision_slug(r): r
+    for r in (config["transplant"].get("revisions") or config["revisions"][:1])
+}
+# Every revision some stage runs at: the generated ones, then transplant-only ones.
+ALL_REVISIONS = dict(REVISIONS)
+for _slug, _name in TRANSPLANT_REVISIONS.items():
+    if ALL_REVISIONS.setdefault(_slug, _name) != _name:
+        raise ValueError(
+            f"transplant.revisions: {_name!r} and {ALL_REVISIONS[_slug]!r} share the folder name {_slug!r}; rename one"
+        )
+if config["batch_size"] > 1 and set(TRANSPLANT_REVISIONS) != {PRIMARY}:
+    raise ValueError(
+        f"transplant.revisions: {sorted(TRANSPLANT_REVISIONS)} with batch_size: {config['batch_size']}: at a "
+        "revision other than the primary the transplants replay the primary's prefixes, which is not batched yet; "
+        "transplant at the primary revision only, or run with batch_size: 1"
+    )
 
 
+wildcard_constraints:
+    revision="[A-Za-z0-9._-]+",
+    precision="bf16|fp32|fp16",
+    shard=r"\d+",
+
+
+# ---- Paths and the dataset -------------------------------------------------------------------------------------------
 def resolve_path(path):
     """A config path, relative to the working directory, else to the repository (where data/ ships)."""
     if path is None or os.path.isabs(path) or os.path.exists(path):
@@ -47,6 +89,14 @@ def resolve_path(path):
     return str(shipped) if shipped.exists() else path
 
 
+def dataset_config():
+    dataset = dict(config["dataset"])
+    if dataset.get("path"):
+        dataset["path"] = resolve_path(dataset["path"])
+    return dataset
+
+
+# ---- Model settings: the params.kwargs of the stages that load a model -----------------------------------------------
 def generation_kwargs(revision):
     """The generation's settings at one revision, for every stage that runs the model as it did."""
     return dict(
@@ -83,81 +133,20 @@ def model_kwargs(wildcards):
     )
 
 
-def dataset_config():
-    dataset = dict(config["dataset"])
-    if dataset.get("path"):
-        dataset["path"] = resolve_path(dataset["path"])
-    return dataset
-
-
-# Ledger parts that gather_ledger joins into ledger.parquet; a stage that adds ledger rows appends its pattern
-# (with {revision}, {precision}, {shard} placeholders) in its own .smk file.
-LEDGER_PARTS = [f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet"]
-# Files of every stage that `rule all` asks for; each stage's .smk appends its own.
-TARGETS = []
-
-
-def ledger_parts(wildcards):
-    return [
-        part.format(revision=wildcards.revision, precision=precision, shard=shard)
-        for part in LEDGER_PARTS
-        for precision in config["precisions"]
-        for shard in SHARDS
-    ]
-
-
-def prefix_parts(wildcards):
-    return expand(
-        f"{RESULTS}/{wildcards.revision}/parts/prefixes_{{precision}}_{{shard}}.parquet",
-        precision=config["precisions"],
-        shard=SHARDS,
+def fixed_prefix_kwargs(wildcards):
+    return dict(
+        model_kwargs(wildcards), reference_precision=config["reference_precision"]
     )
 
 
-def ledgers():
-    return expand(f"{RESULTS}/{{revision}}/ledger.parquet", revision=REVISIONS)
-
-
-def all_outputs():
-    return [
-        f"{RESULTS}/selection/items.parquet",
-        *expand(f"{RESULTS}/{{revision}}/prefixes.parquet", revision=REVISIONS),
-        *ledgers(),
-        f"{RESULTS}/report/report.md",
-        f"{RESULTS}/report/stats.json",
-        *TARGETS,
-    ]
-
-
-# Per-revision files the report and the figures read, by kind. A stage whose output they should show registers its
-# pattern from its own .smk, e.g. REPORT_INPUTS["bridge"] = f"{RESULTS}/{{revision}}/bridge.parquet"; the report
-# skips, with a note, the sections of a kind that is not registered.
-REPORT_INPUTS = {"ledger": f"{RESULTS}/{{revision}}/ledger.parquet"}
-# Revisions each kind exists for (default: every generated revision); transplants may run at more revisions.
-REPORT_REVISIONS = {}
-FIGURE_NAMES = [
-    "fig1_disagreement",
-    "fig2_first_divergence",
-    "fig3_margins",
-    "fig4_cache_differences",
-    "fig5_transplant",
-    "fig6_accuracy",
-]
-
-
-def report_inputs(wildcards):
-    return {
-        kind: expand(pattern, revision=REPORT_REVISIONS.get(kind, REVISIONS))
-        for kind, pattern in REPORT_INPUTS.items()
-    }
-
-
-def report_revisions():
-    return {kind: list(REPORT_REVISIONS.get(kind, REVISIONS)) for kind in REPORT_INPUTS}
-
-
-def figure_files(fmt):
-    return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
+def batch_invariance_kwargs(wildcards):
+    """Model settings of the generation (every precision in one job), and the control's sample."""
+    return dict(
+        generation_kwargs(wildcards.revision),
+        precisions=config["precisions"],
+        sample=config["batch_invariance"]["sample"],
+        sample_seed=config["batch_invariance"]["seed"],
+    )
 
 
 def cache_difference_kwargs(wildcards):
@@ -177,3 +166,148 @@ def cache_difference_kwargs(wildcards):
         allow_pickle=config["allow_pickle"],
         offline=config["offline"],
     )
+
+
+def replay_model_kwargs(wildcards):
+    """Model settings of the dump and transplant stages: the generation's, without items, shards or budgets."""
+    return dict(
+        model=resolve_path(config["model"]),
+        revision=ALL_REVISIONS[wildcards.revision],
+        device=config["device"],
+        attn_implementation=config["attn_implementation"],
+        threads=config["threads"],
+        trust_remote_code=config["trust_remote_code"],
+        allow_pickle=config["allow_pickle"],
+        offline=config["offline"],
+    )
+
+
+def dump_kwargs(wildcards):
+    """A batched baseline's rows are rebuilt in their batch, which continues them: the suffix budget too."""
+    return dict(replay_model_kwargs(wildcards), max_new_tokens=config["max_new_tokens"])
+
+
+def baseline_kwargs(wildcards):
+    return dict(
+        replay_model_kwargs(wildcards),
+        precision=TRANSPLANT_PRECISION,
+        max_new_tokens=config["max_new_tokens"],
+        answer_format=config["answer_format"],
+        stage_end=config["stage_end"],
+    )
+
+
+def transplant_kwargs(wildcards):
+    return dict(
+        replay_model_kwargs(wildcards),
+        precision=TRANSPLANT_PRECISION,
+        max_new_tokens=config["max_new_tokens"],
+        sweeps=config["transplant"]["sweeps"],
+    )
+
+
+def revision_name(wildcards):
+    return ALL_REVISIONS[wildcards.revision]
+
+
+# ---- Input functions -------------------------------------------------------------------------------------------------
+def shard_parts(wildcards, kind):
+    """A revision's parts/<kind>_<precision>_<shard>.parquet, one per precision and shard of its generation."""
+    return expand(
+        f"{RESULTS}/{wildcards.revision}/parts/{kind}_{{precision}}_{{shard}}.parquet",
+        precision=config["precisions"],
+        shard=SHARDS,
+    )
+
+
+def ledger_parts(wildcards):
+    """The ledger's parts that gather_ledger joins: the matched experiment's rows, then the fixed-prefix 2x2's."""
+    return shard_parts(wildcards, "matched") + shard_parts(wildcards, "fixed_prefix")
+
+
+def prefix_parts(wildcards):
+    return shard_parts(wildcards, "prefixes")
+
+
+def bridge_parts(wildcards):
+    return shard_parts(wildcards, "bridge")
+
+
+def audit_parts(wildcards):
+    return shard_parts(wildcards, "audit")
+
+
+def transplant_baseline(wildcards):
+    """The file holding both constructions of the fixed prefixes at this revision, with their continuations."""
+    if wildcards.revision == PRIMARY:
+        return f"{RESULTS}/{PRIMARY}/ledger.parquet"
+    return f"{RESULTS}/{wildcards.revision}/replay_baseline.parquet"
+
+
+# ---- Targets: everything `rule all` asks for -------------------------------------------------------------------------
+def all_outputs():
+    return [
+        f"{RESULTS}/selection/items.parquet",
+        *expand(
+            f"{RESULTS}/{{revision}}/{{name}}",
+            revision=REVISIONS,
+            name=[
+                "prefixes.parquet",
+                "ledger.parquet",
+                "bridge.parquet",
+                "audit.parquet",
+                "audit_check.json",
+                "batch_invariance.parquet",
+                "cache_differences.parquet",
+            ],
+        ),
+        *expand(
+            f"{RESULTS}/{{revision}}/{{name}}",
+            revision=TRANSPLANT_REVISIONS,
+            name=["transplant.parquet", "caches.parquet"],
+        ),
+        f"{RESULTS}/report/report.md",
+        f"{RESULTS}/report/stats.json",
+        *figure_files("pdf"),
+        *figure_files("png"),
+    ]
+
+
+# ---- Report: its per-revision inputs, by kind, and its figures -------------------------------------------------------
+FIGURE_NAMES = [
+    "fig1_disagreement",
+    "fig2_first_divergence",
+    "fig3_margins",
+    "fig4_cache_differences",
+    "fig5_transplant",
+    "fig6_accuracy",
+]
+
+
+def report_revisions():
+    """Revisions each kind of the report's inputs exists at: every generated revision, the transplant at its own."""
+    generated = list(REVISIONS)
+    return {
+        "ledger": generated,
+        "transplant": list(TRANSPLANT_REVISIONS),
+        "bridge": generated,
+        "audit": generated,
+        "batch_invariance": generated,
+        "cache_differences": generated,
+    }
+
+
+def report_inputs(wildcards):
+    """Per-revision files the report and the figures read, by kind: results/<run>/<revision>/<kind>.parquet."""
+    return {
+        kind: expand(f"{RESULTS}/{{revision}}/{kind}.parquet", revision=revisions)
+        for kind, revisions in report_revisions().items()
+    }
+
+
+def figure_files(fmt):
+    return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
+
+
+# Unread: report.smk still appends its figures here; all_outputs() lists them itself. Remove with that line.
+TARGETS = []

@@ -1,8 +1,5 @@
 # The controls: fixed-prefix 2x2 (construction x precision over the reference prefixes), the bridge (gathered
-# from the matched experiment's parts, where the live cache exists), and the saved-ledger audit.
-include: "controls_common.smk"
-
-
+# from the matched experiment's parts, where the live cache exists), the saved-ledger audit and batch invariance.
 rule generate_fixed_prefix:
     input:
         selection=f"{RESULTS}/selection/items.parquet",
@@ -18,8 +15,8 @@ rule generate_fixed_prefix:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=fixed_prefix_kwargs,
         version=CODE_VERSION,
@@ -58,8 +55,8 @@ rule audit_ledger:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=fixed_prefix_kwargs,
         version=CODE_VERSION,
@@ -116,8 +113,8 @@ rule check_batch_invariance:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=120,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=batch_invariance_kwargs,
         version=CODE_VERSION,

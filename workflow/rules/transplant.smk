@@ -17,8 +17,8 @@ rule replay_fixed_prefixes:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=baseline_kwargs,
         version=CODE_VERSION,
@@ -60,8 +60,8 @@ rule dump_caches:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=120,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         dump_items=config["dump"]["items"],
         kwargs=dump_kwargs,
@@ -85,16 +85,10 @@ rule transplant_caches:
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
-        mem_mb=8000,
-        runtime=240,
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
     params:
         kwargs=transplant_kwargs,
         version=CODE_VERSION,
     script:
         "../scripts/transplant_caches.py"
-
-
-TARGETS.extend(transplants())
-TARGETS.extend(
-    expand(f"{RESULTS}/{{revision}}/caches.parquet", revision=TRANSPLANT_REVISIONS)
-)
