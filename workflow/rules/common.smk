@@ -7,7 +7,7 @@ from snakemake.utils import validate
 
 import stagereplay
 from stagereplay.models.loading import revision_slug
-from stagereplay.preflight import check_decode_settings
+from stagereplay.stages.preflight import check_decode_settings
 
 # ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
@@ -121,21 +121,30 @@ def generation_kwargs(revision):
         allow_pickle=config["allow_pickle"],
         offline=config["offline"],
         seed=config["seed"],
+        chunk_size=config["chunk_size"],
     )
 
 
 def model_kwargs(wildcards):
+    """reconstruct_prefixes: the generation's settings at one precision and shard, and the bridge rows."""
     return dict(
         generation_kwargs(wildcards.revision),
         precision=wildcards.precision,
         shard=int(wildcards.shard),
         n_shards=config["shards"],
+        bridge=config["bridge"],
     )
 
 
 def fixed_prefix_kwargs(wildcards):
+    """The fixed-prefix 2x2 and the audit."""
     return dict(
-        model_kwargs(wildcards), reference_precision=config["reference_precision"]
+        generation_kwargs(wildcards.revision),
+        precision=wildcards.precision,
+        shard=int(wildcards.shard),
+        n_shards=config["shards"],
+        reference_precision=config["reference_precision"],
+        fixed_prefix_constructions=list(config["fixed_prefix"]["constructions"]),
     )
 
 
@@ -159,6 +168,7 @@ def cache_difference_kwargs(wildcards):
         prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
         n_items=settings["n_items"],
         seed=config["seed"],
+        chunk_size=config["chunk_size"],
         threads=config["threads"],
         device=config["device"],
         attn_implementation=config["attn_implementation"],
@@ -184,7 +194,13 @@ def replay_model_kwargs(wildcards):
 
 def dump_kwargs(wildcards):
     """A batched baseline's rows are rebuilt in their batch, which continues them: the suffix budget too."""
-    return dict(replay_model_kwargs(wildcards), max_new_tokens=config["max_new_tokens"])
+    return dict(
+        replay_model_kwargs(wildcards),
+        items=config["dump"]["items"],
+        max_new_tokens=config["max_new_tokens"],
+        chunk_size=config["chunk_size"],
+        constructions=list(config["transplant"]["constructions"]),
+    )
 
 
 def baseline_kwargs(wildcards):
@@ -194,6 +210,8 @@ def baseline_kwargs(wildcards):
         max_new_tokens=config["max_new_tokens"],
         answer_format=config["answer_format"],
         stage_end=config["stage_end"],
+        chunk_size=config["chunk_size"],
+        constructions=list(config["transplant"]["constructions"]),
     )
 
 
@@ -203,6 +221,8 @@ def transplant_kwargs(wildcards):
         precision=TRANSPLANT_PRECISION,
         max_new_tokens=config["max_new_tokens"],
         sweeps=config["transplant"]["sweeps"],
+        chunk_size=config["chunk_size"],
+        constructions=list(config["transplant"]["constructions"]),
     )
 
 

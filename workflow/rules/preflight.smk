@@ -1,6 +1,6 @@
 # Before the first job (only when there is work to do): every check of the inputs that needs no weights, so that a
-# bad input fails before Snakemake deletes any old output. See stagereplay.preflight.
-from stagereplay.preflight import check_run
+# bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
+from stagereplay.stages.preflight import check_run
 
 
 def preflight():

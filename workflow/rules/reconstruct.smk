@@ -18,7 +18,6 @@ rule reconstruct_prefixes:
         runtime=config["runtime_per_job"],
     params:
         kwargs=model_kwargs,
-        bridge=config["bridge"],
         version=CODE_VERSION,
     script:
         "../scripts/reconstruct_prefixes.py"

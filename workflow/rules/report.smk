@@ -20,7 +20,6 @@ rule plot_figures:
     conda:
         "../../envs/stagereplay.yaml"
     params:
-        revisions=report_revisions(),
         seed=config["seed"],
         version=CODE_VERSION,
     script:
@@ -30,6 +29,8 @@ rule plot_figures:
 rule build_report:
     input:
         unpack(report_inputs),
+        # The report is gated by the audit: check_audit writes audit_check.json only when every ledger row reproduced.
+        audit_check=expand(f"{RESULTS}/{{revision}}/audit_check.json", revision=report_revisions().get("audit", [])),
         figures=figure_files("png"),
     output:
         report=f"{RESULTS}/report/report.md",
@@ -41,7 +42,6 @@ rule build_report:
     conda:
         "../../envs/stagereplay.yaml"
     params:
-        revisions=report_revisions(),
         figure_names=FIGURE_NAMES,
         run=RUN,
         seed=config["seed"],

@@ -6,6 +6,7 @@
 rule replay_fixed_prefixes:
     input:
         prefixes=f"{RESULTS}/{PRIMARY}/prefixes.parquet",
+        selection=f"{RESULTS}/selection/items.parquet",
     output:
         baseline=f"{RESULTS}/{{revision}}/replay_baseline.parquet",
     log:
@@ -40,6 +41,7 @@ rule select_transplant_items:
         precision=TRANSPLANT_PRECISION,
         select=config["transplant"]["select"],
         seed=config["transplant"]["seed"],
+        constructions=config["transplant"]["constructions"],
         version=CODE_VERSION,
     script:
         "../scripts/select_transplant_items.py"
@@ -63,7 +65,6 @@ rule dump_caches:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
-        dump_items=config["dump"]["items"],
         kwargs=dump_kwargs,
         version=CODE_VERSION,
     script:

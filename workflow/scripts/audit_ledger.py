@@ -4,6 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.control_stages import audit_ledger
+from stagereplay.stages.controls import audit_ledger
+from stagereplay.stages.settings import ControlSettings, from_params
 
-audit_ledger(snakemake.input.selection, snakemake.input.ledger, snakemake.output.audit, **snakemake.params.kwargs)
+audit_ledger(snakemake.input.selection, snakemake.input.ledger, snakemake.output.audit,
+             from_params(ControlSettings, snakemake.params.kwargs))

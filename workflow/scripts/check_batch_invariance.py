@@ -4,6 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.control_stages import batch_invariance
+from stagereplay.stages.controls import batch_invariance
+from stagereplay.stages.settings import BatchInvarianceSettings, from_params
 
-batch_invariance(snakemake.input.selection, snakemake.input.ledger, snakemake.output.table, **snakemake.params.kwargs)
+batch_invariance(snakemake.input.selection, snakemake.input.ledger, snakemake.output.table,
+                 from_params(BatchInvarianceSettings, snakemake.params.kwargs))

@@ -4,7 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.transplant_stages import dump_caches
+from stagereplay.stages.settings import DumpSettings, from_params
+from stagereplay.stages.transplant import dump_caches
 
 dump_caches(snakemake.input.baseline, snakemake.output.caches, snakemake.output.manifest,
-            items=snakemake.params.dump_items, **snakemake.params.kwargs)
+            from_params(DumpSettings, snakemake.params.kwargs))

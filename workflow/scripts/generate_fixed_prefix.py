@@ -4,7 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.control_stages import generate_fixed_prefix
+from stagereplay.stages.controls import generate_fixed_prefix
+from stagereplay.stages.settings import ControlSettings, from_params
 
 generate_fixed_prefix(snakemake.input.selection, snakemake.input.prefixes, snakemake.output.ledger,
-                      **snakemake.params.kwargs)
+                      from_params(ControlSettings, snakemake.params.kwargs))

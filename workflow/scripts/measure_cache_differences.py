@@ -4,6 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.cache_differences import measure_cache_differences
+from stagereplay.stages.cache_differences import measure_cache_differences
+from stagereplay.stages.settings import CacheDifferenceSettings, from_params
 
-measure_cache_differences(snakemake.input.prefixes, snakemake.output.differences, **snakemake.params.kwargs)
+measure_cache_differences(snakemake.input.prefixes, snakemake.output.differences,
+                          from_params(CacheDifferenceSettings, snakemake.params.kwargs))

@@ -4,7 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.stages import reconstruct_prefixes
+from stagereplay.stages.reconstruct import reconstruct_prefixes
+from stagereplay.stages.settings import ReconstructSettings, from_params
 
 reconstruct_prefixes(snakemake.input.selection, snakemake.output.ledger, snakemake.output.prefixes,
-                     bridge_path=snakemake.output.bridge, bridge=snakemake.params.bridge, **snakemake.params.kwargs)
+                     snakemake.output.bridge, from_params(ReconstructSettings, snakemake.params.kwargs))

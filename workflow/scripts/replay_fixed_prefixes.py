@@ -4,6 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.transplant_stages import replay_fixed_prefixes
+from stagereplay.stages.settings import ReplaySettings, from_params
+from stagereplay.stages.transplant import replay_fixed_prefixes
 
-replay_fixed_prefixes(snakemake.input.prefixes, snakemake.output.baseline, **snakemake.params.kwargs)
+replay_fixed_prefixes(snakemake.input.prefixes, snakemake.input.selection, snakemake.output.baseline,
+                      from_params(ReplaySettings, snakemake.params.kwargs))

@@ -4,7 +4,7 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.stages import select_items
+from stagereplay.stages.select import select_items
 
 select_items(snakemake.params.dataset, snakemake.params.n_items, snakemake.params.seed, snakemake.output.selection,
              answer_format=snakemake.params.answer_format, offline=snakemake.params.offline)

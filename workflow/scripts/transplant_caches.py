@@ -4,7 +4,8 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.transplant_stages import transplant_items
+from stagereplay.stages.settings import TransplantSettings, from_params
+from stagereplay.stages.transplant import transplant_caches
 
-transplant_items(snakemake.input.selection, snakemake.input.baseline, snakemake.output.transplant,
-                 **snakemake.params.kwargs)
+transplant_caches(snakemake.input.selection, snakemake.input.baseline, snakemake.output.transplant,
+                  from_params(TransplantSettings, snakemake.params.kwargs))

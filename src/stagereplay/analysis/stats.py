@@ -1,4 +1,5 @@
-"""Statistics for the report: interval bounds on rates, paired accuracy comparisons, transplant follow rates.
+"""Statistics for the report: interval bounds on rates, paired accuracy comparisons, transplant follow rates,
+the margin test at first divergences.
 
 Every function takes plain Python values (counts, per-item booleans, outcome strings, positions) and returns a
 JSON-serialisable dict of Python ints, floats and None that can go straight into ``stats.json``. Each dict names its
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import numpy as np
-from scipy.stats import mannwhitneyu
+from scipy.stats import binomtest, wilcoxon
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
@@ -134,26 +135,50 @@ def first_divergence_summary(positions: Sequence[int | None]) -> dict:
     return result
 
 
-def margin_comparison(divergence_margins: Sequence[float], all_margins: Sequence[float]) -> dict:
-    """Are first divergences near-ties? Margins at the first divergence against the margins at every decode step.
+def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha: float = 0.05) -> dict:
+    """Are first divergences near-ties? One pair of values per item, tested across items.
 
-    Reports both medians, the share of all decode steps whose margin is at most the median divergence margin (its
-    percentile among all steps), and the one-sided Mann-Whitney U test that divergence margins are stochastically
-    smaller (scipy, exact where it can be, else the normal approximation). None throughout a part with no values.
+    ``items`` holds, per disagreeing item, the reference construction's top-2 margin at the first divergence and
+    its margins at every *other* decode step of the same suffix (the divergence step left out). Each item gives one
+    paired value: its divergence margin against the median of its other steps. Items are independent; the steps of
+    one item are not, so they are never pooled.
+
+    The test is the exact sign test (scipy.stats.binomtest) of H0 "the divergence margin lies below the item's
+    median other-step margin as often as above it", one-sided towards "below". It holds when the divergence step
+    is, under H0, exchangeable with the item's other steps; it assumes nothing of the margins' distribution. Items
+    whose two values tie, and items with no other step, are counted and left out. The Wilcoxon signed-rank test
+    (scipy.stats.wilcoxon) of the same pairs is given beside it (it further assumes differences symmetric about
+    0 under H0). ``within_item_percentile`` is, per item, the share of its other steps with a margin at most the
+    divergence margin; its median is reported.
     """
-    div = np.asarray([m for m in divergence_margins if m is not None and not math.isnan(m)], dtype=float)
-    every = np.asarray([m for m in all_margins if m is not None and not math.isnan(m)], dtype=float)
-    result = {"n": int(div.size), "n_steps": int(every.size), "median_divergence": None, "median_all": None,
-              "share_of_steps_at_or_below_median_divergence": None, "mann_whitney_u": None,
-              "mann_whitney_p_less": None,
-              "method": "medians; one-sided Mann-Whitney U test, divergence margins < all-step margins "
-                        "(scipy.stats.mannwhitneyu, method='auto')"}
-    if div.size:
-        result["median_divergence"] = float(np.median(div))
-    if every.size:
-        result["median_all"] = float(np.median(every))
-    if div.size and every.size:
-        result["share_of_steps_at_or_below_median_divergence"] = float(np.mean(every <= np.median(div)))
-        test = mannwhitneyu(div, every, alternative="less")
-        result.update(mann_whitney_u=float(test.statistic), mann_whitney_p_less=float(test.pvalue))
+    alpha = _check_alpha(alpha)
+    divergence, medians, percentiles = [], [], []
+    no_other = 0
+    for margin, others in items:
+        if margin is None or (isinstance(margin, float) and math.isnan(margin)):
+            continue
+        rest = np.asarray([m for m in others if m is not None and not math.isnan(m)], dtype=float)
+        if not rest.size:
+            no_other += 1
+            continue
+        divergence.append(float(margin))
+        medians.append(float(np.median(rest)))
+        percentiles.append(float(np.mean(rest <= margin)))
+    d, m = np.asarray(divergence), np.asarray(medians)
+    below, above = int(np.sum(d < m)), int(np.sum(d > m))
+    result = {"n": int(d.size), "n_no_other_step": no_other, "n_ties": int(d.size) - below - above,
+              "below_item_median": below, "above_item_median": above,
+              "median_divergence": None, "median_of_item_medians": None, "median_within_item_percentile": None,
+              "sign_test_p_less": None, "wilcoxon_p_less": None, "alpha": alpha,
+              "method": "per item: margin at the first divergence vs the median margin of the same suffix's other "
+                        "decode steps (divergence step left out); exact one-sided sign test across items "
+                        "(scipy.stats.binomtest, ties dropped); Wilcoxon signed-rank (scipy.stats.wilcoxon, "
+                        "alternative='less') beside it"}
+    if d.size:
+        result.update(median_divergence=float(np.median(d)), median_of_item_medians=float(np.median(m)),
+                      median_within_item_percentile=float(np.median(percentiles)))
+    if below + above:
+        result["sign_test_p_less"] = float(binomtest(below, below + above, 0.5, alternative="greater").pvalue)
+    if np.any(d != m):
+        result["wilcoxon_p_less"] = float(wilcoxon(d, m, alternative="less", zero_method="wilcox").pvalue)
     return result

@@ -2,7 +2,11 @@
 
 The report prints these tables' numbers and the figures draw them, so a number in a table and a bar in a figure
 cannot disagree. This module knows nothing of torch, Snakemake or matplotlib: it takes DataFrames with the
-columns of the results contract (DESIGN.md) and returns DataFrames or plain dicts.
+columns of the results contract (docs/STUDY.md) and returns DataFrames or plain dicts.
+
+Every pairing refuses a table in which a key occurs twice (:class:`DuplicateRowsError`, naming the key): a row
+counted twice, or one invented beside the real one, would otherwise be paired with whichever copy came first and
+counted silently.
 
 Construction pairs compared per experiment (the first one is the reference, the stand-in for the live state):
 ``matched``: ``live`` vs ``prefill``; ``fixed_prefix``: ``incremental`` vs ``prefill``.
@@ -30,6 +34,43 @@ PRECISION_ORDER = ("bf16", "fp16", "fp32")
 PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "construction_a", "construction_b",
                 "disagree", "first_divergence", "margin_a", "margin_b", "correct_a", "correct_b", "label_differs",
                 "suffix_length_a", "suffix_length_b"]
+
+# The key of one row of each results file: the ledger's is the results contract's; the others' follow their stage.
+LEDGER_KEY = ("item_index", "revision", "experiment", "precision", "construction", "replica")
+KEYS = {
+    "ledger": LEDGER_KEY,
+    "audit": LEDGER_KEY,
+    "bridge": ("item_index", "revision", "precision"),
+    "batch_invariance": ("item_index", "revision", "precision", "construction"),
+    "transplant": ("item_index", "revision", "precision", "direction", "layer_set", "component", "positions"),
+    "cache_differences": ("item_index", "revision", "precision", "construction_a", "construction_b", "layer",
+                          "component"),
+}
+
+
+class DuplicateRowsError(ValueError):
+    """A results table in which one key occurs on more than one row."""
+
+
+def check_unique(frame: pd.DataFrame | None, kind: str, key=None) -> None:
+    """Raise :class:`DuplicateRowsError` when two rows of ``frame`` share a key (``key``, else the kind's in
+    :data:`KEYS`; a key column the frame lacks is left out of the key), naming the first repeated keys."""
+    if frame is None or frame.empty:
+        return
+    columns = [c for c in (key or KEYS[kind]) if c in frame.columns]
+    if not columns:
+        return
+    repeated = frame[frame.duplicated(columns, keep=False)]
+    if repeated.empty:
+        return
+    counts = repeated.groupby(columns, dropna=False, sort=True).size()
+    shown = "; ".join(f"({', '.join(map(str, k if isinstance(k, tuple) else (k,)))}) x{n}"
+                      for k, n in counts.head(5).items())
+    more = f" and {len(counts) - 5} more" if len(counts) > 5 else ""
+    raise DuplicateRowsError(
+        f"{kind}: {len(counts)} key(s) occur on more than one row, key ({', '.join(columns)}): {shown}{more}. "
+        "Every key must occur once; a row counted twice (a part gathered twice) or an invented row cannot be "
+        "paired. Rebuild the file from its stage's parts")
 
 
 def first_divergence(a, b) -> int | None:
@@ -59,6 +100,7 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
     """
     if ledger is None or ledger.empty:
         return pd.DataFrame(columns=PAIR_COLUMNS)
+    check_unique(ledger, "ledger")
     sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
     keys = ["item_index", "revision", "precision"]
     left = sel[sel["construction"] == a]
@@ -115,6 +157,7 @@ def replica_agreement(ledger: pd.DataFrame) -> pd.DataFrame:
     cols = ["revision", "experiment", "precision", "construction", "n", "identical"]
     if ledger is None or ledger.empty:
         return pd.DataFrame(columns=cols)
+    check_unique(ledger, "ledger")
     rows = []
     keys = ["revision", "experiment", "precision", "construction"]
     for key, g in ledger.groupby(keys, sort=True):
@@ -136,27 +179,69 @@ def replica_agreement(ledger: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def margin_samples(ledger: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
-    """Top-2 margins of the reference construction: every decode step (``kind = all``) and each first divergence.
+MARGIN_COLUMNS = ["revision", "experiment", "precision", "item_index", "item_id", "first_divergence",
+                  "margin_divergence", "other_margins", "median_other", "within_item_percentile"]
 
-    One row per margin: revision, experiment, precision, kind (``all`` | ``divergence``), margin. The ``all`` sample
-    is every decode step of replica 1 of the reference construction over the compared items.
+
+def margin_pairs(ledger: pd.DataFrame, pairs: pd.DataFrame, skip=()) -> pd.DataFrame:
+    """One row per disagreeing item: the reference construction's top-2 margin at the first divergence and its
+    margins at every other decode step of the same suffix (the divergence step left out), with their median and
+    the item's within-item percentile (share of other steps at or below the divergence margin).
+
+    ``skip`` holds (revision, experiment, precision) comparisons to leave out (those that repeat another's data,
+    :func:`coinciding_comparisons`). Items whose divergence lies past the reference suffix's end have no margin
+    there and are left out.
     """
-    cols = ["revision", "experiment", "precision", "kind", "margin"]
     if ledger is None or ledger.empty or pairs is None or pairs.empty:
-        return pd.DataFrame(columns=cols)
-    frames = []
-    for (revision, experiment, precision, a), g in pairs.groupby(
-            ["revision", "experiment", "precision", "construction_a"], sort=True):
-        sel = ledger[(ledger["revision"] == revision) & (ledger["experiment"] == experiment)
-                     & (ledger["precision"] == precision) & (ledger["construction"] == a)
-                     & (ledger["replica"] == 1) & ledger["item_index"].isin(g["item_index"])]
-        every = np.concatenate([np.asarray(m, dtype=float) for m in sel["margins"]]) if len(sel) else np.array([])
-        div = g["margin_a"].dropna().to_numpy(dtype=float)
-        for kind, values in (("all", every), ("divergence", div)):
-            frames.append(pd.DataFrame({"revision": revision, "experiment": experiment, "precision": precision,
-                                        "kind": kind, "margin": values}))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=MARGIN_COLUMNS)
+    check_unique(ledger, "ledger")
+    ref = ledger[ledger["replica"] == 1].set_index(["revision", "experiment", "precision", "construction",
+                                                    "item_index"])
+    rows = []
+    for r in pairs[pairs["disagree"].astype(bool)].itertuples(index=False):
+        if (r.revision, r.experiment, r.precision) in set(skip) or r.margin_a is None or pd.isna(r.margin_a):
+            continue
+        margins = np.asarray(ref.loc[(r.revision, r.experiment, r.precision, r.construction_a, r.item_index),
+                                     "margins"], dtype=float)
+        pos = int(r.first_divergence)
+        others = np.delete(margins, pos)
+        rows.append({"revision": r.revision, "experiment": r.experiment, "precision": r.precision,
+                     "item_index": int(r.item_index), "item_id": r.item_id, "first_divergence": pos,
+                     "margin_divergence": float(margins[pos]), "other_margins": others.tolist(),
+                     "median_other": float(np.median(others)) if others.size else None,
+                     "within_item_percentile": float(np.mean(others <= margins[pos])) if others.size else None})
+    return pd.DataFrame(rows, columns=MARGIN_COLUMNS)
+
+
+def coinciding_comparisons(ledger: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """Fixed-prefix comparisons that repeat the matched experiment's data: {(revision, precision): reason}.
+
+    At the precision that generated the prefixes, the fixed-prefix ``incremental`` cache is the live cache (the
+    bridge's claim) and its ``prefill`` the matched ``prefill``: where, for every compared item, the two
+    experiments' caches, suffixes and margins are the same bytes on both sides, the fixed-prefix cell is the matched
+    cell again and is shown once. Decided from the ledger's fingerprints and margins, never assumed.
+    """
+    found: dict[tuple[str, str], str] = {}
+    if ledger is None or ledger.empty:
+        return found
+    check_unique(ledger, "ledger")
+    rows = ledger[ledger["replica"] == 1]
+
+    def side(frame, construction):
+        sub = frame[(frame["construction"] == construction) & (frame["status"] == "ok")]
+        return {int(r.item_index): (r.cache_fingerprint, r.suffix_fingerprint,
+                                    tuple(np.asarray(r.margins, dtype=float).tolist()))
+                for r in sub.itertuples(index=False)}
+
+    for (revision, precision), cell in rows.groupby(["revision", "precision"], sort=True):
+        matched, fixed = cell[cell["experiment"] == "matched"], cell[cell["experiment"] == "fixed_prefix"]
+        if matched.empty or fixed.empty:
+            continue
+        if side(matched, "live") == side(fixed, "incremental") and side(matched, "prefill") == side(fixed, "prefill"):
+            found[(revision, precision)] = (
+                f"the fixed-prefix {precision} rows repeat the matched {precision} rows item for item (incremental "
+                "cache = live cache, prefill = prefill: same cache and suffix fingerprints, same margins)")
+    return found
 
 
 def accuracy_differences(pairs: pd.DataFrame, seed: int = 0, n_boot: int = 10000) -> pd.DataFrame:
@@ -187,6 +272,7 @@ def transplant_matrix(transplant: pd.DataFrame) -> pd.DataFrame:
             "recipient", "neither", "rate", "wilson_low", "wilson_high"]
     if transplant is None or transplant.empty:
         return pd.DataFrame(columns=cols)
+    check_unique(transplant, "transplant")
     df = transplant.copy()
     if "divergent" in df.columns:  # where both sides continue alike, following the donor tells nothing
         df = df[df["divergent"].astype(bool)]
@@ -226,6 +312,7 @@ def cache_difference_profile(differences: pd.DataFrame) -> pd.DataFrame:
             "max_abs_median", "max_abs_p10", "max_abs_p90", "max_abs_max", "rms_median"]
     if differences is None or differences.empty:
         return pd.DataFrame(columns=cols)
+    check_unique(differences, "cache_differences")
     rows = []
     for (revision, precision, component, layer), g in differences.groupby(
             ["revision", "precision", "component", "layer"], sort=True):
@@ -250,6 +337,7 @@ def exclusions(ledger: pd.DataFrame) -> pd.DataFrame:
     """Items of each comparison that :func:`pair_table` leaves out, with the reason (one row per item and cell)."""
     if ledger is None or ledger.empty:
         return pd.DataFrame(columns=EXCLUSION_COLUMNS)
+    check_unique(ledger, "ledger")
     rows = []
     for experiment, a, b in COMPARISONS:
         sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]

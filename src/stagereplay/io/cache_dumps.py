@@ -7,7 +7,7 @@ whole-cache fingerprint and its scheme (``fingerprint_scheme``, :data:`stagerepl
 the prefix fingerprint, the pending token and what the cache is (item, revision, precision, construction).
 :func:`load_cache` recomputes every fingerprint and refuses a file whose bytes do not match, naming the file and
 the layer, and a file whose whole-cache fingerprint was made by another scheme. Writes are atomic. This module
-knows nothing of models beyond building a cache object for one (through :mod:`compat`) and nothing of Snakemake.
+knows nothing of models and nothing of Snakemake.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from stagereplay.models import compat
 from stagereplay.io.fingerprints import (
     CACHE_FINGERPRINT_SCHEME,
     SCHEME_KEY,
@@ -43,24 +42,20 @@ class CacheDump:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # (K, V) per layer, each (batch, kv_heads, seq, head_dim)
     meta: dict
 
-    def to_cache(self, model):
-        """A DynamicCache for ``model`` holding copies of the dumped tensors."""
-        return compat.cache_from_tensors(model, self.layers)
-
 
 def dump_filename(item_index: int, precision: str, construction: str) -> str:
     """File name of one dump inside ``results/<run>/<revision>/caches/`` (``chunked:C`` becomes ``chunked-C``)."""
     return f"item{int(item_index):06d}_{precision}_{construction.replace(':', '-')}.safetensors"
 
 
-def save_cache(path: str | Path, cache, meta: dict) -> dict:
-    """Write ``cache`` to ``path`` atomically with its fingerprints; return the metadata written plus ``bytes``.
+def save_cache(path: str | Path, layers, meta: dict) -> dict:
+    """Write ``layers`` ((K, V) per layer) to ``path`` atomically with its fingerprints; return the metadata written plus ``bytes``.
 
     ``meta`` carries what the cache is (item_index, item_id, revision, precision, construction,
     prefix_fingerprint, pending_id, ...); the fingerprints are computed here from the exact bytes.
     """
     # one device-to-host copy per tensor, shared by the fingerprints and the file
-    flat = host_copies([t for pair in compat.cache_layers(cache) for t in pair])
+    flat = host_copies([t for pair in layers for t in pair])
     layers = list(zip(flat[0::2], flat[1::2]))
     whole, ks, vs = fingerprint_layers(layers)
     record = {**meta, "format": FORMAT, "num_layers": len(layers), "cache_fingerprint": whole,

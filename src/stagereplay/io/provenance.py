@@ -54,3 +54,28 @@ def recorded_batch_plan(path: str | Path) -> dict | None:
                          f"{[p['seed'] for p in plans]}, sizes {[p['batch_size'] for p in plans]}); rerun the "
                          "generation so that every part uses one plan")
     return plans[0] if plans else None
+
+
+REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket", "decode_attention",
+               "decode_prefill_group")
+
+
+def recorded_regime(path) -> dict:
+    """The decode regime recorded in a results file's provenance (a gathered file: its first part that has one)."""
+    prov = read_provenance(path)
+    for record in [prov, *prov.get("parts", [])]:
+        if "decode_regime" in record:
+            return {key: record.get(key) for key in REGIME_KEYS}
+    return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1, "decode_bucket": None}
+
+
+def recorded_numerics(path) -> str:
+    """The numerics regime a results file was made in, from its provenance (a gathered file: its parts).
+
+    Every stage after generation rebuilds its caches in the regime the ledger was made in; files made before the
+    regime was recorded read as ``default``."""
+    prov = read_provenance(path)
+    for record in [prov, *prov.get("parts", [])]:
+        if "numerics_regime" in record:
+            return record["numerics_regime"]["numerics"]
+    return "default"

@@ -239,20 +239,6 @@ def _refuse_padding(original):
     return forward
 
 
-def recorded_numerics(path) -> str:
-    """The numerics regime a results file was made in, from its provenance (a gathered file: its parts).
-
-    Every stage after generation rebuilds its caches in the regime the ledger was made in; files made before the
-    regime was recorded read as ``default``."""
-    from stagereplay.io.parquet import read_provenance
-
-    prov = read_provenance(path)
-    for record in [prov, *prov.get("parts", [])]:
-        if "numerics_regime" in record:
-            return record["numerics_regime"]["numerics"]
-    return "default"
-
-
 def is_invariant(model) -> bool:
     return getattr(model, "_stagereplay_numerics", None) is not None
 

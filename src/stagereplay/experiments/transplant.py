@@ -1,7 +1,10 @@
 """K/V transplantation between boundary caches, the sweeps that localise the carrier, and outcome-blind selection.
 
-A transplant continues from a copy of the recipient construction's boundary cache in which the donor's K and/or V
-replace a set of layers S, at all cache positions or only the prompt's or the stage's. With DESIGN.md's boundary
+A transplant continues the recipient construction's row in its own batch and layout, with the donor's K and/or V
+written over a set of layers S of its boundary cache, at all cache positions or only the prompt's or the stage's.
+Donor and recipient are decoded in one layout (the same batch, padding and positions), so the donor's tensors land
+exactly where the recipient's were, and the transplanted cache's fingerprint is taken from the buffer the
+continuation reads. With DESIGN.md's boundary
 state both constructions share the pending token, so an all-layer, all-position K/V transplant hands the recipient
 the donor's whole state: the continuation must then equal the donor's own, and a miss is a finding.
 
@@ -12,12 +15,11 @@ equal suffix counts as ``donor`` and the row's ``divergent`` is false.
 Selection never looks at correctness or at transplant outcomes: ``divergent`` compares the two constructions' suffix
 token ids, ``sample:N`` draws N items with a seed, an explicit list names item ids.
 
-Knows nothing of Parquet paths or Snakemake (:mod:`stagereplay.transplant_stages` does the files).
+Knows nothing of Parquet paths or Snakemake (:mod:`stagereplay.stages.transplant` does the files).
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 
@@ -25,8 +27,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from stagereplay.models import compat
-from stagereplay.engine import Decoder, continue_greedy, first_divergence
+from stagereplay.decode.greedy import RowResult, first_divergence
+from stagereplay.decode.plans import Batch
+from stagereplay.decode.protocol import Decoder, Layers
+from stagereplay.experiments.recipe import run
+from stagereplay.experiments.rows import RunSettings
+from stagereplay.io.fingerprints import fingerprint_ids
 
 SWEEPS = ("all", "single_layers", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions")
 COMPONENTS = ("kv", "k", "v")
@@ -113,37 +119,36 @@ def position_range(positions: str, prompt_len: int, cache_len: int) -> tuple[int
     raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
 
 
-def transplant_cache(recipient, donor, layers, component: str = "kv", positions: str = "all", prompt_len: int = 0):
-    """A copy of ``recipient`` whose ``layers`` carry the donor's K and/or V at ``positions``; inputs untouched."""
-    if component not in COMPONENTS:
-        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
-    donor_layers = compat.cache_layers(donor)
-    out = copy.deepcopy(recipient)
-    out_layers = compat.cache_layers(out)
-    if len(donor_layers) != len(out_layers):
-        raise ValueError(f"donor has {len(donor_layers)} layers, recipient {len(out_layers)}: not the same model")
-    for i in layers:
-        if not 0 <= i < len(out_layers):
-            raise ValueError(f"layer {i} is outside the model's {len(out_layers)} layers")
-        (dk, dv), (rk, rv) = donor_layers[i], out_layers[i]
-        if dk.shape != rk.shape or dv.shape != rv.shape or dk.dtype != rk.dtype:
-            raise ValueError(
-                f"layer {i}: donor K/V {tuple(dk.shape)} {dk.dtype} and recipient {tuple(rk.shape)} {rk.dtype} do not "
-                "match; donor and recipient must be boundary caches of the same prefix at the same precision"
-            )
-        lo, hi = position_range(positions, prompt_len, rk.shape[2])  # K/V: (batch, kv_heads, seq, head_dim)
+def rebuilt_as(construction: str) -> str:
+    """The construction that rebuilds ``construction`` from ids: ``live`` by its own schedule, ``incremental``."""
+    return "incremental" if construction == "live" else construction
 
-        def merged(d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-            if (lo, hi) == (0, r.shape[2]):
-                return d
-            new = r.clone()
-            new[:, :, lo:hi] = d[:, :, lo:hi]
-            return new
 
-        compat.set_cache_layer(out, i,
-                               keys=merged(dk, rk) if component in ("kv", "k") else None,
-                               values=merged(dv, rv) if component in ("kv", "v") else None)
-    return out
+def transplant_edit(row: int, spec: TransplantSpec, donor: Layers, prompt_len: int):
+    """The edit that writes the donor's K and/or V of ``spec`` into row ``row``'s boundary cache, in place."""
+    if spec.component not in COMPONENTS:
+        raise ValueError(f"component must be one of {COMPONENTS}, got {spec.component!r}")
+
+    def edit(r: int, layers: Layers) -> None:
+        if r != row:
+            return
+        if len(donor) != len(layers):
+            raise ValueError(f"donor has {len(donor)} layers, recipient {len(layers)}: not the same model")
+        for i in spec.layers:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"layer {i} is outside the model's {len(layers)} layers")
+            (dk, dv), (k, v) = donor[i], layers[i]
+            if dk.shape != k.shape or dv.shape != v.shape or dk.dtype != k.dtype:
+                raise ValueError(
+                    f"layer {i}: donor K/V {tuple(dk.shape)} {dk.dtype} and recipient {tuple(k.shape)} {k.dtype} do "
+                    "not match; donor and recipient must be boundary caches of the same prefix at the same precision")
+            lo, hi = position_range(spec.positions, prompt_len, k.shape[2])  # (1, kv_heads, seq, head_dim)
+            if spec.component in ("kv", "k"):
+                k[:, :, lo:hi].copy_(dk[:, :, lo:hi])
+            if spec.component in ("kv", "v"):
+                v[:, :, lo:hi].copy_(dv[:, :, lo:hi])
+
+    return edit
 
 
 @dataclass
@@ -161,40 +166,35 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
     return Outcome(outcome, fd_donor, fd_recipient)
 
 
-def run_transplants(decoder: Decoder, caches: dict, suffixes: dict, pending_id: int, prompt_len: int,
-                    specs: list[TransplantSpec], max_new_tokens: int, continue_with=None) -> list[dict]:
-    """Every spec in both directions between the two constructions of ``caches`` (name -> boundary cache).
-
-    ``suffixes`` holds each construction's own continuation (name -> ids). Returns plain row dicts.
-    ``continue_with(recipient, cache)``, when given, continues a transplanted cache where the recipient's own
-    continuation ran (a batched row: in its batch) and returns what :func:`continue_greedy` would.
-    """
-    from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers
-
-    names = list(caches)
+def transplant_row(decoder: Decoder, batch: Batch, prompts: list[list[int]], stages: list[list[int] | None],
+                   settings: RunSettings, own: dict[str, list[RowResult]], row: int,
+                   specs: list[TransplantSpec]) -> list[dict]:
+    """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,
+    the row's cache kept) for row ``row``: each transplant is the recipient's whole batch decoded again with the
+    row's boundary cache edited. Returns plain row dicts."""
+    names = list(own)
     if len(names) != 2:
         raise ValueError(f"a bidirectional transplant needs exactly two constructions, got {names}")
-    num_layers = len(compat.cache_layers(caches[names[0]]))
+    num_layers = len(own[names[0]][row].layers)
+    suffixes = {name: own[name][row].suffix_ids for name in names}
     divergent = first_divergence(suffixes[names[0]], suffixes[names[1]]) is not None
-    rows = []
+    out = []
     for donor, recipient in ((names[0], names[1]), (names[1], names[0])):
         for spec in specs:
-            cache = transplant_cache(caches[recipient], caches[donor], spec.layers, spec.component, spec.positions,
-                                     prompt_len)
-            cache_fp = fingerprint_layers(compat.cache_layers(cache))[0]
-            cont = (continue_with(recipient, cache) if continue_with is not None
-                    else continue_greedy(decoder, cache, pending_id, max_new_tokens, copy_cache=False))
-            result = classify(cont.suffix_ids, suffixes[donor], suffixes[recipient])
-            rows.append({
+            edit = transplant_edit(row, spec, own[donor][row].layers, len(prompts[row]))
+            res = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)[row]
+            result = classify(res.suffix_ids, suffixes[donor], suffixes[recipient])
+            out.append({
                 "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",
                 "sweep": spec.sweep, "layer_set": spec.layer_set(num_layers), "layers": list(spec.layers),
                 "component": spec.component, "positions": spec.positions, "divergent": divergent,
                 "outcome": result.outcome, "first_divergence_donor": result.first_divergence_donor,
                 "first_divergence_recipient": result.first_divergence_recipient,
-                "suffix_ids": cont.suffix_ids, "suffix_fingerprint": fingerprint_ids(cont.suffix_ids),
-                "margins": cont.margins, "stop_reason": cont.stop_reason, "cache_fingerprint": cache_fp,
+                "suffix_ids": res.suffix_ids, "suffix_fingerprint": fingerprint_ids(res.suffix_ids),
+                "margins": res.margins, "stop_reason": res.stop_reason, "cache_fingerprint": res.fingerprints[0],
+                "layout_pad": res.pad, "layout_position": res.position,
             })
-    return rows
+    return out
 
 
 _SAMPLE = re.compile(r"^sample:([1-9][0-9]*)$")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stagereplay.data import datasets
-from stagereplay.experiment import Prompter, check_context
-from stagereplay.fastdecode import check_static_options
+from stagereplay.data.prompts import Prompter, check_context
+from stagereplay.decode.static import check_static_options
 from stagereplay.models.loading import (
     ModelLoadError,
     ModelSource,

@@ -1,0 +1,76 @@
+"""The figures' captions: one text per figure, used by the report (below each image) and, word for word, by the
+``workflow/report/<figure>.rst`` files that ``snakemake --report`` shows (a test checks that they agree).
+
+Captions sit outside the images. They say how each figure encodes its data, never what the data show: a finding
+is built from a run's files by the report, not written here.
+"""
+
+from __future__ import annotations
+
+# name -> (title, caption); the order is the figures' numbering.
+CAPTIONS = {
+    "fig1_disagreement": (
+        "Suffix disagreement between constructions.",
+        "For each precision (x axis), the share of compared items whose greedy suffixes differ between the two "
+        "constructions of an experiment: the matched experiment (retained live cache vs one-shot prefill of the "
+        "identical prefix ids; filled bars) and the fixed-prefix 2x2 (token-by-token incremental cache vs one-shot "
+        "prefill, prefix ids held fixed across precisions; hatched bars). Error bars: Wilson 95% intervals; k/n "
+        "above each bar. Open diamonds, each labelled with its count: the reference study's values, drawn only on "
+        "the cells for which the study gives a count (matched bf16, fixed-prefix fp32). One panel per revision. "
+        "Items without a stage boundary or with non-finite logits are excluded (listed in the report).",
+    ),
+    "fig2_first_divergence": (
+        "Where suffixes first diverge.",
+        "Empirical cumulative distribution of the first-divergence position (index of the first suffix token that "
+        "differs between the two constructions; a length difference counts) among the items whose suffixes "
+        "disagree. Colour: precision; line style and marker: experiment (solid, circles: matched live vs prefill; "
+        "dashed, squares: fixed-prefix incremental vs prefill). The x axis spans the whole suffix. n in the legend "
+        "is the number of disagreeing items. A fixed-prefix cell whose rows repeat the matched rows item for item "
+        "is drawn once, as matched (the report names such cells). One panel per revision.",
+    ),
+    "fig3_margins": (
+        "Are divergences near-ties?",
+        "One point per disagreeing item: the reference construction's (live in the matched experiment, incremental "
+        "in the fixed-prefix one) top-2 logit margin at the first divergence (y) against the median of its margins "
+        "at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
+        "linear near 0 so that exact ties stay visible. Points below the diagonal split where the greedy choice was "
+        "closer to a tie than at the item's typical step; the report gives the exact sign test across items. "
+        "Colour: precision; marker: experiment. A fixed-prefix cell whose rows repeat the matched rows is drawn "
+        "once, as matched. One panel per revision.",
+    ),
+    "fig4_cache_differences": (
+        "Per-layer difference between incremental and prefill boundary caches.",
+        "For a seeded sample of items (config cache_differences.n_items, drawn among the items that reached the "
+        "boundary before any cache is looked at), both boundary caches are rebuilt from the identical prefix ids at "
+        "each precision and compared layer by layer. Top: share of items whose layer's bytes differ. Bottom: among "
+        "those items, the max absolute difference over positions, heads and channels (line: median; shaded band: "
+        "10th to 90th percentile; no point where no item differs). K: solid line, filled circles, drawn a little "
+        "left of the layer; V: dashed line, open squares, a little right, so that equal values stay visible. "
+        "Colour: precision. One column per revision. RMS differences and first differing positions are in "
+        "cache_differences.parquet and the report.",
+    ),
+    "fig5_transplant": (
+        "Transplant outcomes.",
+        "Share of divergent continuations that follow their cache donor (suffix bit-identical to the donor "
+        "construction's own continuation) after the donor's K/V replace the recipient's in the layers, components "
+        "(K, V or both) and positions of each row, per direction (column); each cell gives donor-following "
+        "runs / transplants. The top row (all layers, K and V, all positions) hands over the donor's whole "
+        "boundary state and is a check of the construction; the rows below it localise the divergence. One panel "
+        "per revision and precision.",
+    ),
+    "fig6_accuracy": (
+        "Paired accuracy difference between constructions.",
+        "Accuracy of the reference construction (live in the matched experiment, incremental in the fixed-prefix "
+        "one) minus that of the one-shot prefill over the same items, in percentage points, with the seeded paired "
+        "bootstrap 95% percentile interval (10,000 resamples of items), per revision, experiment and precision. "
+        "Colour: precision; marker: experiment. Top row, open diamond: the reference study's value (matched, bf16, "
+        "200 items). The exact McNemar test on the discordant pairs is in the report.",
+    ),
+}
+
+
+def rst_text(name: str, number: int | None = None) -> str:
+    """The caption as ``workflow/report/<name>.rst`` holds it."""
+    number = number or list(CAPTIONS).index(name) + 1
+    title, caption = CAPTIONS[name]
+    return f"**Figure {number}. {title}** {caption}\n"

@@ -1,0 +1,234 @@
+"""The greedy loop over a batch of rows, and the boundary matcher: one loop for every construction and regime.
+
+:func:`decode_rows` runs one batch from its prompts to each row's boundary and on through its suffix, in one of two
+schedules chosen by the decoder (:meth:`~stagereplay.decode.protocol.Decoder.independent_rows`):
+
+- rows that may sit at different positions (the eager regime, or one row) start where their boundary cache is: the
+  construction's cache is built (``build``) and each row continues from it;
+- rows in lockstep (a static batch of several rows) run the *live schedule*: prompts in one forward, then one token
+  per step, each row fed its stage ids (or its greedy choices for ``live``); at a row's boundary the construction's
+  built cache for that row is written over the row's positions and the row continues. Every construction of a batch
+  is thus decoded in one layout: the same rows, padding, positions and steps; only the boundary cache differs.
+
+At each row's boundary, after the construction's cache is in place and before the pending token is fed, ``edit``
+may change the row's cache in place (a transplant), and the row's boundary fingerprints are taken from the very
+tensors the continuation reads. The loop knows nothing of tokenizers beyond the matcher it is given, nothing of the
+ledger and nothing of Snakemake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from stagereplay.decode.protocol import Decoder, Layers
+from stagereplay.io.fingerprints import fingerprint_layers
+
+
+class BoundaryMatcher:
+    """Finds the stage boundary in generated ids: the ``occurrence``-th appearance of a marker.
+
+    A marker is either a token id sequence (matched on ids) or a string (matched on the decoded text, so a
+    marker that a BPE tokenizer merges with its neighbours is still found). The boundary token is the token
+    whose addition completes the marker's ``occurrence``-th appearance.
+    """
+
+    def __init__(self, occurrence: int = 1, token_ids: list[int] | None = None, text: str | None = None,
+                 decode=None):
+        if (token_ids is None) == (text is None):
+            raise ValueError("a boundary marker is either token ids or a string, not both or neither")
+        if occurrence < 1:
+            raise ValueError("boundary occurrence counts from 1")
+        if text is not None and decode is None:
+            raise ValueError("a string boundary marker needs a decode function")
+        self.occurrence, self.token_ids, self.text, self.decode = occurrence, token_ids, text, decode
+
+    def reached(self, generated: list[int]) -> bool:
+        """Whether the last id of ``generated`` completes the boundary."""
+        if self.token_ids is not None:
+            n = len(self.token_ids)
+            if generated[-n:] != list(self.token_ids):
+                return False
+            count = sum(generated[i:i + n] == list(self.token_ids) for i in range(len(generated) - n + 1))
+            return count == self.occurrence
+        last_piece = self.decode(generated[-1:])
+        if not last_piece or self.text[-1] not in last_piece:
+            return False
+        text = self.decode(generated)
+        before = self.decode(generated[:-1])
+        return text.count(self.text) >= self.occurrence > before.count(self.text)
+
+
+@dataclass(frozen=True)
+class CacheBuild:
+    """How a construction builds a row's boundary cache from its ids: forwards of ``segments(prompt_len, n_cached)``
+    tokens in order. ``schedule`` marks the construction that *is* the live schedule (prompt in one forward, then
+    one token per step: ``incremental``), whose cache the lockstep schedule makes itself."""
+
+    segments: Callable[[int, int], list[int]]
+    schedule: bool = False
+
+
+@dataclass
+class RowResult:
+    stage_ids: list[int]  # up to and including the boundary token ([] when there is none)
+    suffix_ids: list[int]  # without a boundary: everything generated within the stage budget
+    margins: list[float]  # top-2 logit margin at every suffix step (fp32 logits)
+    stop_reason: str  # eos | max_new_tokens | nonfinite | boundary_missing | no_prefix
+    pad: int | None = None  # the row's layout: left padding and the pending token's buffer position
+    position: int | None = None
+    fingerprints: tuple[str, list[str], list[str]] | None = None  # of the boundary cache the continuation read
+    layers: Layers | None = None  # a copy of that cache (rows in ``keep`` only)
+
+
+def greedy_choice(logits: torch.Tensor):
+    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host."""
+    top = torch.topk(logits, 2, dim=-1)
+    choice = torch.argmax(logits, dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1)
+    return choice.cpu(), (top.values[:, 0] - top.values[:, 1]).cpu(), finite.cpu()
+
+
+@dataclass
+class _Row:
+    forced: list[int] | None
+    generated: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    boundary_at: int | None = None  # index into generated of the boundary token
+    done: str | None = None
+
+
+def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: int,
+                stages: list[list[int] | None] | None = None, matcher: BoundaryMatcher | None = None,
+                max_stage_tokens: int = 0, build: CacheBuild | None = None,
+                edit: Callable[[int, Layers], None] | None = None, keep: set[int] | frozenset = frozenset(),
+                ) -> list[RowResult]:
+    """Each row's boundary and suffix, decoded together.
+
+    ``stages`` None: the ``live`` construction, greedy from each prompt until ``matcher`` finds the boundary
+    (within ``max_stage_tokens``). Otherwise row r's stage ids (its boundary token last; None: a row without a
+    prefix, left out or kept as filler) and ``build`` says how its boundary cache is made (None: the live
+    schedule's own, i.e. ``incremental``). ``edit(row, layers)`` runs at each row's boundary on the cache the row
+    will read; ``keep`` names the rows whose boundary cache is also copied into their result.
+    """
+    n = len(prompts)
+    if stages is not None and len(stages) != n:
+        raise ValueError(f"{len(stages)} stages for {n} prompts")
+    if stages is None and matcher is None:
+        raise ValueError("the live construction needs a boundary matcher")
+    if stages is not None and any(s is not None and not s for s in stages):
+        raise ValueError("a row's stage ids are empty (give None for a row without a prefix)")
+    rows = [_Row(None if stages is None else stages[r]) for r in range(n)]
+    cut, plan = None, None
+    if stages is not None:
+        if build is None:
+            raise ValueError("a construction over given stage ids needs its CacheBuild")
+        for row in rows:
+            row.done = None if row.forced is not None else "no_prefix"
+        max_stage_tokens = max([len(s) for s in stages if s is not None], default=0)
+        cut = [None if s is None else list(p) + list(s[:-1]) for p, s in zip(prompts, stages)]
+        plan = [None if c is None else build.segments(len(p), len(c) - len(p)) for p, c in zip(prompts, cut)]
+        if all(x is None or len(x) == 1 for x in plan):
+            plan = None  # one forward per row: the decoder runs them as one batch forward
+    results_at: dict[int, tuple] = {}
+    if stages is not None and decoder.independent_rows(n):
+        # rows start at their boundaries, from the construction's cache
+        batch, built = decoder.build(prompts, cut, plan), None
+        for r, row in enumerate(rows):
+            if row.forced is not None:
+                row.generated = list(row.forced)
+                row.margins = [0.0] * len(row.forced)
+                row.boundary_at = len(row.forced) - 1
+                row.done = None if max_new_tokens else "max_new_tokens"
+                results_at[r] = _at_boundary(decoder, batch, r, decoder.pad(batch, r) + len(cut[r]), edit, keep)
+        logits = None
+        if not all(row.done for row in rows):
+            logits = decoder.step(batch, [row.forced[-1] if not row.done else None for row in rows])
+    else:
+        # the live schedule; a construction other than its own is built beforehand in the same layout
+        built = None if stages is None or build.schedule else decoder.build(prompts, cut, plan)
+        batch, logits = decoder.open(prompts)
+    steps = max_stage_tokens + max_new_tokens
+    for _ in range(steps + 1):
+        if all(row.done for row in rows):
+            break
+        choice, margin, finite = greedy_choice(logits)
+        tokens: list[int | None] = [None] * n
+        for r, row in enumerate(rows):
+            if row.done:
+                continue
+            teacher = row.forced is not None and row.boundary_at is None
+            if not teacher and not bool(finite[r]):  # teacher forcing reads no logits
+                row.done = "nonfinite"
+                continue
+            token = row.forced[len(row.generated)] if teacher else int(choice[r])
+            row.generated.append(token)
+            row.margins.append(float(margin[r]))
+            if row.boundary_at is None:
+                if (teacher and len(row.generated) == len(row.forced)) or (not teacher and matcher.reached(row.generated)):
+                    row.boundary_at = len(row.generated) - 1
+                    end = decoder.pad(batch, r) + len(prompts[r]) + row.boundary_at  # the pending token's position
+                    if built is not None:  # the construction's cache replaces the schedule's own
+                        with torch.inference_mode():
+                            for (k, v), (bk, bv) in zip(decoder.row_layers(batch, r, end),
+                                                        decoder.row_layers(built, r, end)):
+                                k.copy_(bk)
+                                v.copy_(bv)
+                    results_at[r] = _at_boundary(decoder, batch, r, end, edit, keep)
+                    if not max_new_tokens:  # the boundary cache was all that was asked for
+                        row.done = "max_new_tokens"
+                elif not teacher and (len(row.generated) >= max_stage_tokens or token in decoder.eos_ids):
+                    row.done = "boundary_missing"
+                    continue
+            elif token in decoder.eos_ids:
+                row.done = "eos"
+            elif len(row.generated) - 1 - row.boundary_at >= max_new_tokens:
+                row.done = "max_new_tokens"
+            if not row.done:
+                tokens[r] = token
+        if all(row.done for row in rows):
+            break
+        logits = decoder.step(batch, tokens)
+    out = []
+    for r, row in enumerate(rows):
+        b = row.boundary_at
+        if b is None:
+            out.append(RowResult([], row.generated, [], row.done or "boundary_missing"))
+            continue
+        pad, position, fps, layers = results_at[r]
+        out.append(RowResult(row.generated[:b + 1], row.generated[b + 1:], row.margins[b + 1:],
+                             row.done or "max_new_tokens", pad, position, fps, layers))
+    return out
+
+
+def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple:
+    """Row ``r`` at its boundary (its pending token to be fed at buffer position ``end``): apply ``edit``, then
+    fingerprint (and, for kept rows, copy) the cache exactly as the continuation will read it."""
+    layers = decoder.row_layers(batch, r, end)
+    if edit is not None:
+        with torch.inference_mode():
+            edit(r, layers)
+        layers = decoder.row_layers(batch, r, end)
+    copy = [(k.clone(), v.clone()) for k, v in layers] if r in keep else None
+    return decoder.pad(batch, r), end, fingerprint_layers(layers), copy
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two id lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def matcher_from_config(boundary: dict, tokenizer) -> BoundaryMatcher:
+    """The config's ``boundary`` block as a matcher: a token id, else a marker string matched on decoded text."""
+    occurrence = int(boundary.get("occurrence", 1))
+    if boundary.get("token_id") is not None:
+        return BoundaryMatcher(occurrence, token_ids=[int(boundary["token_id"])])
+    marker = boundary.get("marker")
+    if not marker:
+        raise ValueError("boundary: set either marker (a string) or token_id")
+    return BoundaryMatcher(occurrence, text=marker, decode=lambda ids: tokenizer.decode(ids))

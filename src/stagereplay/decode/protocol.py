@@ -1,0 +1,56 @@
+"""The decoder protocol: what every decode regime offers the greedy loop, and nothing more.
+
+A decoder steps a loaded model over a *batch of rows*; batch 1 is a batch of one row. Rows live in a batch object
+that only the decoder understands (a list of ``DynamicCache`` for the eager regime, one left-padded K/V buffer for
+the static ones). The greedy loop (:mod:`stagereplay.decode.greedy`) and everything above it see only these
+methods, so no experiment knows which regime, or how many rows, it runs on. Numerics (default, invariant) are a
+property of the loaded model that the decoder drives; the regime a decoder runs is its :meth:`Decoder.record`.
+
+Modelled on transformers' ``CacheLayerMixin`` and lm-eval's ``LM``: a small declared interface, checked by
+``isinstance`` against :class:`Decoder` in the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+# one row's boundary cache: (K, V) per layer, each (1, kv_heads, positions, head_dim)
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RegimeError(ValueError):
+    """A decode regime that is unknown or cannot run here."""
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    eos_ids: tuple[int, ...]
+    n_layers: int
+
+    def record(self) -> dict:
+        """The regime as results record it (``decode_regime``, buffer length, rows, attention, ...)."""
+
+    def independent_rows(self, rows: int) -> bool:
+        """Whether rows of a batch of ``rows`` can sit at different positions (a row's continuation may then start
+        at its own boundary); otherwise rows step in lockstep and a row's cache is swapped in at its boundary."""
+
+    def open(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor]:
+        """A new batch with each row's prompt fed in one forward; the last position's fp32 logits (rows, vocab)."""
+
+    def step(self, batch: Any, tokens: list[int | None]) -> torch.Tensor:
+        """Feed one token per row (None: an idle row, whose result no longer matters); fp32 logits (rows, vocab)."""
+
+    def build(self, prompts: list[list[int]], cached: list[list[int] | None],
+              segments: list[list[int]] | None) -> Any:
+        """Boundary caches of a batch in the layout ``open(prompts)`` gives: row r's ``cached[r]`` ids (its prompt
+        and stage but the last token; None: a row without a prefix) fed in forwards of ``segments[r]`` tokens
+        (None: every row's ids in one forward)."""
+
+    def row_layers(self, batch: Any, row: int, end: int) -> Layers:
+        """Row ``row``'s cache over its positions up to buffer position ``end`` (exclusive), as views: writing
+        into them changes what the row's continuation reads."""
+
+    def pad(self, batch: Any, row: int) -> int:
+        """Buffer positions before row ``row``'s first token (its left padding in the batch layout)."""

@@ -1,0 +1,36 @@
+"""The decoder of a regime, from the config or from what a results file recorded.
+
+Every stage after generation rebuilds its caches in the regime, buffer length and row count the ledger was made
+in, so constructions stay comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+from stagereplay.decode.eager import EagerDecoder
+from stagereplay.decode.protocol import Decoder, RegimeError
+from stagereplay.decode.static import StaticDecoder, check_static_options
+
+REGIMES = ("eager", "static", "cuda_graph")
+
+
+def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
+                 bucket: int | None = None, attention: str = "masked", prefill_group: int | None = None) -> Decoder:
+    """The eager decoder, or a static one for ``static``/``cuda_graph`` (a buffer of ``max_len`` positions for
+    ``max_rows`` rows)."""
+    if regime not in REGIMES:
+        raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
+    check_static_options(regime, attention, prefill_group)
+    if regime == "eager":
+        return EagerDecoder(model, tuple(eos_ids))
+    if max_len is None:
+        raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
+    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket,
+                         attention=attention, prefill_group=prefill_group)
+
+
+def decoder_from_record(model, eos_ids, record: dict) -> Decoder:
+    """A decoder in the regime ``record`` (:func:`stagereplay.io.provenance.recorded_regime`) describes."""
+    return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
+                        max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
+                        bucket=record.get("decode_bucket"), attention=record.get("decode_attention") or "masked",
+                        prefill_group=record.get("decode_prefill_group"))

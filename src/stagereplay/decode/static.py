@@ -1,0 +1,426 @@
+"""The static regimes: one preallocated K/V buffer, a forward written over it, the one-token step in a CUDA graph.
+
+- ``static``: the model's own weights and modules, driven by a forward written here over a preallocated K/V
+  buffer of ``max_len`` positions per row. Every forward (prefill, chunk or one token) attends over the whole
+  buffer under a mask, so a decode step has the same shapes at every position. Runs on CPU too.
+- ``cuda_graph``: the ``static`` forward with the one-token step captured once in a CUDA graph and replayed
+  (multi-token forwards stay eager). Launch cost disappears; what is left is reading the weights.
+
+A regime is part of a construction: graph-replayed kernels, masked full-buffer attention and the buffer length
+all change the bits against the eager regime, so results are only comparable within one regime (the ledger records
+it). An optional ``bucket`` (a benchmark knob) attends over the next multiple of ``bucket`` positions instead.
+
+Layout: the rows of a batch share the buffer, left-padded so that every prompt ends at the same position ``W``
+(the batch's longest prompt); row r's token j sits at buffer position ``pads[r] + j`` whatever the construction,
+and the rows step in lockstep (one shared write position per step). A row's bits can depend on its padding and on
+the number of rows (not on the other rows' values): the layout is part of the construction, recorded per row.
+Rows therefore cannot start their continuations at different positions (``independent_rows`` is false beyond one
+row): :func:`stagereplay.decode.greedy.decode_rows` runs every construction in the live run's own schedule and
+swaps a built boundary cache in at each row's boundary.
+
+Under ``numerics: invariant`` (a model switched by :func:`stagereplay.models.invariant.apply`) the forward computes
+through the regime's row-invariant kernels (Triton on CUDA) and the attention reads each row's own keys only, in
+blocks aligned at its first real key: a row's bits then depend neither on its padding nor on the other rows.
+Qwen2-style decoders only (Qwen2/2.5, Llama-like layouts with q/k/v/o projections and full attention).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+from stagereplay.decode.protocol import Layers, RegimeError
+from stagereplay.models.invariant import describe as describe_invariant
+
+ATTENTIONS = ("masked", "triton")  # the static forward's attention; another regime parameter
+TRITON_ATTENTION_BLOCK = 64
+
+@contextmanager
+def _unique_index_writes():
+    """K/V writes go to distinct positions, so the non-sorting ``index_copy_`` is deterministic; the sorting
+    variant that deterministic mode would pick is not capturable in a CUDA graph on every build."""
+    was = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    if was:
+        torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        if was:
+            torch.use_deterministic_algorithms(True, warn_only=warn)
+
+
+def fuse_layer(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One weight for q/k/v and one for gate/up, so that each is one GEMM (fewer launches per token).
+
+    The modules' own weights are rebound to row slices of the fused tensors: no memory is duplicated, and the
+    eager forward reads the same values with the same layout. Idempotent: a layer fused before is reused.
+    """
+    if hasattr(layer, "_stagereplay_fused"):
+        return layer._stagereplay_fused
+    attn, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_w = torch.cat([p.weight for p in projs])
+        qkv_b = torch.cat([p.bias for p in projs]) if all(p.bias is not None for p in projs) else None
+        gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        start = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight.data = qkv_w[start:start + n]
+            if qkv_b is not None:
+                p.bias.data = qkv_b[start:start + n]
+            start += n
+        n = mlp.gate_proj.weight.shape[0]
+        mlp.gate_proj.weight.data = gate_up_w[:n]
+        mlp.up_proj.weight.data = gate_up_w[n:]
+    layer._stagereplay_fused = (qkv_w, qkv_b, gate_up_w)
+    return layer._stagereplay_fused
+
+
+class StaticKV:
+    """One batch's K/V in the static regime: ``rows`` rows, their left pads, ``length`` buffer positions written.
+
+    The decoder owns one working buffer (a CUDA graph reads fixed addresses); a batch is either resident in it or
+    holds its own copy of the positions written (``store``), e.g. a built boundary cache waiting to be swapped in.
+    """
+
+    def __init__(self, decoder: "StaticDecoder", pads: list[int]):
+        self.decoder = decoder
+        self.rows = len(pads)
+        self.length = 0
+        self.pads = torch.tensor(pads, dtype=torch.long)
+        self.store: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # own copy when not resident
+
+    def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (K, V) over every row and the positions written: (rows, kv_heads, length, head_dim)."""
+        if self.decoder.resident is self:
+            return self.decoder.k[i][: self.rows, :, : self.length], self.decoder.v[i][: self.rows, :, : self.length]
+        if self.store is None:
+            raise RuntimeError("a static batch that was never filled has no layers")
+        return self.store[i]
+
+class StaticDecoder:
+    """The static/cuda_graph regime for one model: a K/V buffer of ``max_len`` positions for ``max_rows`` rows.
+
+    Implements :class:`stagereplay.decode.protocol.Decoder` over :class:`StaticKV` batches. ``forward_rows(ids,
+    batch)`` feeds a (rows, T) tensor at the batch's next positions and returns the last position's fp32 logits;
+    one-token forwards replay a CUDA graph in the ``cuda_graph`` regime (one graph per row count, captured at
+    first use).
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
+                 regime: str = "static", pad_id: int = 0, bucket: int | None = None, attention: str = "masked",
+                 prefill_group: int | None = None):
+        if regime not in ("static", "cuda_graph"):
+            raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
+        self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
+        self.device = next(model.parameters()).device
+        if regime == "cuda_graph" and self.device.type != "cuda":
+            raise RegimeError("decode_regime 'cuda_graph' needs the model on a CUDA device; use 'static' or 'eager'")
+        cfg = model.config
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise RegimeError("the static regime does not support sliding-window attention")
+        self.max_len, self.max_rows, self.pad_id = int(max_len), int(max_rows), int(pad_id)
+        if bucket is not None and bucket < 1:
+            raise RegimeError("decode_bucket must be a positive number of positions")
+        self.bucket = int(bucket) if bucket else None
+        if attention not in ATTENTIONS:
+            raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
+        self.attention = attention
+        if prefill_group is not None and int(prefill_group) < 1:
+            raise RegimeError(f"decode_prefill_group {prefill_group!r}: a positive number of rows, or null for all rows")
+        # rows of a multi-token forward (a batch's one-shot prefill) run in groups of this many, in row order: the
+        # memory of a prefill's attention grows with rows x tokens x span. A regime parameter (in the default
+        # numerics a row's bits may depend on the rows it is computed with); None: every row in one forward
+        self.prefill_group = int(prefill_group) if prefill_group else None
+        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks (no span to bucket)
+            if self.bucket is not None:
+                raise RegimeError("decode_bucket has no effect with decode_attention 'triton' (it reads each row's "
+                                  "keys up to its position); drop one of them")
+            if next(model.parameters()).device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RegimeError("decode_attention 'triton' runs Triton kernels on a CUDA device and the model is "
+                                  "on the CPU: use decode_attention masked there (TRITON_INTERPRET=1 runs the "
+                                  "kernels in Triton's slow interpreter, for tests)")
+            
+            from stagereplay.models.invariant_triton import TritonKernels  # optional dependency: Triton
+
+            self._triton = TritonKernels()
+        self.dtype = next(model.parameters()).dtype
+        shape = (self.max_rows, self.n_kv, self.max_len, self.head_dim)  # (rows, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        self.pads = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
+        self.positions = torch.arange(self.max_len, device=self.device)
+        self.resident: StaticKV | None = None
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, span) -> (graph, ids, index, logits)
+        self.cache_kw = "static"
+        self.fused = [fuse_layer(layer) for layer in model.model.layers]
+        self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
+        if self.kernels is not None:
+            self.block_size = int(describe_invariant(model)["attention_block_size"])
+            with torch.no_grad():  # the regime's rotary table, gathered by position in the forward (no host sync)
+                probe = torch.empty(0, dtype=self.dtype, device=self.device)
+                cos, sin = model.model.rotary_emb(probe, self.positions[None])
+            self.cos_table, self.sin_table = cos[0], sin[0]  # (max_len, head_dim)
+
+    def record(self) -> dict:
+        return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
+                "decode_bucket": self.bucket, "decode_attention": self.attention,
+                "decode_prefill_group": self.prefill_group}
+
+    def span(self, end: int) -> int:
+        """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, or
+        with ``bucket`` the next multiple of it. A function of the position alone, so that live and incremental
+        steps at one position still share every kernel shape (the bridge holds), while short contexts do not
+        pay for reading the whole buffer."""
+        if self.bucket is None:
+            return self.max_len
+        return min(self.max_len, -(-end // self.bucket) * self.bucket)
+
+    # -- caches -------------------------------------------------------------------------------------------
+    def _evict(self) -> None:
+        cache = self.resident
+        if cache is not None:
+            cache.store = [(self.k[i][: cache.rows, :, : cache.length].clone(),
+                            self.v[i][: cache.rows, :, : cache.length].clone()) for i in range(self.n_layers)]
+        self.resident = None
+
+    def _make_resident(self, cache: StaticKV) -> None:
+        if self.resident is cache:
+            return
+        self._evict()
+        for i in range(self.n_layers):
+            self.k[i].zero_()
+            self.v[i].zero_()
+            if cache.store is not None:
+                k, v = cache.store[i]
+                self.k[i][: cache.rows, :, : cache.length].copy_(k)
+                self.v[i][: cache.rows, :, : cache.length].copy_(v)
+        self.pads.zero_()
+        self.pads[: cache.rows].copy_(cache.pads)
+        cache.store = None
+        self.resident = cache
+
+    # -- forwards -----------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int, row0: int = 0) -> torch.Tensor:
+        """Feed ``ids`` (rows, T) at buffer positions ``index`` (T,) into buffer rows ``row0``..``row0 + rows``;
+        return fp32 logits of the last position.
+
+        Every query attends over the first ``span`` buffer positions under an additive mask: keys at or after the row's padding
+        and at or before the query's own position (a padding query sees itself only, so it stays finite).
+        Written for few kernels per layer (a graph replays them all, but each still costs a launch on the
+        device): fused RMSNorm, one RoPE over q and k together, scale and mask folded into one batched GEMM.
+        """
+        if self.kernels is not None:
+            return self._forward_invariant(ids, index, rows, row0)
+        inner = self.model.model
+        T = ids.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        group = H // KV
+        pads = self.pads[row0:row0 + rows]
+        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        h = inner.embed_tokens(ids)  # (rows, T, hidden)
+        cos, sin = inner.rotary_emb(h, position_ids)  # (rows, T, D)
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
+        half = D // 2
+        cos = cos[:, None]
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]  # (rows, 1, T, D)
+        if self.attention == "masked":
+            keys = self.positions[None, None, :span]  # (1, 1, span)
+            allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
+            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed,
+                                                                                                 float("-inf"))
+            # (rows*KV, group*T, span): the query heads sharing a K/V head side by side, T innermost
+            bias = bias[:, None, None].expand(rows, KV, group, T, span).reshape(rows * KV, group * T, span)
+        hidden = h.shape[-1]
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            norm = layer.input_layernorm
+            x = torch.nn.functional.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
+            qkv_w, qkv_b, gate_up_w = self.fused[i]
+            qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # (rows, T, (H + 2 KV) D)
+            qk = qkv[..., : (H + KV) * D].view(rows, T, H + KV, D).transpose(1, 2)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)  # RoPE: (rows, H+KV, T, D)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[..., (H + KV) * D:].view(rows, T, KV, D).transpose(1, 2)
+            kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
+            with _unique_index_writes():
+                kb.index_copy_(2, index, k)
+                vb.index_copy_(2, index, v)
+            if self.attention == "triton":
+                out = self._triton.attention_rows(q.transpose(1, 2), kb, vb, pads, index, attn.scaling,
+                                                  TRITON_ATTENTION_BLOCK).reshape(rows, T, H * D)
+            else:
+                qg = q.reshape(rows * KV, group * T, D)
+                kspan = kb.view(rows * KV, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
+                scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=attn.scaling)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+                out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
+                out = out.view(rows, H, T, D).transpose(1, 2).reshape(rows, T, H * D)
+            h = h + attn.o_proj(out)
+            norm = layer.post_attention_layernorm
+            x = torch.nn.functional.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
+            gate, up = torch.nn.functional.linear(x, gate_up_w).chunk(2, dim=-1)
+            h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        norm = inner.norm
+        h = torch.nn.functional.rms_norm(h[:, -1:], (hidden,), norm.weight, norm.variance_epsilon)
+        return self.model.lm_head(h)[:, 0].float()  # (rows, vocab)
+
+    def _forward_invariant(self, ids: torch.Tensor, index: torch.Tensor, rows: int, row0: int = 0) -> torch.Tensor:
+        """``_forward`` under ``numerics: invariant``: the same layer, every operation through the regime's
+        row-invariant kernels (token rows flattened to (rows * T, features)), attention over each row's own keys."""
+        ops = self.kernels
+        inner = self.model.model
+        T = ids.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        pads = self.pads[row0:row0 + rows]
+        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        cos = self.cos_table[position_ids].reshape(rows * T, D)
+        sin = self.sin_table[position_ids].reshape(rows * T, D)
+        h = inner.embed_tokens(ids).reshape(rows * T, -1)
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b, gate_up_w = self.fused[i]
+            norm = layer.input_layernorm
+            qkv = ops.linear(ops.rms_norm(h, norm.weight, norm.variance_epsilon), qkv_w, qkv_b)
+            q = ops.rotary(qkv[:, : H * D].reshape(rows * T, H, D), cos, sin)
+            k = ops.rotary(qkv[:, H * D: (H + KV) * D].reshape(rows * T, KV, D), cos, sin)
+            v = qkv[:, (H + KV) * D:].reshape(rows, T, KV, D).transpose(1, 2)
+            kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
+            with _unique_index_writes():
+                kb.index_copy_(2, index, k.view(rows, T, KV, D).transpose(1, 2))
+                vb.index_copy_(2, index, v)
+            out = ops.attention_rows(q.view(rows, T, H, D), kb, vb, pads, index, attn.scaling, self.block_size)
+            h = h + ops.linear(out.reshape(rows * T, H * D), attn.o_proj.weight, attn.o_proj.bias)
+            norm = layer.post_attention_layernorm
+            gate_up = ops.linear(ops.rms_norm(h, norm.weight, norm.variance_epsilon), gate_up_w, None)
+            width = gate_up.shape[1] // 2
+            hidden = ops.gated_act(mlp.act_fn, gate_up[:, :width], gate_up[:, width:])
+            h = h + ops.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
+        last = h.view(rows, T, -1)[:, -1]
+        norm = inner.norm
+        return ops.linear(ops.rms_norm(last, norm.weight, norm.variance_epsilon), self.model.lm_head.weight,
+                          self.model.lm_head.bias).float()  # (rows, vocab)
+
+    def _capture(self, rows: int, span: int):
+        ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=self.device)
+        # The warm-up really runs: it writes the span's last position, which no cache of this span has used yet
+        # and which is zeroed again below (positions past a cache's length stay zero).
+        index = torch.full((1,), span - 1, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph: allocator pools, cuBLAS handles
+            for _ in range(2):
+                self._forward(ids, index, rows, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._forward(ids, index, rows, span)
+        for k, v in zip(self.k, self.v):
+            k[:rows, :, span - 1].zero_()
+            v[:rows, :, span - 1].zero_()
+        self.graphs[rows, span] = (graph, ids, index, logits)
+        return self.graphs[rows, span]
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        """Feed ``ids`` (rows, T) into ``cache`` (mutated); fp32 logits (rows, vocab) of the last position."""
+        rows, T = ids.shape
+        if rows != cache.rows:
+            raise ValueError(f"{rows} rows of ids for a cache of {cache.rows} rows")
+        if cache.length + T > self.max_len:
+            raise ValueError(f"the static cache holds {self.max_len} positions; {cache.length} used + {T} new do "
+                             "not fit: raise decode_max_len")
+        self._make_resident(cache)
+        ids = ids.to(self.device)
+        if T == 1 and self.regime == "cuda_graph":
+            span = self.span(cache.length + 1)
+            graph, g_ids, g_index, g_logits = self.graphs.get((rows, span)) or self._capture(rows, span)
+            g_ids.copy_(ids)
+            g_index.fill_(cache.length)
+            graph.replay()
+            logits = g_logits.clone()
+        else:
+            index = torch.arange(cache.length, cache.length + T, device=self.device)
+            span = self.span(cache.length + T)
+            group = self.prefill_group if T > 1 and self.prefill_group else rows
+            logits = torch.cat([self._forward(ids[r0:r0 + group], index, min(group, rows - r0), span, r0)
+                                for r0 in range(0, rows, group)])
+        cache.length += T
+        return logits
+
+    # -- the decoder protocol -----------------------------------------------------------------------------
+    def independent_rows(self, rows: int) -> bool:
+        return rows == 1
+
+    def _layout(self, prompts: list[list[int]]) -> list[int]:
+        if not 1 <= len(prompts) <= self.max_rows:
+            raise ValueError(f"a batch of {len(prompts)} rows does not fit the decoder's {self.max_rows}")
+        width = max(len(p) for p in prompts)
+        return [width - len(p) for p in prompts]
+
+    def open(self, prompts: list[list[int]]) -> tuple[StaticKV, torch.Tensor]:
+        batch = StaticKV(self, self._layout(prompts))
+        ids = [[self.pad_id] * int(pad) + list(p) for pad, p in zip(batch.pads, prompts)]
+        return batch, self.forward_rows(torch.tensor(ids, dtype=torch.long), batch)
+
+    def step(self, batch: StaticKV, tokens: list[int | None]) -> torch.Tensor:
+        feed = [[self.pad_id if t is None else int(t)] for t in tokens]  # idle rows write padding they never read
+        return self.forward_rows(torch.tensor(feed, dtype=torch.long), batch)
+
+    @torch.inference_mode()
+    def build(self, prompts: list[list[int]], cached: list[list[int] | None],
+              segments: list[list[int]] | None) -> StaticKV:
+        batch = StaticKV(self, self._layout(prompts))
+        width = int(batch.pads[0]) + len(prompts[0])
+        length = width + max([len(c) - len(p) for c, p in zip(cached, prompts) if c is not None], default=0)
+        if segments is None or batch.rows == 1 and segments[0] is None:  # one forward over every row
+            ids = [[self.pad_id] * int(pad) + list(c if c is not None else p) for pad, c, p in
+                   zip(batch.pads, cached, prompts)]
+            ids = [row + [self.pad_id] * (length - len(row)) for row in ids]  # right filler: written, never read
+            self.forward_rows(torch.tensor(ids, dtype=torch.long), batch)
+            return batch
+        if batch.rows == 1:  # the row's own forwards (one-token ones through the graph, as the schedule's steps)
+            start = 0
+            for n in segments[0]:
+                self.forward_rows(torch.tensor([cached[0][start:start + n]], dtype=torch.long), batch)
+                start += n
+            return batch
+        self._make_resident(batch)
+        for r, (row_ids, sizes) in enumerate(zip(cached, segments)):
+            if row_ids is None:
+                continue
+            at = int(batch.pads[r])
+            for n in sizes:
+                ids = torch.tensor([row_ids[at - int(batch.pads[r]):][:n]], dtype=torch.long, device=self.device)
+                index = torch.arange(at, at + n, device=self.device)
+                self._forward(ids, index, 1, self.span(at + n), r)
+                at += n
+        batch.length = length
+        return batch
+
+    def row_layers(self, batch: StaticKV, row: int, end: int) -> Layers:
+        pad = int(batch.pads[row])
+        return [(k[row:row + 1, :, pad:end], v[row:row + 1, :, pad:end])
+                for k, v in (batch.tensors(i) for i in range(self.n_layers))]
+
+    def pad(self, batch: StaticKV, row: int) -> int:
+        return int(batch.pads[row])
+
+
+def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None) -> None:
+    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
+    workflow's parse-time check both call this)."""
+    if regime == "eager" and (attention != "masked" or prefill_group is not None):
+        raise RegimeError(
+            f"decode_attention: {attention} and decode_prefill_group: {prefill_group} set the forward over the static "
+            "K/V buffer, which decode_regime: eager does not have: they need decode_regime static or cuda_graph; set "
+            "decode_regime: static or cuda_graph, or leave them at their defaults (masked, null)")
+

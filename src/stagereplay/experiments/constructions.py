@@ -1,0 +1,61 @@
+"""The construction registry: every way this package builds a boundary cache, defined once.
+
+A construction is how the KV cache at the stage boundary is built (docs/STUDY.md): ``live`` is retained from the
+greedy generation itself; the others rebuild it from the prefix ids, each as forwards of some number of tokens.
+Every experiment (matched, fixed-prefix 2x2, bridge, audit, transplants, cache differences) names constructions
+and gets them from here; :func:`stagereplay.decode.greedy.decode_rows` runs them all in one layout. A new
+construction is one entry below (and its label).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from stagereplay.decode.greedy import CacheBuild
+
+
+def _prefill(prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
+    return [prompt_len + n_cached]  # one forward over every boundary-cache id
+
+
+def _incremental(prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
+    return [prompt_len] + [1] * n_cached  # the prompt at once, then the stage one token at a time
+
+
+def _chunked(prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
+    total = prompt_len + n_cached  # serving engines' chunked prefill: every id, chunk_size at a time
+    return [min(chunk_size, total - start) for start in range(0, total, chunk_size)]
+
+
+@dataclass(frozen=True)
+class Construction:
+    name: str
+    label: str  # how the report and figures name it
+    segments: Callable[[int, int, int], list[int]] | None  # None: only retained from generation (live)
+    schedule: bool = False  # the live schedule's own cache (prompt, then one token per step)
+
+    @property
+    def rebuildable(self) -> bool:
+        return self.segments is not None
+
+    def cache_build(self, chunk_size: int = 16) -> CacheBuild:
+        if self.segments is None:
+            raise ValueError(f"construction {self.name!r} cannot be rebuilt from ids: it is only retained from the "
+                             "generation (rebuild it as 'incremental', its own schedule)")
+        segments = self.segments
+        return CacheBuild(lambda p, n: segments(p, n, chunk_size), self.schedule)
+
+
+REGISTRY: dict[str, Construction] = {c.name: c for c in (
+    Construction("live", "live cache", None),
+    Construction("incremental", "incremental (token by token)", _incremental, schedule=True),
+    Construction("prefill", "one-shot prefill", _prefill),
+    Construction("chunked", "chunked prefill", _chunked),
+)}
+
+
+def get(name: str) -> Construction:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown construction {name!r}; known: {sorted(REGISTRY)}")
+    return REGISTRY[name]

@@ -1,0 +1,76 @@
+"""What every model-loading stage does first and last: load the model and its decoder, record provenance, join
+per-shard parts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+import pyarrow as pa
+
+from stagereplay.decode.protocol import Decoder
+from stagereplay.decode.regimes import decoder_from_record
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
+from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
+from stagereplay.models.gpus import claim_gpu
+from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.stages.settings import ModelSettings
+
+
+@dataclass
+class Job:
+    loaded: object  # stagereplay.models.loading.LoadedModel
+    decoder: Decoder
+    flags: dict  # the determinism flags in force
+
+    def provenance(self, stage: str, config: dict, **extra) -> dict:
+        return {**software_versions(), **self.loaded.info, **self.decoder.record(), "numerics": self.flags,
+                "stage": stage, "config": config, **extra}
+
+    @property
+    def numerics(self) -> str:
+        return self.loaded.info["numerics_regime"]["numerics"]
+
+
+def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
+    """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
+    (``make_decoder(loaded)``)."""
+    flags = set_determinism(settings.threads)
+    gpu = claim_gpu(settings.device)  # held until the job ends
+    loaded = load_model(resolve_source(settings.model, settings.revision, settings.base_dir), precision, gpu.device,
+                        settings.attn_implementation, settings.trust_remote_code, settings.allow_pickle,
+                        settings.offline, numerics=numerics)
+    loaded.info["gpu_slot"] = gpu.record()
+    return Job(loaded, make_decoder(loaded), flags)
+
+
+def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) -> Job:
+    """Model and decoder in the numerics and decode regime recorded in ``regime_from`` (the generation's own)."""
+    record = recorded_regime(regime_from)
+    return load(settings, precision, numerics=recorded_numerics(regime_from),
+                make_decoder=lambda loaded: decoder_from_record(loaded.model, eos_token_ids(loaded), record))
+
+
+def config_of(settings) -> dict:
+    """The settings as provenance records them."""
+    return {k: v for k, v in asdict(settings).items() if k not in ("progress", "base_dir")}
+
+
+def gather(parts: list[str], out_path: str, schema: pa.Schema, sort_keys: list[str]) -> None:
+    """Join per-shard (and per-precision) parts in a deterministic order, whatever the shard count."""
+    frames = [read_parquet(p) for p in parts]
+    provs = []
+    for p in parts:
+        prov = read_provenance(p)
+        config = dict(prov.get("config") or {})
+        for key in ("shard", "n_shards"):
+            config.pop(key, None)
+        prov["config"] = config
+        provs.append(prov)
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=schema.names)
+    df = df.sort_values([k for k in sort_keys if k in df.columns], kind="stable").reset_index(drop=True)
+    distinct = []  # parts that differ only by shard carry the same provenance
+    for prov in provs:
+        if prov not in distinct:
+            distinct.append(prov)
+    write_parquet(df, out_path, {"stage": "gather", "parts": distinct}, schema)

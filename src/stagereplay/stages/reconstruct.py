@@ -1,0 +1,97 @@
+"""Stage ``reconstruct_prefixes``: each item's prefix with its live cache, the matched experiment while that cache
+exists, and the bridge rows (a live cache cannot cross a process boundary); and ``gather_ledger``."""
+
+from __future__ import annotations
+
+import logging
+
+import pandas as pd
+import pyarrow as pa
+from tqdm import tqdm
+
+from stagereplay.data.prompts import Prompter, check_context
+from stagereplay.decode.greedy import matcher_from_config
+from stagereplay.decode.plans import batch_plan, batches_of
+from stagereplay.decode.regimes import make_decoder
+from stagereplay.experiments.bridge import BRIDGE_SCHEMA, bridge, bridge_rows_of, choose_bridge_items
+from stagereplay.experiments.matched import matched
+from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
+from stagereplay.io.parquet import read_parquet, write_parquet
+from stagereplay.models.loading import eos_token_ids
+from stagereplay.stages.jobs import config_of, gather, load
+from stagereplay.stages.preflight import check_decode_settings
+from stagereplay.stages.settings import ReconstructSettings
+
+log = logging.getLogger("stagereplay")
+
+PREFIX_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("status", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("stage_ids", pa.list_(pa.int32())),
+    ("prefix_fingerprint", pa.string()),
+    ("gold_answer", pa.string()),
+])
+SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]
+
+
+def run_settings(s, precision: str, numerics: str, decode_regime: str) -> RunSettings:
+    """An experiment's settings from a stage's (stages that replay fixed prefixes have no stage budget, and the
+    transplants no answer format: their rows carry no answers)."""
+    return RunSettings(s.revision, precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
+                       getattr(s, "answer_format", "last_number"), getattr(s, "stage_end", None), decode_regime,
+                       numerics, s.chunk_size)
+
+
+def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, bridge_path: str,
+                         s: ReconstructSettings) -> None:
+    check_decode_settings(s.batch_size, s.decode_regime, s.decode_attention, s.decode_prefill_group)
+    selection = read_parquet(items_path)
+    # The plan covers the whole selection and shards take whole batches: an item's batch (and its bits) does not
+    # depend on the shard count.
+    plan = batch_plan(list(selection["item_id"]), s.batch_size, s.seed if s.batch_seed is None else s.batch_seed)
+    batches = batches_of(selection.to_dict("records"), plan, s.shard, s.n_shards)
+
+    def decoder_for(loaded):
+        prompter = Prompter(loaded.tokenizer, **(s.prompt or {}))
+        # The static regimes hold one buffer for the longest prompt plus both budgets; its length shapes the
+        # attention reduction, so it comes from the whole selection (not this shard) and is recorded.
+        longest = max((len(prompter(q)) for q in selection["question"]), default=0)
+        return make_decoder(loaded.model, tuple(eos_token_ids(loaded)), s.decode_regime,
+                            max_len=longest + s.max_stage_tokens + s.max_new_tokens, max_rows=s.batch_size,
+                            attention=s.decode_attention, prefill_group=s.decode_prefill_group)
+
+    job = load(s, s.precision, numerics=s.numerics, make_decoder=decoder_for)
+    tokenizer = job.loaded.tokenizer
+    prompter = Prompter(tokenizer, **(s.prompt or {}))
+    matcher = matcher_from_config(s.boundary, tokenizer)
+    settings = run_settings(s, s.precision, s.numerics, s.decode_regime)
+    context = getattr(job.loaded.model.config, "max_position_embeddings", None)
+    chosen = set(choose_bridge_items(selection["item_index"], int(s.bridge["n_rows"]), int(s.bridge["seed"]))
+                 if s.bridge else [])
+    rows, prefix_rows, bridge_rows = [], [], []
+    for batch in tqdm(batches, desc=f"matched {s.revision}/{s.precision} shard {s.shard}", disable=not s.progress,
+                      mininterval=2):
+        prompts = [prompter(item["question"]) for item in batch.items]
+        for item, prompt in zip(batch.items, prompts):
+            check_context(item["item_id"], len(prompt), s.max_stage_tokens, s.max_new_tokens, context)
+        wanted = bridge_rows_of(batch, chosen)
+        result = matched(job.decoder, batch, prompts, settings, tokenizer, matcher, keep=wanted)
+        rows += result.rows
+        prefix_rows += result.prefix_rows
+        bridge_rows += bridge(job.decoder, batch, prompts, settings, result, wanted)
+    prov = job.provenance("reconstruct_prefixes", config_of(s), batch_plan=None if plan is None else plan.record())
+    write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
+    write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
+    write_parquet(pd.DataFrame(bridge_rows, columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)
+
+
+def gather_ledger(parts: list[str], out_path: str) -> None:
+    gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
+
+
+def gather_prefixes(parts: list[str], out_path: str) -> None:
+    gather(parts, out_path, PREFIX_SCHEMA, ["item_index", "precision"])

@@ -1,0 +1,325 @@
+"""Stages of the cache dumps and the transplants, at one revision R over the primary revision's prefix ids.
+
+The two constructions of ``transplant.constructions`` (``live`` and ``prefill`` by default) and each one's own
+continuation come from a *baseline* file: at the primary revision the ledger (matched or fixed-prefix rows), at any
+other revision ``replay_baseline.parquet`` (:func:`replay_fixed_prefixes`: R's constructions on the primary's prefix
+ids, two replicas each, in the primary's batch plan).
+
+A live cache cannot cross a process boundary: ``live`` is rebuilt by its own schedule (``incremental``) in the
+row's recorded batch, and its fingerprint is compared with the ledger's live one; equal means the rebuilt cache *is*
+the live cache, byte for byte (``live_fingerprint_match``), otherwise the rows say ``incremental``. Every other
+rebuilt cache and every own continuation must equal the baseline's exactly, or the stage stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+from tqdm import tqdm
+
+from stagereplay.decode.plans import BatchPlan, batches_of
+from stagereplay.experiments.matched import fixed_prefix
+from stagereplay.experiments.recipe import run
+from stagereplay.experiments.rows import LEDGER_SCHEMA, ReplicaMismatchError
+from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, select_items, transplant_row
+from stagereplay.io import cache_dumps
+from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
+from stagereplay.io.provenance import recorded_batch_plan, software_versions
+from stagereplay.stages.jobs import config_of, load_as_recorded
+from stagereplay.stages.reconstruct import run_settings
+from stagereplay.stages.settings import DumpSettings, ReplaySettings, TransplantSettings
+
+log = logging.getLogger("stagereplay")
+
+BASELINE_EXPERIMENT = "transplant_baseline"
+
+SELECTION_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("divergent", pa.bool_()),  # the two constructions' own suffix ids differ
+    ("first_divergence", pa.int32()),
+])
+
+DUMP_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("construction", pa.string()),
+    ("path", pa.string()),  # relative to the manifest's folder
+    ("bytes", pa.int64()),
+    ("prefix_fingerprint", pa.string()),
+    ("cache_fingerprint", pa.string()),
+    ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
+])
+
+TRANSPLANT_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("donor", pa.string()),
+    ("recipient", pa.string()),
+    ("direction", pa.string()),  # "<donor>-><recipient>"
+    ("sweep", pa.string()),  # the config sweep that asked for this transplant (the first, if several did)
+    ("layer_set", pa.string()),  # "all", "L7", "0-11", ...
+    ("layers", pa.list_(pa.int32())),
+    ("component", pa.string()),  # kv | k | v
+    ("positions", pa.string()),  # all | prompt | stage
+    ("divergent", pa.bool_()),  # donor's and recipient's own continuations differ
+    ("outcome", pa.string()),  # donor | recipient | neither
+    ("first_divergence_donor", pa.int32()),
+    ("first_divergence_recipient", pa.int32()),
+    ("suffix_ids", pa.list_(pa.int32())),
+    ("suffix_fingerprint", pa.string()),
+    ("margins", pa.list_(pa.float32())),
+    ("stop_reason", pa.string()),
+    ("cache_fingerprint", pa.string()),  # of the transplanted boundary cache, as the continuation read it
+    ("donor_suffix_fingerprint", pa.string()),
+    ("recipient_suffix_fingerprint", pa.string()),
+    ("donor_cache_fingerprint", pa.string()),
+    ("recipient_cache_fingerprint", pa.string()),
+    ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
+    ("layout_pad", pa.int32()),  # the recipient row's layout in its batch (the donor's is the same)
+    ("layout_position", pa.int32()),
+])
+
+
+def baseline_rows(baseline: pd.DataFrame, precision: str, pair) -> pd.DataFrame:
+    """One row per item whose two constructions of ``pair`` both ran (status ok) at ``precision``, from the
+    baseline's replica-1 rows. Columns: item_index, item_id, row_a, row_b (dicts), suffix_a, suffix_b."""
+    rep1 = baseline[(baseline["replica"] == 1) & (baseline["precision"] == precision)]
+    if rep1.empty:
+        raise ValueError(f"the baseline has no rows at precision {precision!r}; transplant.precision must be one of "
+                         f"the precisions the baseline ran ({sorted(baseline['precision'].unique())})")
+    missing = [c for c in pair if c not in set(rep1["construction"])]
+    if missing:
+        raise ValueError(f"transplant.constructions {list(pair)}: the baseline has no {missing} rows at {precision}; "
+                         "add them to fixed_prefix.constructions (or transplant a pair the experiments ran)")
+    order = {"matched": 0, "fixed_prefix": 1, BASELINE_EXPERIMENT: 2}
+    rows = []
+    for item_index, group in rep1.groupby("item_index", sort=True):
+        by = {}
+        for r in sorted(group.to_dict("records"), key=lambda r: order.get(r["experiment"], 3)):
+            by.setdefault(r["construction"], r)
+        a, b = by.get(pair[0]), by.get(pair[1])
+        if a is None or b is None or a["status"] != "ok" or b["status"] != "ok":
+            continue
+        if list(a["prompt_ids"]) != list(b["prompt_ids"]) or list(a["stage_ids"]) != list(b["stage_ids"]):
+            raise ValueError(f"item {a['item_id']!r}: the baseline's {pair[0]} and {pair[1]} rows do not share their "
+                             "prefix ids (the fixed-prefix 2x2 runs on the reference precision's prefixes)")
+        rows.append({"item_index": int(item_index), "item_id": a["item_id"], "row_a": a, "row_b": b,
+                     "suffix_a": list(a["suffix_ids"]), "suffix_b": list(b["suffix_ids"])})
+    return pd.DataFrame(rows, columns=["item_index", "item_id", "row_a", "row_b", "suffix_a", "suffix_b"])
+
+
+class Rebuild:
+    """Both constructions of the pair rebuilt for one batch of the baseline, checked against its rows."""
+
+    def __init__(self, job, batch, pairs: dict[int, dict], pair, settings, keep: set[int]):
+        self.batch, self.pair, self.settings, self.job = batch, tuple(pair), settings, job
+        members = [pairs.get(int(item["item_index"])) for item in batch.items]
+        self.prompts = [[int(i) for i in item["prompt_ids"]] for item in batch.items]
+        # rows of the batch without both constructions are filler (as in the experiment, rows without a prefix)
+        self.stages = [[int(i) for i in m["row_a"]["stage_ids"]] if m else None for m in members]
+        self.own = {name: run(job.decoder, rebuilt_as(name), self.prompts, settings, stages=self.stages, keep=keep)
+                    for name in self.pair}
+        self.names, self.match = {}, {}
+        for r, m in enumerate(members):
+            if m is not None:
+                self.names[r], self.match[r] = self._check(r, m)
+
+    def _check(self, r: int, m: dict) -> tuple[dict, bool | None]:
+        """Names of the row's two rebuilt caches (``live`` only when bit-exact with the ledger's live cache) and
+        whether a live one matched; stops on any other difference from the baseline."""
+        names, match = {}, None
+        for name, row in zip(self.pair, (m["row_a"], m["row_b"])):
+            res = self.own[name][r]
+            same = res.fingerprints[0] == row["cache_fingerprint"]
+            if name == "live":
+                match = same
+                names[name] = "live" if same else "incremental"
+                if not same:
+                    log.warning("item %r: the rebuilt incremental cache is not bit-exact with the ledger's live "
+                                "cache; it is labelled 'incremental', not 'live'", row["item_id"])
+                    continue
+            elif not same:
+                raise ReplicaMismatchError(
+                    f"item {row['item_id']!r}: the rebuilt {name} cache at {row['precision']} differs from the "
+                    "baseline's (a replica that is not bit-exact): check that the model, precision, device, threads, "
+                    "attention implementation and batch plan are the ones the baseline ran with")
+            if list(res.suffix_ids) != list(row["suffix_ids"]):
+                raise ReplicaMismatchError(f"item {row['item_id']!r}: the {name} continuation rebuilt here differs "
+                                           "from the baseline's although the caches are bit-exact")
+        return names, match
+
+
+def _load(settings, precision: str, regime_from: str):
+    job = load_as_recorded(settings, precision, regime_from)
+    return job, run_settings(settings, precision, job.numerics, job.decoder.record()["decode_regime"])
+
+
+def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s: ReplaySettings) -> None:
+    """The baseline of a non-primary revision: the transplant pair (``live`` rebuilt as ``incremental``) on the
+    primary revision's prefix ids at ``s.precision``, in the primary's batch plan, two replicas each."""
+    prefixes = read_parquet(prefixes_path)
+    prefixes = prefixes[(prefixes["precision"] == s.precision)]
+    selection = read_parquet(items_path)
+    plan = BatchPlan.from_record(recorded_batch_plan(prefixes_path))
+    batches = batches_of(selection.to_dict("records"), plan, source=prefixes_path)
+    by_index = {int(r["item_index"]): r for r in prefixes.to_dict("records")}
+    job, settings = _load(s, s.precision, prefixes_path)
+    pair = tuple(rebuilt_as(c) for c in s.constructions)
+    rows = []
+    for batch in tqdm(batches, desc=f"baseline {s.revision}/{s.precision}", disable=not s.progress, mininterval=2):
+        refs = [by_index.get(int(item["item_index"])) for item in batch.items]
+        prompts = [[int(i) for i in ref["prompt_ids"]] for ref in refs]
+        stages = [[int(i) for i in ref["stage_ids"]] if ref["status"] == "ok" else None for ref in refs]
+        rows += fixed_prefix(job.decoder, batch, prompts, stages, settings, job.loaded.tokenizer, pair=pair,
+                             experiment=BASELINE_EXPERIMENT)
+    prov = job.provenance("replay_fixed_prefixes", config_of(s), batch_plan=None if plan is None else plan.record())
+    write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), out_path, prov, LEDGER_SCHEMA)
+
+
+def select_transplant_items(baseline_path: str, out_path: str, *, revision: str, precision: str, select,
+                            seed: int = 0, constructions=("live", "prefill")) -> pd.DataFrame:
+    """Write the outcome-blind transplant selection (before any transplant runs), with its rule and seed."""
+    pairs = baseline_rows(read_parquet(baseline_path), precision, _baseline_pair(baseline_path, constructions))
+    chosen = select_items(pairs[["item_index", "item_id", "suffix_a", "suffix_b"]], select, seed)
+    chosen["revision"] = revision
+    chosen["precision"] = precision
+    n_divergent = sum(a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"]))
+    prov = {**software_versions(), "stage": "select_transplant_items",
+            "selection": {"rule": select, "seed": seed, "decided_from": "suffix token ids of the two constructions "
+                          "(replica 1); never correctness or transplant outcomes",
+                          "n_candidates": int(len(pairs)), "n_divergent": int(n_divergent),
+                          "n_selected": int(len(chosen))},
+            "baseline": {"path": str(baseline_path), "stage": read_provenance(baseline_path).get("stage")},
+            "config": {"revision": revision, "precision": precision, "select": select, "seed": seed,
+                       "constructions": list(constructions)}}
+    chosen = chosen.astype({"first_divergence": "object"}).where(chosen.notna(), None)
+    write_parquet(chosen[SELECTION_SCHEMA.names], out_path, prov, SELECTION_SCHEMA)
+    log.info("selected %d of %d candidate items (%d divergent) by %r", len(chosen), len(pairs), n_divergent, select)
+    return chosen
+
+
+def _baseline_pair(baseline_path: str, constructions) -> tuple[str, str]:
+    """The pair as the baseline names it: a replayed baseline holds ``incremental`` where the pair says ``live``."""
+    if read_provenance(baseline_path).get("stage") == "replay_fixed_prefixes":
+        return tuple(rebuilt_as(c) for c in constructions)
+    return tuple(constructions)
+
+
+def _batches_with(baseline_path: str, baseline: pd.DataFrame, precision: str, items: set[int]):
+    """The plan and the batches (in the baseline's recorded plan, else each item alone) that hold ``items``; every
+    item of a batch comes with its prompt ids, since the batch's layout depends on all of them."""
+    plan = BatchPlan.from_record(recorded_batch_plan(baseline_path))
+    rows = baseline[(baseline["precision"] == precision) & (baseline["replica"] == 1)]
+    records = list({int(r["item_index"]): {"item_index": int(r["item_index"]), "item_id": r["item_id"],
+                                           "prompt_ids": list(r["prompt_ids"])}
+                    for r in rows.to_dict("records")}.values())
+    batches = batches_of(records, plan, source=baseline_path)
+    return plan, [b for b in batches if any(int(it["item_index"]) in items for it in b.items)]
+
+
+def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSettings) -> int:
+    """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) at every
+    precision of the baseline, rebuilt in their recorded batch; returns the bytes written."""
+    if s.items not in ("divergent", "all", "none"):
+        raise ValueError(f"dump.items must be divergent, all or none, got {s.items!r}")
+    baseline = read_parquet(baseline_path)
+    check_fingerprint_scheme(baseline_path)  # rebuilt caches are matched to its rows by cache fingerprint
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pair = _baseline_pair(baseline_path, s.constructions)
+    rows, total, job, plan = [], 0, None, None
+    for precision in ([] if s.items == "none" else sorted(baseline["precision"].unique())):
+        pairs = baseline_rows(baseline, precision, pair)
+        if s.items == "divergent":
+            pairs = pairs[[a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"])]]
+        if pairs.empty:
+            continue
+        job, settings = _load(s, precision, baseline_path)
+        by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
+        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index))
+        prov = job.provenance("dump_caches", config_of(s), batch_plan=None if plan is None else plan.record())
+        for batch in tqdm(batches, desc=f"dump {s.revision}/{precision}", disable=not s.progress):
+            wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in by_index}
+            rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
+            for r in sorted(wanted):
+                p = by_index[int(batch.items[r]["item_index"])]
+                row_a = p["row_a"]
+                for name in pair:
+                    label = rebuild.names[r][name]
+                    filename = cache_dumps.dump_filename(p["item_index"], precision, label)
+                    written = cache_dumps.save_cache(out / filename, rebuild.own[name][r].layers, {
+                        "item_index": p["item_index"], "item_id": p["item_id"], "revision": s.revision,
+                        "precision": precision, "construction": label,
+                        "prefix_fingerprint": row_a["prefix_fingerprint"], "prompt_len": len(row_a["prompt_ids"]),
+                        "pending_id": int(row_a["stage_ids"][-1]), "live_fingerprint_match": rebuild.match[r],
+                        "provenance": prov})
+                    total += written["bytes"]
+                    rows.append({"item_index": p["item_index"], "item_id": p["item_id"], "revision": s.revision,
+                                 "precision": precision, "construction": label, "path": filename,
+                                 "bytes": written["bytes"], "prefix_fingerprint": row_a["prefix_fingerprint"],
+                                 "cache_fingerprint": written["cache_fingerprint"],
+                                 "live_fingerprint_match": rebuild.match[r]})
+    log.info("dump %s (%s items): %d files, %d bytes written", s.revision, s.items, len(rows), total)
+    base = (job.provenance("dump_caches", config_of(s)) if job else
+            {**software_versions(), "stage": "dump_caches", "config": config_of(s)})
+    prov = {**base, "files": len(rows), "bytes_written": total, "batch_plan": None if plan is None else plan.record()}
+    write_parquet(pd.DataFrame(rows, columns=DUMP_SCHEMA.names), manifest_path, prov, DUMP_SCHEMA)
+    return total
+
+
+def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s: TransplantSettings) -> pd.DataFrame:
+    """Bidirectional transplants of every selected item, for every transplant the sweeps ask for, each in the
+    item's recorded batch and layout."""
+    selection = read_parquet(selection_path)
+    baseline = read_parquet(baseline_path)
+    check_fingerprint_scheme(baseline_path)
+    pair = _baseline_pair(baseline_path, s.constructions)
+    pairs = baseline_rows(baseline, s.precision, pair)
+    by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
+    missing = [int(i) for i in selection["item_index"] if int(i) not in by_index]
+    if missing:
+        raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
+                         "selection")
+    job, settings = _load(s, s.precision, baseline_path)
+    specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
+    chosen = {int(i) for i in selection["item_index"]}
+    plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
+    rows = []
+    for batch in tqdm(batches, desc=f"transplant {s.revision}/{s.precision}", disable=not s.progress):
+        wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
+        rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
+        for r in sorted(wanted):
+            item, names = batch.items[r], rebuild.names[r]
+            own = {names[name]: rebuild.own[name] for name in pair}
+            fps = {names[name]: (rebuild.own[name][r].fingerprints[0], rebuild.own[name][r].suffix_ids)
+                   for name in pair}
+            for row in transplant_row(job.decoder, batch, rebuild.prompts, rebuild.stages, settings, own, r, specs):
+                donor, recipient = row["donor"], row["recipient"]
+                rows.append({"item_index": int(item["item_index"]), "item_id": item["item_id"],
+                             "revision": s.revision, "precision": s.precision, **row,
+                             "donor_suffix_fingerprint": fingerprint_ids(fps[donor][1]),
+                             "recipient_suffix_fingerprint": fingerprint_ids(fps[recipient][1]),
+                             "donor_cache_fingerprint": fps[donor][0],
+                             "recipient_cache_fingerprint": fps[recipient][0],
+                             "live_fingerprint_match": rebuild.match[r]})
+    df = pd.DataFrame(rows, columns=TRANSPLANT_SCHEMA.names).astype(
+        {"first_divergence_donor": "object", "first_divergence_recipient": "object", "live_fingerprint_match": "object"})
+    df = df.sort_values(["item_index"], kind="stable").reset_index(drop=True)
+    all_rows = df[(df["layer_set"] == "all") & (df["component"] == "kv") & (df["positions"] == "all") & df["divergent"]]
+    log.info("transplant %s/%s: %d rows; all-layer K/V transplants of divergent items following their donor: %d / %d",
+             s.revision, s.precision, len(df), int((all_rows["outcome"] == "donor").sum()), len(all_rows))
+    prov = job.provenance("transplant_caches", config_of(s), selection=read_provenance(selection_path).get("selection"),
+                          batch_plan=None if plan is None else plan.record())
+    write_parquet(df, out_path, prov, TRANSPLANT_SCHEMA)
+    return df
