@@ -1,0 +1,101 @@
+"""The construction registry, the decoder protocol and "batch 1 is a batch of one row"."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stagereplay.decode.eager import EagerDecoder
+from stagereplay.decode.plans import Batch
+from stagereplay.decode.protocol import Decoder
+from stagereplay.decode.regimes import make_decoder
+from stagereplay.decode.static import StaticDecoder
+from stagereplay.experiments import constructions
+from stagereplay.experiments.matched import fixed_prefix
+from stagereplay.experiments.recipe import run
+from stagereplay.experiments.rows import RunSettings
+from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.models import compat
+
+
+def rows(loaded, n, seed=0):
+    tok = loaded.tokenizer
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+    stages = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(2, 12))] for _ in range(n)]
+    return prompts, stages
+
+
+def test_registry_segments_cover_every_cached_id():
+    for name in ("incremental", "prefill", "chunked"):
+        for chunk in (1, 3, 64):
+            segments = constructions.get(name).cache_build(chunk).segments(7, 5)
+            assert sum(segments) == 12 and all(n >= 1 for n in segments)
+    assert constructions.get("chunked").cache_build(3).segments(7, 5) == [3, 3, 3, 3]
+    assert constructions.get("chunked").cache_build(64).segments(7, 5) == constructions.get("prefill").cache_build(
+        64).segments(7, 5)
+    assert constructions.get("incremental").cache_build().segments(7, 2) == [7, 1, 1]
+    with pytest.raises(ValueError, match="live"):
+        constructions.get("live").cache_build()
+    with pytest.raises(ValueError, match="known"):
+        constructions.get("paged")
+
+
+def test_decoders_implement_the_protocol(loaded_fp32):
+    assert isinstance(EagerDecoder(loaded_fp32.model), Decoder)
+    assert isinstance(make_decoder(loaded_fp32.model, (), "static", max_len=32), StaticDecoder)
+    assert isinstance(make_decoder(loaded_fp32.model, (), "static", max_len=32), Decoder)
+
+
+@torch.inference_mode()
+def by_hand(model, ids: list[int], sizes: list[int]) -> str:
+    """A DynamicCache fed ``ids`` in forwards of ``sizes`` tokens through the Hugging Face forward itself."""
+    cache, start = compat.new_dynamic_cache(model), 0
+    for n in sizes:
+        model(input_ids=torch.tensor([ids[start:start + n]]), use_cache=True, logits_to_keep=1,
+              **{compat.cache_keyword(model): cache})
+        start += n
+    return fingerprint_layers(compat.cache_layers(cache))[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_is_prefill_in_chunks_of_chunk_size(loaded_bf16, chunk):
+    (prompt,), (stage,) = rows(loaded_bf16, 1, seed=3)
+    settings = RunSettings("r", "bf16", None, 4, chunk_size=chunk)
+    res = run(EagerDecoder(loaded_bf16.model), "chunked", [prompt], settings, stages=[stage])[0]
+    ids = prompt + stage[:-1]
+    assert res.fingerprints[0] == by_hand(loaded_bf16.model, ids, [min(chunk, len(ids) - s)
+                                                                   for s in range(0, len(ids), chunk)])
+    if chunk >= len(ids):
+        prefill = run(EagerDecoder(loaded_bf16.model), "prefill", [prompt], settings, stages=[stage])[0]
+        assert res.fingerprints[0] == prefill.fingerprints[0]
+
+
+@pytest.mark.parametrize("regime", ["eager", "static"])
+def test_fixed_prefix_with_chunked_in_the_pair(loaded_bf16, regime):
+    prompts, stages = rows(loaded_bf16, 3, seed=5)
+    decoder = make_decoder(loaded_bf16.model, (), regime, max_len=64, max_rows=3)
+    settings = RunSettings("r", "bf16", None, 6, chunk_size=3)
+    items = tuple({"item_index": i, "item_id": f"i{i}", "gold_answer": "1"} for i in range(3))
+    out = fixed_prefix(decoder, Batch(0, items), prompts, stages, settings, loaded_bf16.tokenizer,
+                       pair=("chunked", "prefill"))
+    assert sorted({(r["construction"], r["replica"]) for r in out}) == [("chunked", 1), ("chunked", 2),
+                                                                         ("prefill", 1), ("prefill", 2)]
+    assert len(out) == 12
+    layouts = {(r["item_index"], r["construction"]): (r["layout_pad"], r["layout_position"]) for r in out}
+    assert all(layouts[i, "chunked"] == layouts[i, "prefill"] for i in range(3))
+
+
+@pytest.mark.parametrize("name", ["incremental", "prefill", "chunked"])
+def test_a_batch_of_rows_is_each_row_alone_on_the_eager_decoder(loaded_bf16, name):
+    """Batch 1 is a batch of one row: the eager decoder computes rows apart, so a batch gives every row its bits
+    alone."""
+    prompts, stages = rows(loaded_bf16, 3, seed=7)
+    decoder = EagerDecoder(loaded_bf16.model)
+    settings = RunSettings("r", "bf16", None, 8, chunk_size=2)
+    together = run(decoder, name, prompts, settings, stages=stages)
+    alone = [run(decoder, name, [p], settings, stages=[s])[0] for p, s in zip(prompts, stages)]
+    assert [(r.fingerprints, r.suffix_ids, r.margins) for r in together] == [
+        (r.fingerprints, r.suffix_ids, r.margins) for r in alone]
