@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from stagereplay.data.answers import normalize_answer
+from stagereplay.data.toy import synthetic_items
 
 ITEM_COLUMNS = ["item_index", "item_id", "question", "gold_answer", "source_row"]
 
@@ -146,8 +147,6 @@ def load_hf(dataset: dict, fields: dict, numeric: bool = True, base_dir: str | P
 
 
 def load_synthetic(size: int, seed: int) -> list[dict]:
-    from stagereplay.data.toy import synthetic_items
-
     return [
         {"item_id": it.item_id, "question": it.question, "gold_answer": it.gold_answer, "source_row": i + 1}
         for i, it in enumerate(synthetic_items(size, seed))

@@ -295,9 +295,7 @@ class TritonKernels:
 
     def gated_act(self, act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if "silu" not in type(act_fn).__name__.lower():
-            from stagereplay.models.invariant import InvariantRegimeError
-
-            raise InvariantRegimeError(f"the Triton kernels implement the SiLU-gated MLP only, not "
+            raise ValueError(f"the Triton kernels implement the SiLU-gated MLP only, not "
                                        f"{type(act_fn).__name__}; use numerics: default for this model")
         gate, up = _contiguous(gate), _contiguous(up)
         out = torch.empty_like(gate)

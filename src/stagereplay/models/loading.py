@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from stagereplay.models import invariant
+
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # Architectures whose every layer keeps a plain full-attention DynamicCache layer: the engine's cache code
 # (fingerprints, dumps, transplants) is only correct for those.
@@ -339,8 +341,6 @@ def load_model(
     model.requires_grad_(False)
     regime = {"numerics": "default"}
     if numerics == "invariant":
-        from stagereplay.models import invariant
-
         try:
             regime = invariant.apply(model)
         except invariant.InvariantRegimeError as exc:
