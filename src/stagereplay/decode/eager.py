@@ -30,7 +30,7 @@ class EagerDecoder:
         self._vocab = None
 
     def record(self) -> dict:
-        return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1, "decode_bucket": None}
+        return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1}
 
     def independent_rows(self, rows: int) -> bool:
         return True

@@ -14,7 +14,7 @@ REGIMES = ("eager", "static", "cuda_graph")
 
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
-                 bucket: int | None = None, attention: str = "masked", prefill_group: int | None = None) -> Decoder:
+                 attention: str = "masked", prefill_group: int | None = None) -> Decoder:
     """The eager decoder, or a static one for ``static``/``cuda_graph`` (a buffer of ``max_len`` positions for
     ``max_rows`` rows)."""
     if regime not in REGIMES:
@@ -24,7 +24,7 @@ def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None =
         return EagerDecoder(model, tuple(eos_ids))
     if max_len is None:
         raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
-    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime, bucket=bucket,
+    return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime,
                          attention=attention, prefill_group=prefill_group)
 
 
@@ -32,5 +32,5 @@ def decoder_from_record(model, eos_ids, record: dict) -> Decoder:
     """A decoder in the regime ``record`` (:func:`stagereplay.io.provenance.recorded_regime`) describes."""
     return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
                         max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
-                        bucket=record.get("decode_bucket"), attention=record.get("decode_attention") or "masked",
+                        attention=record.get("decode_attention") or "masked",
                         prefill_group=record.get("decode_prefill_group"))

@@ -8,7 +8,7 @@
 
 A regime is part of a construction: graph-replayed kernels, masked full-buffer attention and the buffer length
 all change the bits against the eager regime, so results are only comparable within one regime (the ledger records
-it). An optional ``bucket`` (a benchmark knob) attends over the next multiple of ``bucket`` positions instead.
+it).
 
 Layout: the rows of a batch share the buffer, left-padded so that every prompt ends at the same position ``W``
 (the batch's longest prompt); row r's token j sits at buffer position ``pads[r] + j`` whatever the construction,
@@ -112,7 +112,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
-                 regime: str = "static", pad_id: int = 0, bucket: int | None = None, attention: str = "masked",
+                 regime: str = "static", pad_id: int = 0, attention: str = "masked",
                  prefill_group: int | None = None):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
@@ -128,9 +128,6 @@ class StaticDecoder:
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise RegimeError("the static regime does not support sliding-window attention")
         self.max_len, self.max_rows, self.pad_id = int(max_len), int(max_rows), int(pad_id)
-        if bucket is not None and bucket < 1:
-            raise RegimeError("decode_bucket must be a positive number of positions")
-        self.bucket = int(bucket) if bucket else None
         if attention not in ATTENTIONS:
             raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
         self.attention = attention
@@ -140,10 +137,7 @@ class StaticDecoder:
         # memory of a prefill's attention grows with rows x tokens x span. A regime parameter (in the default
         # numerics a row's bits may depend on the rows it is computed with); None: every row in one forward
         self.prefill_group = int(prefill_group) if prefill_group else None
-        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks (no span to bucket)
-            if self.bucket is not None:
-                raise RegimeError("decode_bucket has no effect with decode_attention 'triton' (it reads each row's "
-                                  "keys up to its position); drop one of them")
+        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks 
             if next(model.parameters()).device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise RegimeError("decode_attention 'triton' runs Triton kernels on a CUDA device and the model is "
                                   "on the CPU: use decode_attention masked there (TRITON_INTERPRET=1 runs the "
@@ -172,17 +166,13 @@ class StaticDecoder:
 
     def record(self) -> dict:
         return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
-                "decode_bucket": self.bucket, "decode_attention": self.attention,
+                "decode_attention": self.attention,
                 "decode_prefill_group": self.prefill_group}
 
     def span(self, end: int) -> int:
-        """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, or
-        with ``bucket`` the next multiple of it. A function of the position alone, so that live and incremental
-        steps at one position still share every kernel shape (the bridge holds), while short contexts do not
-        pay for reading the whole buffer."""
-        if self.bucket is None:
-            return self.max_len
-        return min(self.max_len, -(-end // self.bucket) * self.bucket)
+        """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, so that
+        every step has the same shapes at every position (a benchmark may override it)."""
+        return self.max_len
 
     # -- caches -------------------------------------------------------------------------------------------
     def _evict(self) -> None:

@@ -56,7 +56,7 @@ def recorded_batch_plan(path: str | Path) -> dict | None:
     return plans[0] if plans else None
 
 
-REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_bucket", "decode_attention",
+REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_attention",
                "decode_prefill_group")
 
 
@@ -66,16 +66,17 @@ def recorded_regime(path) -> dict:
     for record in [prov, *prov.get("parts", [])]:
         if "decode_regime" in record:
             return {key: record.get(key) for key in REGIME_KEYS}
-    return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1, "decode_bucket": None}
+    raise ValueError(f"{path} records no decode regime: it was not written by this pipeline's generation; rerun "
+                     "reconstruct_prefixes")
 
 
 def recorded_numerics(path) -> str:
     """The numerics regime a results file was made in, from its provenance (a gathered file: its parts).
 
-    Every stage after generation rebuilds its caches in the regime the ledger was made in; files made before the
-    regime was recorded read as ``default``."""
+    Every stage after generation rebuilds its caches in the regime the ledger was made in."""
     prov = read_provenance(path)
     for record in [prov, *prov.get("parts", [])]:
         if "numerics_regime" in record:
             return record["numerics_regime"]["numerics"]
-    return "default"
+    raise ValueError(f"{path} records no numerics regime: it was not written by this pipeline's generation; rerun "
+                     "reconstruct_prefixes")
