@@ -24,12 +24,15 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from conftest import make_tiny_model
-from stagereplay import stages
-from stagereplay.data.datasets import DatasetError
-from stagereplay.experiment import PromptTooLongError, Settings
-from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, resolve_source
-from stagereplay.preflight import check_model, check_run
 from stagereplay.analysis.report import build_report
+from stagereplay.data.datasets import DatasetError
+from stagereplay.data.prompts import PromptTooLongError
+from stagereplay.experiments.rows import RunSettings
+from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, resolve_source
+from stagereplay.stages.preflight import check_model, check_run
+from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
+from stagereplay.stages.select import select_items
+from stagereplay.stages.settings import ReconstructSettings, from_params
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
@@ -61,6 +64,12 @@ def write_config(workdir, **overrides):
     cfg.update(overrides)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def reconstruct(items, ledger, prefixes, **params):
+    """The reconstruct_prefixes stage as its rule calls it (its bridge rows beside the ledger)."""
+    bridge = Path(ledger).with_name(Path(ledger).stem + "_bridge.parquet")
+    reconstruct_prefixes(str(items), str(ledger), str(prefixes), str(bridge), from_params(ReconstructSettings, params))
 
 
 def write_jsonl(path, rows):
@@ -113,11 +122,12 @@ def test_a_block_given_without_its_null_defaults(tmp_path):
 
 
 def test_budgets_below_one_are_refused_by_the_package_too():
-    for key in ("max_new_tokens", "max_stage_tokens"):
+    for key in ("max_new_tokens", "max_stage_tokens", "chunk_size"):
         for value in (0, -3):
             kwargs = {"max_stage_tokens": 8, "max_new_tokens": 8, key: value}
             with pytest.raises(ValueError, match=f"{key} is {value}"):
-                Settings("primary", "bf16", **kwargs)
+                RunSettings("primary", "bf16", **kwargs)
+    RunSettings("primary", "bf16", None, 8)  # a stage that replays fixed prefixes has no stage budget
 
 
 # --- datasets ---------------------------------------------------------------------------------------------
@@ -135,7 +145,7 @@ def test_bad_dataset_rows_are_named_by_selection_and_preflight(tmp_path, rows, m
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     dataset = {"source": "jsonl", "path": str(path), "fields": {"id": "id"}}
     with pytest.raises(DatasetError, match=match):
-        stages.select_items(dataset, 1, 0, str(tmp_path / "items.parquet"))
+        select_items(dataset, 1, 0, str(tmp_path / "items.parquet"))
     assert not (tmp_path / "items.parquet").exists()
     with pytest.raises(DatasetError, match=match):
         check_run(valid_config(dataset=dataset, n_items=1))
@@ -151,7 +161,7 @@ def test_missing_dataset_file_and_too_few_items(tmp_path):
 
 def test_non_numeric_gold_is_fine_where_no_number_is_needed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "#### seven"}])
-    selected = stages.select_items({"source": "jsonl", "path": str(path)}, 1, 0, str(tmp_path / "i.parquet"),
+    selected = select_items({"source": "jsonl", "path": str(path)}, 1, 0, str(tmp_path / "i.parquet"),
                                    answer_format="boxed")
     assert selected["gold_answer"].tolist() == ["seven"]
 
@@ -243,15 +253,14 @@ def test_trust_remote_code_is_off_unless_the_config_turns_it_on(tmp_path, monkey
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
     assert valid_config()["trust_remote_code"] is False
     items = tmp_path / "items.parquet"
-    stages.select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(items))
+    select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(items))
     kwargs = dict(model=str(REPO / "data/toy"), revision="primary", precision="bf16", boundary={"marker": ";"},
                   max_stage_tokens=4, max_new_tokens=2, device="cpu", progress=False)
-    stages.reconstruct_prefixes(str(items), str(tmp_path / "l.parquet"), str(tmp_path / "p.parquet"), **kwargs)
+    reconstruct(items, tmp_path / "l.parquet", tmp_path / "p.parquet", **kwargs)
     assert {name for name, _ in seen} == {"AutoConfig", "AutoModelForCausalLM", "AutoTokenizer"}
     assert all(flag is False for _, flag in seen)
     seen.clear()
-    stages.reconstruct_prefixes(str(items), str(tmp_path / "l.parquet"), str(tmp_path / "p.parquet"), **kwargs,
-                                trust_remote_code=True)
+    reconstruct(items, tmp_path / "l.parquet", tmp_path / "p.parquet", **kwargs, trust_remote_code=True)
     assert seen and all(flag is True for _, flag in seen)
 
 
@@ -290,13 +299,14 @@ def test_prompt_longer_than_the_context_names_the_item(tmp_path, tiny_model_dir)
     path = write_jsonl(tmp_path / "d.jsonl", [{"id": "short", "question": "1+2", "answer": "3"},
                                               {"id": "too-long", "question": long_question, "answer": "1"}])
     items = tmp_path / "items.parquet"
-    stages.select_items({"source": "jsonl", "path": str(path), "fields": {"id": "id"}}, 2, 0, str(items))
+    select_items({"source": "jsonl", "path": str(path), "fields": {"id": "id"}}, 2, 0, str(items))
     kwargs = dict(model=str(tiny_model_dir), revision="local", precision="fp32", boundary={"marker": ";"},
                   max_stage_tokens=8, max_new_tokens=8, device="cpu", progress=False)
     match = "item 'too-long': prompt of 2[0-9][0-9] tokens .* exceeds the model's context of 256; lower the budgets"
     with pytest.raises(PromptTooLongError, match=match):
-        stages.reconstruct_prefixes(str(items), str(tmp_path / "l.parquet"), str(tmp_path / "p.parquet"), **kwargs)
+        reconstruct(items, tmp_path / "l.parquet", tmp_path / "p.parquet", **kwargs)
     assert not (tmp_path / "l.parquet").exists() and not (tmp_path / "p.parquet").exists()
+    assert not (tmp_path / "l_bridge.parquet").exists()
     cfg = valid_config(model=str(tiny_model_dir), revisions=["local"], n_items=2, max_stage_tokens=8,
                        max_new_tokens=8, dataset={"source": "jsonl", "path": str(path), "fields": {"id": "id"}})
     with pytest.raises(PromptTooLongError, match=match):
@@ -305,12 +315,11 @@ def test_prompt_longer_than_the_context_names_the_item(tmp_path, tiny_model_dir)
 
 def run_stage(tmp_path, model, revision, precision, boundary, n_items=3):
     items = tmp_path / "items.parquet"
-    stages.select_items({"source": "synthetic", "size": 50, "seed": 0}, n_items, 0, str(items))
+    select_items({"source": "synthetic", "size": 50, "seed": 0}, n_items, 0, str(items))
     ledger, prefixes = tmp_path / "parts/l.parquet", tmp_path / "parts/p.parquet"
-    stages.reconstruct_prefixes(str(items), str(ledger), str(prefixes), model=str(model), revision=revision,
-                                precision=precision, boundary=boundary, max_stage_tokens=8, max_new_tokens=6,
-                                device="cpu", progress=False)
-    stages.gather_ledger([str(ledger)], str(tmp_path / "ledger.parquet"))
+    reconstruct(items, ledger, prefixes, model=str(model), revision=revision, precision=precision,
+                boundary=boundary, max_stage_tokens=8, max_new_tokens=6, device="cpu", progress=False)
+    gather_ledger([str(ledger)], str(tmp_path / "ledger.parquet"))
     build_report({revision: str(tmp_path / "ledger.parquet")}, str(tmp_path / "report.md"),
                  str(tmp_path / "stats.json"), "t")
     stats = json.loads((tmp_path / "stats.json").read_text())["revisions"][revision]["matched"][precision]

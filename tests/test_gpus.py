@@ -72,8 +72,11 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     provenance (the model itself is moved to the CPU here, where there is no GPU)."""
     import torch
 
-    import stagereplay.stages as stages
     from stagereplay.io.parquet import read_provenance
+    from stagereplay.stages import jobs
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
+    from stagereplay.stages.select import select_items
+    from stagereplay.stages.settings import ReconstructSettings, from_params
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
@@ -82,18 +85,19 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     other_job = claim_gpu("auto", lock_dir=tmp_path / "locks")
     assert other_job.device == "cuda:0"
     asked = []
-    real_load = stages.load_model
+    real_load = jobs.load_model
 
     def load_on_cpu(source, precision, device, *args, **kwargs):
         asked.append(device)
         return real_load(source, precision, "cpu", *args, **kwargs)
 
-    monkeypatch.setattr(stages, "load_model", load_on_cpu)
-    stages.select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(tmp_path / "items.parquet"))
-    stages.reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
-                                str(tmp_path / "prefixes.parquet"), model=str(tiny_model_dir), revision="local",
-                                precision="fp32", boundary={"marker": ";"}, max_stage_tokens=4, max_new_tokens=2,
-                                device="auto", progress=False)
+    monkeypatch.setattr(jobs, "load_model", load_on_cpu)
+    select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(tmp_path / "items.parquet"))
+    settings = from_params(ReconstructSettings, dict(
+        model=str(tiny_model_dir), revision="local", precision="fp32", boundary={"marker": ";"}, max_stage_tokens=4,
+        max_new_tokens=2, device="auto", progress=False))
+    reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
+                         str(tmp_path / "prefixes.parquet"), str(tmp_path / "bridge.parquet"), settings)
     assert asked == ["cuda:1"]
     slot = read_provenance(tmp_path / "ledger.parquet")["gpu_slot"]
     assert (slot["device"], slot["claimed"], slot["gpu"], slot["visible"]) == ("cuda:1", True, "1", ["0", "1"])

@@ -9,9 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from stagereplay.io import cache_dumps
-from stagereplay.io import fingerprints, provenance
-from stagereplay.experiment import LEDGER_SCHEMA
+from stagereplay.experiments.rows import LEDGER_SCHEMA
+from stagereplay.io import cache_dumps, fingerprints, provenance
 from stagereplay.io.fingerprints import (
     CACHE_FINGERPRINT_SCHEME,
     SCHEME_KEY,
@@ -20,7 +19,7 @@ from stagereplay.io.fingerprints import (
     fingerprint_layers,
 )
 from stagereplay.io.parquet import write_parquet
-from stagereplay.stages import PREFIX_SCHEMA
+from stagereplay.stages.reconstruct import PREFIX_SCHEMA
 
 from test_tampering import ledger_rows
 
@@ -42,7 +41,7 @@ def by_hand(layers) -> str:
 
 @pytest.mark.parametrize("threshold", [0, 1 << 62])  # always in threads; never
 def test_whole_fingerprint_is_sha256_over_the_digest_list(monkeypatch, threshold):
-    monkeypatch.setattr(ledger, "PARALLEL_HASH_BYTES", threshold)
+    monkeypatch.setattr(fingerprints, "PARALLEL_HASH_BYTES", threshold)
     layers = cache_layers()
     whole, ks, vs = fingerprint_layers(layers)
     assert whole == by_hand(layers)
@@ -58,14 +57,14 @@ def test_same_fingerprints_with_and_without_threads(monkeypatch):
     layers = cache_layers(n_layers=24, shape=(1, 2, 64, 32))  # many tensors of unequal finishing order
     results = []
     for threshold in (0, 1 << 62, 0, 0):
-        monkeypatch.setattr(ledger, "PARALLEL_HASH_BYTES", threshold)
+        monkeypatch.setattr(fingerprints, "PARALLEL_HASH_BYTES", threshold)
         results.append(fingerprint_layers(layers))
     assert all(r == results[0] for r in results) and results[0][0] == by_hand(layers)
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 62])
 def test_one_byte_changes_the_whole_and_only_its_layer(monkeypatch, threshold):
-    monkeypatch.setattr(ledger, "PARALLEL_HASH_BYTES", threshold)
+    monkeypatch.setattr(fingerprints, "PARALLEL_HASH_BYTES", threshold)
     layers = cache_layers()
     whole, ks, vs = fingerprint_layers(layers)
     changed = [(k.clone(), v.clone()) for k, v in layers]
@@ -133,32 +132,43 @@ def test_files_of_this_scheme_or_without_cache_fingerprints_pass(tmp_path):
 
 
 def entry_points(tmp_path, ledger_path, items_path):
-    from stagereplay.control_stages import audit_ledger, batch_invariance
-    from stagereplay.transplant_stages import dump_caches, transplant_items
+    from stagereplay.stages.controls import audit_ledger, batch_invariance
+    from stagereplay.stages.settings import (
+        BatchInvarianceSettings,
+        ControlSettings,
+        DumpSettings,
+        TransplantSettings,
+        from_params,
+    )
+    from stagereplay.stages.transplant import dump_caches, transplant_caches
 
     common = dict(model="never-loaded", revision="primary")
-    decode = dict(boundary={"token_id": 3}, max_stage_tokens=4, max_new_tokens=4)
+    decode = dict(common, boundary={"token_id": 3}, max_stage_tokens=4, max_new_tokens=4)
     return {
-        "audit_ledger": lambda: audit_ledger(items_path, ledger_path, tmp_path / "audit.parquet", precision="bf16",
-                                             reference_precision="bf16", **common, **decode),
-        "batch_invariance": lambda: batch_invariance(items_path, ledger_path, tmp_path / "bi.parquet",
-                                                     precisions=["bf16"], sample=1, sample_seed=0, **common, **decode),
-        "dump_caches": lambda: dump_caches(ledger_path, tmp_path / "caches", tmp_path / "dumps.parquet", items="all",
-                                           **common),
-        "transplant_caches": lambda: transplant_items(items_path, ledger_path, tmp_path / "transplant.parquet",
-                                                      sweeps=["all"], precision="bf16", max_new_tokens=4, **common),
+        "audit_ledger": lambda: audit_ledger(
+            items_path, ledger_path, tmp_path / "audit.parquet",
+            from_params(ControlSettings, dict(decode, precision="bf16", reference_precision="bf16"))),
+        "batch_invariance": lambda: batch_invariance(
+            items_path, ledger_path, tmp_path / "bi.parquet",
+            from_params(BatchInvarianceSettings, dict(decode, precisions=("bf16",), sample=1, sample_seed=0))),
+        "dump_caches": lambda: dump_caches(
+            ledger_path, tmp_path / "caches", tmp_path / "dumps.parquet",
+            from_params(DumpSettings, dict(common, items="all", max_new_tokens=4))),
+        "transplant_caches": lambda: transplant_caches(
+            items_path, ledger_path, tmp_path / "transplant.parquet",
+            from_params(TransplantSettings, dict(common, sweeps=("all",), precision="bf16", max_new_tokens=4))),
     }
 
 
 @pytest.mark.parametrize("stage", ["audit_ledger", "batch_invariance", "dump_caches", "transplant_caches"])
 def test_stages_that_compare_cache_fingerprints_refuse_an_old_ledger(tmp_path, stage):
-    from stagereplay.fastdecode import batch_plan, plan_record
+    from stagereplay.decode.plans import batch_plan
 
     rows = ledger_rows()
     items = rows.drop_duplicates("item_index")[["item_index", "item_id"]].assign(question="q", answer="1")
     items_path = tmp_path / "items.parquet"
     write_parquet(items, items_path, {"stage": "select_items"})
-    plan = plan_record(batch_plan(list(items["item_id"]), 2, 0))  # batch_invariance compares batched ledgers only
+    plan = batch_plan(list(items["item_id"]), 2, 0).record()  # batch_invariance compares batched ledgers only
     ledger_path = write_ledger(tmp_path / "ledger.parquet", {"stage": "reconstruct_prefixes", "batch_plan": plan})
     with pytest.raises(FingerprintSchemeError, match="its cache fingerprints were made by an older scheme") as err:
         entry_points(tmp_path, str(ledger_path), str(items_path))[stage]()
@@ -167,21 +177,12 @@ def test_stages_that_compare_cache_fingerprints_refuse_an_old_ledger(tmp_path, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["items.parquet", "ledger.parquet"]  # nothing written
 
 
-def make_cache(layers):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
 def test_a_dump_records_its_scheme_and_one_of_another_scheme_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     layers = cache_layers(n_layers=3)
     path = tmp_path / "c.safetensors"
-    written = cache_dumps.save_cache(path, make_cache(layers), {"item_id": "x"})
+    written = cache_dumps.save_cache(path, layers, {"item_id": "x"})
     assert written["fingerprint_scheme"] == CACHE_FINGERPRINT_SCHEME and written["cache_fingerprint"] == by_hand(layers)
     assert cache_dumps.load_cache(path).meta["cache_fingerprint"] == by_hand(layers)
     tensors = load_file(str(path))
@@ -199,8 +200,6 @@ def test_a_dump_records_its_scheme_and_one_of_another_scheme_is_refused(tmp_path
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the page-locked host copy is for CUDA tensors")
 def test_a_gpu_cache_fingerprints_and_dumps_like_its_host_copy(tmp_path):
-    from transformers import DynamicCache
-
     layers = cache_layers(n_layers=4, shape=(1, 2, 9, 16), dtype=torch.bfloat16, seed=3)
     def in_a_buffer(t):  # a window of a longer static buffer: not contiguous
         buffer = torch.zeros(1, 2, 20, 16, dtype=t.dtype, device="cuda")
@@ -212,10 +211,7 @@ def test_a_gpu_cache_fingerprints_and_dumps_like_its_host_copy(tmp_path):
     assert fingerprints.fingerprint_layers(strided) == fingerprints.fingerprint_layers(layers) == (
         by_hand(layers), [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[0::2]],
         [hashlib.sha256(b).hexdigest() for b in raw_bytes(layers)[1::2]])
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(strided):
-        cache.update(k, v, i)
-    written = cache_dumps.save_cache(tmp_path / "dump.safetensors", cache, {"item_index": 0})
+    written = cache_dumps.save_cache(tmp_path / "dump.safetensors", strided, {"item_index": 0})
     assert written["cache_fingerprint"] == by_hand(layers)
     loaded = cache_dumps.load_cache(tmp_path / "dump.safetensors")
     assert [fingerprints.tensor_bytes(k) for k, _ in loaded.layers] == [fingerprints.tensor_bytes(k) for k, _ in layers]

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stagereplay.experiment import LEDGER_SCHEMA
-from stagereplay.io.parquet import CorruptFileError, read_parquet, write_parquet
 from stagereplay.analysis.report import build_report
-from stagereplay.stages import gather_ledger
+from stagereplay.experiments.rows import LEDGER_SCHEMA
+from stagereplay.io.parquet import CorruptFileError, read_parquet, write_parquet
+from stagereplay.stages.reconstruct import gather_ledger
 
 
 def ledger_rows(n=6):
