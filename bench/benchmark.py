@@ -25,12 +25,19 @@ from pathlib import Path
 
 import torch
 
-from stagereplay.models import compat
-from stagereplay import fastdecode as fd
-from stagereplay.engine import BoundaryMatcher, Decoder, build_cache, continue_greedy, first_divergence, \
-    generate_to_boundary
-from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.decode.eager import EagerDecoder
+from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, first_divergence
+from stagereplay.decode.plans import batch_plan
+from stagereplay.decode.regimes import make_decoder
+from stagereplay.decode.static import ATTENTIONS, StaticDecoder, fuse_layer
+from stagereplay.experiments import constructions
+from stagereplay.experiments.recipe import run
+from stagereplay.experiments.rows import RunSettings
 from stagereplay.models.loading import PRECISIONS, set_determinism
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench/ helpers, also when loaded by file path
+from batch_invariance import StageOfLength, batch_invariance, live_rows  # noqa: E402
+from bucketed import BucketedDecoder  # noqa: E402
 
 SHAPES = {
     # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads / 2 KV heads, tied embeddings
@@ -131,18 +138,50 @@ def rate_generate(model, prompt, n_new) -> float:
     return (n_new - 1) / (tn - t1)
 
 
+class FromFirstStep:
+    """A decoder as the greedy loop sees it, clocked from its first ``step``: the loop's continuation from the
+    boundary (the pending tokens fed, then one greedy token per step), without the cache build and the boundary
+    fingerprints that come before it."""
+
+    def __init__(self, decoder):
+        self.decoder, self.start = decoder, None
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def step(self, batch, tokens):
+        if self.start is None:
+            sync()
+            self.start = time.perf_counter()
+        return self.decoder.step(batch, tokens)
+
+
+# a one-token stage: each prompt but its last token in one forward, that token pending (the live schedule's own
+# cache, so a batch of rows decodes it without a second build)
+PENDING_LAST = constructions.get("incremental").cache_build()
+
+
+def continuation(decoder, prompts, n_new) -> tuple[float, list]:
+    """The package's greedy loop (``decode_rows``) from a prefilled cache over each prompt but its last token, that
+    token pending: ``n_new`` greedy tokens per row (host loop: one sync per token, margins and stop checks per
+    row). Seconds from the first step (the cache's build is not timed), and the rows' results."""
+    clocked = FromFirstStep(decoder)
+    out = decode_rows(clocked, [p[:-1] for p in prompts], stages=[p[-1:] for p in prompts], build=PENDING_LAST,
+                      max_new_tokens=n_new)
+    sync()
+    return time.perf_counter() - clocked.start, out
+
+
 def rate_engine(decoder, prompt, n_new) -> tuple[float, list[int]]:
-    """The engine's continue_greedy from a prefill cache (host loop: one sync per token)."""
-    continue_greedy(decoder, build_cache(decoder, "prefill", prompt[:-1], prompt[-1:]), prompt[-1], 2)
-    cache = build_cache(decoder, "prefill", prompt[:-1], prompt[-1:])
-    dt, cont = timed(lambda: continue_greedy(decoder, cache, prompt[-1], n_new, copy_cache=False))
-    return n_new / dt, cont.suffix_ids
+    """The package's greedy loop at batch 1 from a prefilled cache (host loop: one sync per token)."""
+    continuation(decoder, [prompt], 2)
+    dt, out = continuation(decoder, [prompt], n_new)
+    return n_new / dt, out[0].suffix_ids
 
 
-def rate_device_loop(decoder: fd.StaticDecoder, prompts, n_new) -> float:
+def rate_device_loop(decoder: StaticDecoder, prompts, n_new) -> float:
     """Aggregate tok/s of greedy steps whose next ids stay on the device (no host sync inside the loop)."""
-    cache = decoder.new_cache(len(prompts))
-    logits = decoder.prefill_rows(prompts, cache)
+    cache, logits = decoder.open(prompts)  # the prompts, left-padded, in one forward
     ids = logits.argmax(-1, keepdim=True)
     ids = decoder.forward_rows(ids, cache).argmax(-1, keepdim=True)  # captures the graph for this row count
 
@@ -155,14 +194,11 @@ def rate_device_loop(decoder: fd.StaticDecoder, prompts, n_new) -> float:
     return len(prompts) * n_new / dt
 
 
-def rate_continue_batch(decoder: fd.StaticDecoder, prompts, n_new) -> tuple[float, list]:
-    """Aggregate tok/s of the project's batched continuation (host loop, margins and stop checks per row)."""
-    cache = decoder.new_cache(len(prompts))
-    decoder.prefill_rows([p[:-1] for p in prompts], cache)
-    fd.continue_batch(decoder, cache, [p[-1] for p in prompts], 2)
-    cache = decoder.new_cache(len(prompts))
-    decoder.prefill_rows([p[:-1] for p in prompts], cache)
-    dt, out = timed(lambda: fd.continue_batch(decoder, cache, [p[-1] for p in prompts], n_new))
+def rate_continue_batch(decoder: StaticDecoder, prompts, n_new) -> tuple[float, list]:
+    """Aggregate tok/s of the package's greedy loop over a batch of rows (host loop, margins and stop checks per
+    row)."""
+    continuation(decoder, prompts, 2)
+    dt, out = continuation(decoder, prompts, n_new)
     return len(prompts) * n_new / dt, out
 
 
@@ -176,16 +212,16 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
     n = args.new_tokens
     row["generate_tok_s"] = rate_generate(model, prompt, n)
     log(f"  {shape} {precision}: model.generate {row['generate_tok_s']:.1f} tok/s")
-    row["eager_loop_tok_s"], eager_ids = rate_engine(Decoder(model, ()), prompt, n)
+    row["eager_loop_tok_s"], eager_ids = rate_engine(EagerDecoder(model, ()), prompt, n)
     log(f"  {shape} {precision}: eager DynamicCache loop {row['eager_loop_tok_s']:.1f} tok/s")
     max_len = args.prompt_len + n + 8
     cuda = torch.cuda.is_available()  # CPU: the static regime stands in (no graphs), so every code path still runs
-    graph = fd.StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches),
-                             regime="cuda_graph" if cuda else "static", attention=args.decode_attention)
+    graph = StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches),
+                          regime="cuda_graph" if cuda else "static", attention=args.decode_attention)
     row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
     row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
     if cuda:
-        static = fd.StaticDecoder(model, (), max_len=max_len, regime="static")
+        static = StaticDecoder(model, (), max_len=max_len, regime="static")
         _, static_ids = rate_engine(static, prompt, min(n, 16))
         row["static_equals_graph_first16"] = static_ids == graph_ids[: len(static_ids)]
         del static
@@ -209,19 +245,19 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
 
 def batch_control(decoder, vocab, args) -> dict:
     """Batched live runs of prompts of different lengths: replicas of one plan, and rows against batch 1."""
-    plan = fd.batch_plan([f"item-{i}" for i in range(args.control_items)], args.control_items, seed=0)
+    item_ids, seed = [f"item-{i}" for i in range(args.control_items)], 0
+    plan = batch_plan(item_ids, args.control_items, seed=seed)  # None at one item: a batch of one row
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(args.bridge_prompt // 2, args.bridge_prompt, (args.control_items,), generator=g).tolist()
     by_id = {f"item-{i}": prompts_for(1, n, vocab, 200 + i)[0] for i, n in enumerate(lengths)}
-    prompts = [by_id[i] for i in plan.batches[0]]
-    reached = lambda ids: len(ids) == args.bridge_stage  # noqa: E731  (random weights: a fixed-length stage)
-    run = lambda: fd.generate_batch(decoder, prompts, reached, args.bridge_stage, args.bridge_suffix)  # noqa: E731
-    a, b = run(), run()
-    replicas = all(fingerprint_layers(x.cache_layers) == fingerprint_layers(y.cache_layers)
-                   and x.suffix_ids == y.suffix_ids for x, y in zip(a, b))
-    records = fd.batch_invariance(decoder, prompts, a, reached, args.bridge_stage, args.bridge_suffix,
-                                  sample=args.control_sample, seed=0)
-    out = {"rows": len(prompts), "plan_seed": plan.seed, "replicas_equal": replicas, "sampled": len(records),
+    prompts = [by_id[i] for i in (plan.batches[0] if plan is not None else item_ids)]
+    matcher = StageOfLength(args.bridge_stage)  # random weights: a fixed-length stage
+    live = lambda: live_rows(decoder, prompts, matcher, args.bridge_stage, args.bridge_suffix)  # noqa: E731
+    a, b = live(), live()
+    replicas = all(x.fingerprints == y.fingerprints and x.suffix_ids == y.suffix_ids for x, y in zip(a, b))
+    records = batch_invariance(decoder, prompts, a, matcher, args.bridge_stage, args.bridge_suffix,
+                               sample=args.control_sample, seed=0)
+    out = {"rows": len(prompts), "plan_seed": seed, "replicas_equal": replicas, "sampled": len(records),
            "suffix_disagreements": sum(not r["suffix_equal"] for r in records),
            "cache_disagreements": sum(not r["cache_equal"] for r in records), "records": records}
     log(f"  batch control: {out['rows']} rows, replicas equal {replicas}; vs batch 1 on {len(records)} sampled "
@@ -266,13 +302,12 @@ def projection_measure(model, shape, precision, args) -> dict:
     triton_attention = args.decode_attention == "triton"
     # the triton attention reads each row's keys up to its position: its "bucket" is one position
     bucket = 1 if triton_attention else args.proj_bucket
-    dec = fd.StaticDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime,
-                           bucket=None if triton_attention else bucket, attention=args.decode_attention)
+    dec = BucketedDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime,
+                          bucket=None if triton_attention else bucket, attention=args.decode_attention)
     out["decode_attention"] = args.decode_attention
     vocab = model.config.vocab_size
     prompts = prompts_for(rows, 16, vocab, 7)
-    cache = dec.new_cache(rows)
-    dec.prefill_rows(prompts, cache)
+    cache, _ = dec.open(prompts)
     ids = torch.ones(rows, 1, dtype=torch.long, device=dec.device)
     # A step's cost depends on the span it attends over (the whole buffer, the position's bucket, or with the
     # triton attention the position itself), not on the content: time a few steps at a few spans and fit
@@ -301,19 +336,17 @@ def projection_measure(model, shape, precision, args) -> dict:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     # one-shot prefill of boundary prefixes (P + S - 1 tokens), a few rows at once
     prows = min(args.proj_prefill_rows, rows)
-    pdec = fd.StaticDecoder(model, (), max_len=P + S + 8, max_rows=prows, regime="static")
+    pdec = StaticDecoder(model, (), max_len=P + S + 8, max_rows=prows, regime="static")
     pp = prompts_for(prows, P + S - 1, vocab, 8)
-    pcache = pdec.new_cache(prows)
-    dt, _ = timed(lambda: pdec.prefill_rows(pp, pcache))
-    pcache = pdec.new_cache(prows)
-    dt, _ = timed(lambda: pdec.prefill_rows(pp, pcache))
+    dt, _ = timed(lambda: pdec.open(pp))  # the rows, left-padded, in one forward
+    dt, (pcache, _) = timed(lambda: pdec.open(pp))
     out["prefill_tokens_s"] = prows * (P + S - 1) / dt
     log(f"  projection {shape} {precision}: prefill {prows} x {P + S - 1} tokens in {dt:.2f} s "
         f"({out['prefill_tokens_s']:.0f} tok/s)")
     # dump one boundary cache to disk and read it back (a transplant's donor)
     from safetensors.torch import load_file, save_file
 
-    layers = fd.row_caches(pcache, [pcache.length])[0]
+    layers = pdec.row_layers(pcache, 0, pcache.length)  # row 0's boundary cache, as views of the buffer
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         path = os.path.join(tmp, "cache.safetensors")
 
@@ -358,7 +391,7 @@ def gemm_rates(model, rows: int, large: int = 2048, repeats: int = 10) -> dict:
     prefill-sized product, near the GEMM's best rate): the compute bound of a decode step whose weights no longer
     dominate its time (fp32, where TF32 stays off)."""
     layer = model.model.layers[0]
-    qkv_w, _, gate_up_w = fd._fuse_layer(layer)  # the static decoder's fused weights (made once, reused)
+    qkv_w, _, gate_up_w = fuse_layer(layer)  # the static decoder's fused weights (made once, reused)
     weights = [qkv_w, layer.self_attn.o_proj.weight, gate_up_w, layer.mlp.down_proj.weight]
     linear_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     linear_params += model.lm_head.weight.numel()
@@ -436,27 +469,27 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
 # -- the bridge on the device -------------------------------------------------------------------------------------
 
 def bridge_study(model, precision, args, decoder, regime) -> list[dict]:
-    """live vs incremental vs prefill with the package's engine, on random prompts of ``bridge_prompt`` tokens."""
+    """live vs incremental vs prefill through the package's recipe (one row each), on random prompts of
+    ``bridge_prompt`` tokens."""
     rows = []
     vocab = model.config.vocab_size
+    stage_len = args.bridge_stage
+    settings = RunSettings(revision="random", precision=precision, max_stage_tokens=stage_len + 4,
+                           max_new_tokens=args.bridge_suffix, decode_regime=regime)
     for p, prompt in enumerate(prompts_for(args.bridge_prompts, args.bridge_prompt, vocab, 11)):
-        stage_len = args.bridge_stage
-        free = generate_to_boundary(decoder, prompt, BoundaryMatcher(1, token_ids=[vocab + 1]), stage_len).generated_ids
+        # stage_len free greedy tokens (a marker that never comes), then the boundary at the last of them
+        free = decode_rows(decoder, [prompt], matcher=BoundaryMatcher(1, token_ids=[vocab + 1]),
+                           max_stage_tokens=stage_len, max_new_tokens=0)[0].suffix_ids
         marker = free[stage_len - 1]
         matcher = BoundaryMatcher(free[:stage_len].count(marker), token_ids=[marker])
-        live = generate_to_boundary(decoder, prompt, matcher, stage_len + 4)
-        assert live.status == "ok" and live.stage_ids == free[:stage_len]
-        fp = lambda c: fingerprint_layers(compat.cache_layers(c))  # noqa: E731
-        f_live = fp(live.cache)
-        inc = build_cache(decoder, "incremental", prompt, live.stage_ids)
-        f_inc = fp(inc)
-        pre1 = build_cache(decoder, "prefill", prompt, live.stage_ids)
-        pre2 = build_cache(decoder, "prefill", prompt, live.stage_ids)
-        f_pre1, f_pre2 = fp(pre1), fp(pre2)
+        live = run(decoder, "live", [prompt], settings, matcher=matcher)[0]
+        assert live.stop_reason != "boundary_missing" and live.stage_ids == free[:stage_len]
+        inc = run(decoder, "incremental", [prompt], settings, stages=[live.stage_ids])[0]
+        pre1 = run(decoder, "prefill", [prompt], settings, stages=[live.stage_ids])[0]
+        pre2 = run(decoder, "prefill", [prompt], settings, stages=[live.stage_ids], max_new_tokens=0)[0]
+        f_live, f_inc, f_pre1, f_pre2 = live.fingerprints, inc.fingerprints, pre1.fingerprints, pre2.fingerprints
         first_layer = next((i for i, (a, b) in enumerate(zip(f_live[1], f_pre1[1])) if a != b), None)
-        s_live = continue_greedy(decoder, live.cache, live.stage_ids[-1], args.bridge_suffix).suffix_ids
-        s_inc = continue_greedy(decoder, inc, live.stage_ids[-1], args.bridge_suffix).suffix_ids
-        s_pre = continue_greedy(decoder, pre1, live.stage_ids[-1], args.bridge_suffix).suffix_ids
+        s_live, s_inc, s_pre = live.suffix_ids, inc.suffix_ids, pre1.suffix_ids
         row = {"regime": regime, "precision": precision, "prompt": p, "prompt_len": len(prompt),
                "stage_len": stage_len, "live_equals_incremental": f_live == f_inc,
                "prefill_replicas_equal": f_pre1 == f_pre2, "prefill_equals_live": f_pre1[0] == f_live[0],
@@ -568,7 +601,7 @@ def main(argv=None):
     ap.add_argument("--proj-prefill-rows", type=int, default=4)
     ap.add_argument("--proj-steps", type=int, default=8)
     ap.add_argument("--proj-bucket", type=int, default=256, help="attention span bucket of the projection's decoder")
-    ap.add_argument("--decode-attention", default="masked", choices=list(fd.ATTENTIONS),
+    ap.add_argument("--decode-attention", default="masked", choices=list(ATTENTIONS),
                     help="the static decoder's attention (triton: each row's keys up to its position; needs Triton)")
     ap.add_argument("--only-projection", action="store_true", help="skip the decode-rate and bridge sections")
     ap.add_argument("--fp32-attention-config", type=json.loads, default=None,
@@ -623,10 +656,10 @@ def main(argv=None):
                     RESULTS["decode"].append(decode_rates(model, shape, precision, args, meta["copy_TB_s"] * 1e12))
                     save()
                 if shape == args.bridge_shape and not args.only_projection:
-                    RESULTS["bridge"] += bridge_study(model, precision, args, Decoder(model, ()), "eager")
+                    RESULTS["bridge"] += bridge_study(model, precision, args, EagerDecoder(model, ()), "eager")
                     max_len = args.bridge_prompt + args.bridge_stage + args.bridge_suffix + 8
                     regime = "cuda_graph" if device == "cuda" else "static"
-                    RESULTS["bridge"] += bridge_study(model, precision, args, fd.make_decoder(
+                    RESULTS["bridge"] += bridge_study(model, precision, args, make_decoder(
                         model, (), regime, max_len=max_len), regime)
                     save()
                 if shape == args.project_shape:

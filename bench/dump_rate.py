@@ -1,6 +1,6 @@
 """How fast a boundary-cache dump reaches the disk, against the disk itself, in one run.
 
-A dump (``stagereplay.cache_io.save_cache``) fingerprints every layer's K and V bytes (sha256) and writes a
+A dump (``stagereplay.io.cache_dumps.save_cache``) fingerprints every layer's K and V bytes (sha256) and writes a
 safetensors file atomically (temp file, fsync, rename). The baseline is the same number of bytes written from
 host memory and fsynced, in the same folder and the same run: the disk's own rate. Reading a dump back
 (``load_cache``, which checks every fingerprint) is timed too. Each figure is the median over repeats, the
@@ -26,21 +26,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stagereplay.models import compat  # noqa: E402
 from stagereplay.io.cache_dumps import load_cache, save_cache  # noqa: E402
 from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
 
 
-def fake_cache(layers: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, device: str):
-    from transformers import DynamicCache
-
+def fake_layers(layers: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, device: str):
+    """A boundary cache of random values: (K, V) per layer, each (1, kv_heads, positions, head_dim)."""
     generator = torch.Generator().manual_seed(0)
-    cache = DynamicCache()
-    for i in range(layers):
+    out = []
+    for _ in range(layers):
         k, v = (torch.randn(1, kv_heads, positions, head_dim, generator=generator).to(dtype).to(device)
                 for _ in range(2))
-        cache.update(k, v, i)
-    return cache
+        out.append((k, v))
+    return out
 
 
 def raw_write(folder: Path, data: bytes) -> float:
@@ -69,8 +67,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    cache = fake_cache(args.layers, args.kv_heads, args.positions, args.head_dim, dtype, args.device)
-    layers = compat.cache_layers(cache)
+    layers = fake_layers(args.layers, args.kv_heads, args.positions, args.head_dim, dtype, args.device)
     size = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
     raw = os.urandom(size)
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
@@ -79,7 +76,7 @@ def main(argv=None) -> dict:
         for r in range(args.repeats):
             disk.append(raw_write(folder, raw))
             start = time.perf_counter()
-            save_cache(folder / "dump.safetensors", cache, {"item_index": r})
+            save_cache(folder / "dump.safetensors", layers, {"item_index": r})
             dump.append(time.perf_counter() - start)
             start = time.perf_counter()
             load_cache(folder / "dump.safetensors")

@@ -34,14 +34,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stagereplay.models import compat  # noqa: E402
-from stagereplay.models import invariant  # noqa: E402
-from stagereplay import fastdecode as fd  # noqa: E402
-from stagereplay.engine import Decoder  # noqa: E402
+from stagereplay.decode.protocol import Decoder  # noqa: E402
+from stagereplay.decode.regimes import REGIMES, make_decoder  # noqa: E402
+from stagereplay.decode.static import StaticDecoder  # noqa: E402
 from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
+from stagereplay.models import invariant  # noqa: E402
 from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
+from batch_invariance import StageOfLength, batch_invariance, live_rows  # noqa: E402
 from benchmark import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)
 
 def synchronize(device: torch.device) -> None:
@@ -56,39 +57,38 @@ def clock_for(device: torch.device):
 
 
 def time_prefill(decoder: Decoder, ids: list[int]) -> tuple[float, object]:
+    """Seconds of the one-shot prefill of ``ids`` (a batch of one row: ``open``), and the batch it made."""
     clock = clock_for(decoder.device)
-    cache = decoder.new_cache()
     synchronize(decoder.device)
     start = clock()
-    decoder.forward(ids, cache)
+    batch, _ = decoder.open([ids])
     synchronize(decoder.device)
-    return clock() - start, cache
+    return clock() - start, batch
 
 
 def time_decode(decoder: Decoder, ids: list[int], steps: int) -> float:
     """Seconds per decode step at batch 1 (median over the steps), after a prefill of ``ids``."""
     clock = clock_for(decoder.device)
-    cache = decoder.new_cache()
-    logits = decoder.forward(ids, cache)
+    batch, logits = decoder.open([ids])
     per_step = []
     for _ in range(steps):
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(logits[0]))
         synchronize(decoder.device)
         start = clock()
-        logits = decoder.forward([token], cache)
+        logits = decoder.step(batch, [token])
         synchronize(decoder.device)
         per_step.append(clock() - start)
     return statistics.median(per_step)
 
 
 def prefill_equals_incremental(decoder: Decoder, ids: list[int]) -> bool:
-    one_shot = decoder.new_cache()
-    decoder.forward(ids, one_shot)
-    stepped = decoder.new_cache()
-    for token in ids:
-        decoder.forward([token], stepped)
-    fingerprint = lambda cache: fingerprint_layers(compat.cache_layers(cache))[0]  # noqa: E731
-    return fingerprint(one_shot) == fingerprint(stepped)
+    """Whether the one-shot prefill cache of ``ids`` equals the token-by-token one (one forward per token), byte
+    for byte."""
+    one_shot, _ = decoder.open([ids])
+    fingerprint = lambda batch: fingerprint_layers(decoder.row_layers(batch, 0, len(ids)))[0]  # noqa: E731
+    first = fingerprint(one_shot)  # before the next batch takes a static decoder's buffer
+    stepped = decoder.build([ids], [ids], [[1] * len(ids)])
+    return first == fingerprint(stepped)
 
 
 def batch_check(model, args, vocab) -> dict:
@@ -99,11 +99,11 @@ def batch_check(model, args, vocab) -> dict:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in lengths]
     n_stage, n_new = 16, 16
-    decoder = fd.StaticDecoder(model, (), max_len=max(lengths) + n_stage + n_new + 8, max_rows=args.batch_rows,
-                               regime=args.decode_regime)
-    stage_end = lambda ids: len(ids) == n_stage  # noqa: E731
-    batched = fd.generate_batch(decoder, prompts, stage_end, n_stage, n_new)
-    records = fd.batch_invariance(decoder, prompts, batched, stage_end, n_stage, n_new, sample=len(prompts), seed=0)
+    decoder = StaticDecoder(model, (), max_len=max(lengths) + n_stage + n_new + 8, max_rows=args.batch_rows,
+                            regime=args.decode_regime)
+    stage_end = StageOfLength(n_stage)
+    batched = live_rows(decoder, prompts, stage_end, n_stage, n_new)
+    records = batch_invariance(decoder, prompts, batched, stage_end, n_stage, n_new, sample=len(prompts), seed=0)
     return {"rows": len(prompts), "prompt_lengths": f"{min(lengths)}-{max(lengths)}",
             "cache_disagreements": sum(not r["cache_equal"] for r in records),
             "token_disagreements": sum(not r["suffix_equal"] for r in records)}
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--decode-regime", default="eager", choices=list(fd.REGIMES),
+    parser.add_argument("--decode-regime", default="eager", choices=list(REGIMES),
                         help="the decode regime both numerics regimes run in")
     parser.add_argument("--batch-rows", type=int, default=0,
                         help="rows of the batch-invariance control (0: skip it; needs a static decode regime)")
@@ -143,8 +143,7 @@ def main(argv=None) -> dict:
             models[numerics] = loaded.model
             device_name = loaded.info["device"]
     max_len = args.prefill_len + args.decode_steps + 8
-    decoders = {name: Decoder(m, ()) if args.decode_regime == "eager" else
-                fd.StaticDecoder(m, (), max_len=max_len, regime=args.decode_regime) for name, m in models.items()}
+    decoders = {name: make_decoder(m, (), args.decode_regime, max_len=max_len) for name, m in models.items()}
     vocab = decoders["default"].model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab, (args.prefill_len,), generator=generator).tolist()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-host multi-GPU demo: the workflow with shards: 2 and device: auto on a machine with 2 GPUs, run as
 #   snakemake --cores 2 --resources gpu=2
-# Each generation job claims a GPU of its own (stagereplay.gpus); the script prints which GPU each job used, read
-# from the provenance of its ledger part, and whether the two jobs overlapped in time.
+# Each generation job claims a GPU of its own (stagereplay.models.gpus); the script prints which GPU each job used,
+# read from the provenance of its ledger part, and whether the two jobs overlapped in time.
 #
 # The model is a RANDOM-WEIGHT Qwen2.5-1.5B-shaped Qwen2ForCausalLM built here (scripts/make_random_qwen.py): no
 # network, no download; its outputs mean nothing. Needs python with torch (CUDA build), transformers, snakemake>=8,
