@@ -7,8 +7,15 @@ import hashlib
 import numpy as np
 import pandas as pd
 
-from stagereplay.experiment import LEDGER_SCHEMA
 from stagereplay.io.parquet import write_parquet
+
+# The ledger's columns (docs/STUDY.md, "Ledger columns"), written out here so that the analysis tests need no
+# engine code.
+LEDGER_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "construction", "replica", "status",
+                  "prompt_ids", "stage_ids", "prefix_fingerprint", "cache_k_fingerprints", "cache_v_fingerprints",
+                  "cache_fingerprint", "suffix_ids", "suffix_fingerprint", "margins", "stop_reason", "suffix_text",
+                  "answer", "gold_answer", "correct", "decode_regime", "numerics", "batch_index", "batch_row",
+                  "batch_rows"]
 
 
 def _fp(*parts) -> str:
@@ -60,7 +67,7 @@ def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfi
                         "suffix_fingerprint": _fp(suffix), "margins": m, "stop_reason": "max_new_tokens",
                         "suffix_text": "", "answer": None, "gold_answer": "1", "correct": correct,
                     })
-    return pd.DataFrame(rows, columns=LEDGER_SCHEMA.names)
+    return pd.DataFrame(rows, columns=LEDGER_COLUMNS)
 
 
 def synthetic_transplant(revision="primary", n_items=6) -> pd.DataFrame:
@@ -119,4 +126,39 @@ def synthetic_audit(ledger: pd.DataFrame, failing=()) -> pd.DataFrame:
 
 def write(df: pd.DataFrame, path) -> str:
     write_parquet(df, path, {"stage": "synthetic test data"})
+    return str(path)
+
+
+def synthetic_batch_invariance(revision="primary") -> pd.DataFrame:
+    """Four fp32 live rows: two compared and equal, one with no cache on either side (a boundary never reached,
+    status boundary_missing on both), one whose alone run overflowed (status nonfinite, no cache)."""
+    rows = []
+    for item, (status_b, status_a, fp_b, fp_a, equal) in enumerate([
+            ("ok", "ok", "a" * 64, "a" * 64, True), ("ok", "ok", "b" * 64, "b" * 64, True),
+            ("boundary_missing", "boundary_missing", "", "", False), ("ok", "nonfinite", "c" * 64, "", False)]):
+        rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision, "precision": "fp32",
+                     "construction": "live", "batch_index": 0, "batch_row": item, "batch_rows": 4,
+                     "status_batched": status_b, "status_alone": status_a, "cache_equal": equal and fp_b == fp_a,
+                     "stage_equal": equal, "suffix_equal": equal, "first_divergence": None if equal else 0,
+                     "label_equal": equal, "correct_batched": True, "correct_alone": True if equal else None,
+                     "cache_fingerprint_batched": fp_b, "cache_fingerprint_alone": fp_a})
+    return pd.DataFrame(rows)
+
+
+def part_provenance(precision="bf16", experiment="matched", revision="primary", **extra) -> dict:
+    """A generation part's provenance, shaped as the stages write it."""
+    return {"stagereplay": "0.1.0", "torch": "2.13.0", "transformers": "4.99.0", "git_commit": "abc123",
+            "cache_fingerprint_scheme": "sha256-list-v2", "model_source": f"data/toy/{revision}",
+            "model_type": "qwen2", "num_layers": 4, "attn_implementation": "sdpa", "dtype": precision,
+            "device": "cpu", "numerics_regime": {"numerics": "default"},
+            "numerics": {"deterministic_algorithms": True, "tf32": False, "threads": 1},
+            "stage": experiment,
+            "config": {"model": "data/toy", "revision": revision, "precision": precision,
+                       "boundary": {"marker": ";", "token_id": None, "occurrence": 1}, "max_stage_tokens": 32,
+                       "max_new_tokens": 48, "threads": 1, "decode_regime": "eager", "batch_size": 1,
+                       "seed": 0, "numerics": "default", "answer_format": "last_number"}, **extra}
+
+
+def write_with(df: pd.DataFrame, path, provenance: dict) -> str:
+    write_parquet(df, path, provenance)
     return str(path)

@@ -1,12 +1,19 @@
 """The paper figures: every figure is written as a real PDF and PNG, from small synthetic results and from nothing."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import matplotlib.text
+import pandas as pd
 import pytest
 
 from report_data import synthetic_cache_differences, synthetic_ledger, synthetic_transplant, write
-from stagereplay.analysis import figures
+from stagereplay.analysis import captions, figures, study
+from stagereplay.analysis import tables as analysis
+
+REPO = Path(__file__).resolve().parents[1]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,7 +43,7 @@ def tables(inputs):
 def test_each_figure_is_written_from_data(name, tables, tmp_path):
     paths = {fmt: str(tmp_path / f"{name}.{fmt}") for fmt in figures.FORMATS}
     assert tables[name] is not None and not tables[name].empty
-    figures.PLOTTERS[name](tables[name], paths, revision_order=["primary", "later"])
+    figures.PLOTTERS[name](tables[name], paths, revision_order=["primary", "later"], coinciding=tables["coinciding"])
     assert_figure_files(paths)
 
 
@@ -86,3 +93,111 @@ def test_cache_differences_figure_when_no_layer_differs(tmp_path):
     paths = {fmt: str(tmp_path / f"fig4.{fmt}") for fmt in figures.FORMATS}
     figures.PLOTTERS["fig4_cache_differences"](analysis.cache_difference_profile(equal), paths)
     assert_figure_files(paths)
+
+
+# --- ready for a paper --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Call a plotter and get its matplotlib figure back instead of files."""
+    kept = []
+    monkeypatch.setattr(figures, "_save", lambda fig, paths: kept.append(fig))
+
+    def draw(name, table, **kw):
+        figures.PLOTTERS[name](table, {}, **kw)
+        return kept[-1]
+    return draw
+
+
+def texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+
+
+def legend_labels(fig) -> list[str]:
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+    return [t.get_text() for legend in legends for t in legend.get_texts()]
+
+
+@pytest.mark.parametrize("name", list(figures.FIGURES))
+def test_no_figure_number_or_title_is_drawn_and_the_width_is_one_column(name, tables, drawn):
+    fig = drawn(name, tables[name], revision_order=["primary", "later"], coinciding=tables["coinciding"])
+    assert not [t for t in texts(fig) if re.match(r"Figure \d", t)]
+    assert not fig._suptitle
+    assert fig.get_size_inches()[0] == pytest.approx(3.4)
+    for legend in [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends):
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert len(labels) == len(set(labels)), labels  # no entry twice in one legend
+
+
+def test_pdf_embeds_truetype_fonts(tables, tmp_path):
+    path = tmp_path / "f.pdf"
+    figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(path)})
+    data = path.read_bytes()
+    assert b"/FontFile2" in data and b"/Type3" not in data
+
+
+def coinciding_ledger():
+    ledger = synthetic_ledger("primary", n_items=20, missing=(), nonfinite=())
+    matched = ledger[ledger["experiment"] == "matched"]
+    again = matched.assign(experiment="fixed_prefix",
+                           construction=matched["construction"].replace({"live": "incremental"}))
+    fp32 = ledger[(ledger["experiment"] == "fixed_prefix") & (ledger["precision"] == "fp32")]
+    return pd.concat([matched, again, fp32], ignore_index=True)
+
+
+@pytest.mark.parametrize("name", ["fig2_first_divergence", "fig3_margins"])
+def test_a_fixed_prefix_cell_repeating_the_matched_one_is_drawn_once(name, tmp_path, drawn):
+    inputs = {"ledger": {"primary": write(coinciding_ledger(), tmp_path / "ledger.parquet")}}
+    data = figures.tables(inputs)
+    assert set(data["coinciding"]) == {("primary", "bf16")}
+    fig = drawn(name, data[name], coinciding=data["coinciding"])
+    labels = legend_labels(fig)
+    assert not [lab for lab in labels if lab.startswith("fixed-prefix, bf16")], labels
+    assert [lab for lab in labels if lab.startswith("matched") and "bf16" in lab], labels
+
+
+def test_series_of_figures_2_and_3_differ_in_more_than_colour(tables, drawn):
+    fig = drawn("fig2_first_divergence", tables["fig2_first_divergence"], revision_order=["primary", "later"])
+    lines = [ln for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")]
+    styles = {(ln.get_linestyle(), ln.get_marker(), ln.get_color()) for ln in lines}
+    assert len(styles) == len(lines) >= 2
+    fig = drawn("fig3_margins", tables["fig3_margins"], revision_order=["primary", "later"])
+    handles = fig.axes[0].get_legend().legend_handles
+    assert len({(getattr(h, "get_paths", lambda: None)() and str(h.get_paths()[0].vertices.tolist()),
+                 str(h.get_facecolor().tolist() if hasattr(h, "get_facecolor") else h.get_color()))
+                for h in handles}) == len(handles)
+
+
+def test_figure_4_keeps_k_and_v_apart_and_puts_the_band_in_the_legend(drawn):
+    # K and V identical: the old figure drew one on top of the other.
+    differences = synthetic_cache_differences()
+    v = differences[differences["component"] == "v"]
+    differences.loc[v.index, ["max_abs", "rms"]] = differences.loc[v.index - 1, ["max_abs", "rms"]].to_numpy()
+    fig = drawn("fig4_cache_differences", analysis.cache_difference_profile(differences))
+    top = fig.axes[0]
+    lines = [ln for ln in top.get_lines()]
+    k = [ln for ln in lines if ln.get_marker() == "o"]
+    v = [ln for ln in lines if ln.get_marker() == "s"]
+    assert k and v
+    assert all((kk.get_xdata() != vv.get_xdata()).all() for kk, vv in zip(k, v))  # drawn apart
+    labels = legend_labels(fig)
+    assert "K cache" in labels and "V cache" in labels and "10th–90th percentile" in labels
+
+
+def test_figure_1_labels_each_reference_marker_and_names_it_in_the_legend(tables, drawn):
+    fig = drawn("fig1_disagreement", tables["fig1_disagreement"], revision_order=["primary", "later"])
+    marks = {m for t in texts(fig) for m in re.findall(r"\(study \d+/\d+\)", t)}
+    # the study's count beside each cell it gives one for (here: matched bf16, fixed-prefix fp32), and a diamond
+    assert marks == {f"(study {c.k}/{c.n})" for c in (study.MATCHED_DISAGREEMENTS["bf16"],
+                                                      study.FIXED_PREFIX_DISAGREEMENTS["fp32"])}
+    diamonds = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_marker() == "D"]
+    assert len(diamonds) == 2 * 2  # two cells, two revisions
+    assert "reference study" in legend_labels(fig)
+    for ax in fig.axes:
+        assert not ax.get_title() or ax.get_title().startswith("revision")
+
+
+@pytest.mark.parametrize("name", list(captions.CAPTIONS))
+def test_rst_captions_are_the_reports_captions(name):
+    assert (REPO / "workflow/report" / f"{name}.rst").read_text() == captions.rst_text(name)
+    assert "Figure" not in captions.CAPTIONS[name][0]

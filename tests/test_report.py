@@ -1,14 +1,16 @@
 """The report's numbers against counts recomputed here from the ledger, and its handling of absent inputs."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_differences, synthetic_ledger,
                          synthetic_transplant, write)
 from stagereplay.analysis import tables as analysis
-from stagereplay.engine import first_divergence as engine_first_divergence
 from stagereplay.analysis.report import build_report, compare_constructions
 
 
@@ -105,34 +107,55 @@ def test_every_statistic_carries_n_method_and_seed(built):
 
 
 def test_absent_inputs_are_skipped_with_a_note(tmp_path):
+    """A declared input not on disk yet: its section says it is skipped; an input never declared for the revision:
+    one line names what the run does not produce, and no section pretends it is coming."""
     ledger = write(synthetic_ledger("primary", n_items=8), tmp_path / "ledger.parquet")
     inputs = {"bridge": {"primary": str(tmp_path / "missing_bridge.parquet")}}
     result = build_report({"primary": ledger}, str(tmp_path / "r.md"), str(tmp_path / "s.json"), "t",
                           inputs=inputs)
     report = (tmp_path / "r.md").read_text()
-    for kind in ("bridge", "audit", "transplant", "cache_differences"):
-        assert result["revisions"]["primary"][kind] == {"skipped": f"absent input: {kind}"}
-        assert f"_Skipped: no {kind}.parquet" in report
+    assert result["revisions"]["primary"]["bridge"] == {"skipped": "absent input: bridge"}
+    assert "_Skipped: no bridge.parquet" in report
+    for kind in ("audit", "transplant", "cache_differences"):
+        assert kind not in result["revisions"]["primary"]
+        assert f"_Skipped: no {kind}.parquet" not in report
+    assert "Not produced for this revision" in report and "transplant" in result["revisions"]["primary"][
+        "not_produced"]
     assert result["revisions"]["primary"]["matched"]["bf16"]["n_compared"] == 6
 
 
-def test_pair_table_agrees_with_compare_constructions():
+def test_compare_constructions_is_the_pair_table():
     ledger = synthetic_ledger("primary")
     mine = analysis.pair_table(ledger, "matched", "live", "prefill").set_index("item_index").sort_index()
     kept = compare_constructions(ledger, "matched", "live", "prefill").set_index("item_index").sort_index()
     assert list(mine.index) == list(kept.index)
     assert (mine["disagree"] == kept["disagree"]).all()
-    assert mine["first_divergence"].astype(float).fillna(-1).tolist() == kept["first_divergence"].astype(float).fillna(-1).tolist()
     assert mine["margin_a"].astype(float).fillna(-1).tolist() == kept["margin_live"].astype(float).fillna(-1).tolist()
     assert (mine["label_differs"] == kept["label_differs"]).all()
 
 
-def test_first_divergence_agrees_with_the_engine():
+def plain_first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def test_first_divergence_agrees_with_a_plain_loop():
     rng = np.random.default_rng(0)
     for _ in range(300):
         a = rng.integers(0, 3, size=rng.integers(0, 6)).tolist()
         b = rng.integers(0, 3, size=rng.integers(0, 6)).tolist()
-        assert analysis.first_divergence(a, b) == engine_first_divergence(a, b), (a, b)
+        assert analysis.first_divergence(a, b) == plain_first_divergence(a, b), (a, b)
+
+
+def test_the_analysis_layer_imports_no_engine_code():
+    """report, figures and tables import only stagereplay.io (and so no torch), never the engine layers."""
+    code = ("import sys, stagereplay.analysis.report, stagereplay.analysis.figures; "
+            "bad = sorted(m for m in sys.modules if m.startswith('stagereplay.') and not "
+            "m.startswith(('stagereplay.analysis', 'stagereplay.io')) or m == 'torch'); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_replica_agreement_counts_a_differing_replica():
@@ -157,3 +180,44 @@ def test_figure_tables_carry_the_reports_numbers(built):
             acc = accuracy[(accuracy["experiment"] == experiment) & (accuracy["precision"] == precision)].iloc[0]
             for key in ("difference", "bootstrap_low", "bootstrap_high", "mcnemar_p"):
                 assert acc[key] == numbers["accuracy_difference"][key], (experiment, precision, key)
+
+
+# --- every pairing refuses duplicate keys -------------------------------------------------------------------------
+
+def _duplicated(ledger: pd.DataFrame) -> pd.DataFrame:
+    row = ledger[(ledger["experiment"] == "matched") & (ledger["construction"] == "prefill")
+                 & (ledger["replica"] == 1)].iloc[[0]]
+    return pd.concat([ledger, row.assign(suffix_ids=[[99, 99]])], ignore_index=True)
+
+
+@pytest.mark.parametrize("pairing", [
+    lambda l: analysis.pair_table(l, "matched", "live", "prefill"),
+    analysis.all_pairs,
+    analysis.replica_agreement,
+    analysis.exclusions,
+    analysis.coinciding_comparisons,
+    lambda l: analysis.margin_pairs(l, analysis.all_pairs(l.drop_duplicates(list(analysis.LEDGER_KEY)))),
+])
+def test_every_ledger_pairing_refuses_a_duplicate_key(pairing):
+    ledger = _duplicated(synthetic_ledger("primary", n_items=6))
+    with pytest.raises(analysis.DuplicateRowsError, match=r"ledger: 1 key\(s\).*\(0, primary, matched, bf16, "
+                                                          r"prefill, 1\) x2"):
+        pairing(ledger)
+
+
+def test_transplant_and_cache_difference_tables_refuse_duplicate_keys():
+    transplant = synthetic_transplant()
+    with pytest.raises(analysis.DuplicateRowsError, match="transplant"):
+        analysis.transplant_matrix(pd.concat([transplant, transplant.iloc[[0]]]))
+    differences = synthetic_cache_differences()
+    with pytest.raises(analysis.DuplicateRowsError, match="cache_differences"):
+        analysis.cache_difference_profile(pd.concat([differences, differences.iloc[[3]]]))
+
+
+def test_report_refuses_duplicate_audit_rows(tmp_path):
+    ledger = synthetic_ledger("primary", n_items=4)
+    audit = synthetic_audit(ledger)
+    paths = {"audit": {"primary": write(pd.concat([audit, audit.iloc[[2]]]), tmp_path / "audit.parquet")}}
+    with pytest.raises(analysis.DuplicateRowsError, match="audit"):
+        build_report({"primary": write(ledger, tmp_path / "ledger.parquet")}, str(tmp_path / "r.md"),
+                     str(tmp_path / "s.json"), "t", inputs=paths)

@@ -10,7 +10,7 @@ from scipy.stats import binom
 from stagereplay.analysis.stats import (
     first_divergence_summary,
     follow_rate,
-    margin_comparison,
+    divergence_margin_test,
     paired_accuracy_difference,
     proportion,
 )
@@ -146,20 +146,35 @@ def test_results_are_json_ready():
         assert "n" in result and "method" in result
 
 
-def test_margin_comparison_against_hand_counts():
-    # No ties: U of the divergence sample counts pairs (d, a) with d > a: only 0.2 > 0.1, so U = 1. Under the null,
-    # the 2 divergence ranks are a uniform 2-subset of 7, and U <= 1 in 2 of the C(7, 2) = 21 subsets.
-    result = margin_comparison([0.05, 0.2], [0.1, 0.5, 1.0, 2.0, 3.0])
-    assert (result["n"], result["n_steps"]) == (2, 5)
-    assert result["median_divergence"] == pytest.approx(0.125) and result["median_all"] == 1.0
-    assert result["share_of_steps_at_or_below_median_divergence"] == pytest.approx(1 / 5)
-    assert result["mann_whitney_u"] == 1.0
-    assert result["mann_whitney_p_less"] == pytest.approx(2 / 21, abs=1e-12)
+def test_divergence_margin_test_is_per_item_and_leaves_the_divergence_step_out():
+    # Four items. Item 1: divergence 0.05 against other steps (1, 2, 3): median 2, below. Item 2: 0.2 against
+    # (0.1, 0.3): median 0.2, a tie (left out of the sign test). Item 3: 5.0 against (1.0,): above. Item 4: 0.01
+    # against (0.5, 0.6, 0.7, 0.8): median 0.65, below. Item 5 has no other step and is counted apart.
+    items = [(0.05, [1.0, 2.0, 3.0]), (0.2, [0.1, 0.3]), (5.0, [1.0]), (0.01, [0.5, 0.6, 0.7, 0.8]), (0.3, [])]
+    result = divergence_margin_test(items)
+    assert (result["n"], result["n_no_other_step"], result["n_ties"]) == (4, 1, 1)
+    assert (result["below_item_median"], result["above_item_median"]) == (2, 1)
+    # Exact sign test by hand: P(X >= 2), X ~ Binomial(3, 1/2) = (3 + 1) / 8.
+    assert result["sign_test_p_less"] == pytest.approx(4 / 8, abs=1e-12)
+    assert result["sign_test_p_less"] == pytest.approx(binom.sf(1, 3, 0.5), abs=1e-12)
+    # within-item percentiles 0, 1/2, 1, 0: median 0.25
+    assert result["median_within_item_percentile"] == pytest.approx(0.25)
+    assert result["median_of_item_medians"] == pytest.approx(np.median([2.0, 0.2, 1.0, 0.65]))
+    assert "sign test" in result["method"] and "left out" in result["method"]
     assert json.loads(json.dumps(result, allow_nan=False)) == result
 
 
-def test_margin_comparison_without_divergences():
-    result = margin_comparison([], [1.0, 2.0])
-    assert result["n"] == 0 and result["median_divergence"] is None and result["mann_whitney_p_less"] is None
-    assert result["median_all"] == 1.5
-    assert margin_comparison([None, float("nan")], [])["n"] == 0
+def test_divergence_margin_test_does_not_pool_steps_of_one_item():
+    """One item with many steps must weigh as much as one with few: pooling steps (the old Mann-Whitney test of
+    divergence margins against every step) let a long suffix decide the test on its own."""
+    few = [(0.01, [1.0])] * 3  # three items whose divergence is below their other steps
+    long_item = [(0.5, list(np.linspace(0.0, 0.4, 500)))]  # one item above its 500 other steps
+    result = divergence_margin_test(few + long_item)
+    assert result["n"] == 4 and (result["below_item_median"], result["above_item_median"]) == (3, 1)
+    assert result["sign_test_p_less"] == pytest.approx(binom.sf(2, 4, 0.5), abs=1e-12)
+
+
+def test_divergence_margin_test_without_divergences():
+    result = divergence_margin_test([])
+    assert result["n"] == 0 and result["median_divergence"] is None and result["sign_test_p_less"] is None
+    assert divergence_margin_test([(None, [1.0]), (float("nan"), [1.0])])["n"] == 0

@@ -7,16 +7,19 @@ is built from a run's files by the report, not written here.
 
 from __future__ import annotations
 
+import textwrap
+
 # name -> (title, caption); the order is the figures' numbering.
 CAPTIONS = {
     "fig1_disagreement": (
         "Suffix disagreement between constructions.",
-        "For each precision (x axis), the share of compared items whose greedy suffixes differ between the two "
-        "constructions of an experiment: the matched experiment (retained live cache vs one-shot prefill of the "
-        "identical prefix ids; filled bars) and the fixed-prefix 2x2 (token-by-token incremental cache vs one-shot "
-        "prefill, prefix ids held fixed across precisions; hatched bars). Error bars: Wilson 95% intervals; k/n "
-        "above each bar. Open diamonds, each labelled with its count: the reference study's values, drawn only on "
-        "the cells for which the study gives a count (matched bf16, fixed-prefix fp32). One panel per revision. "
+        "For each precision and experiment (rows), the share of compared items whose greedy suffixes differ "
+        "between the two constructions of an experiment: the matched experiment (retained live cache vs one-shot "
+        "prefill of the identical prefix ids; filled bars) and the fixed-prefix 2x2 (token-by-token incremental "
+        "cache vs one-shot prefill, prefix ids held fixed across precisions; hatched bars). Error bars: Wilson 95% "
+        "intervals. Right of "
+        "each row: k/n of this run, and in parentheses the reference study's count where the study gives one "
+        "(matched bf16, fixed-prefix fp32), which the open diamond marks on the axis. One panel per revision. "
         "Items without a stage boundary or with non-finite logits are excluded (listed in the report).",
     ),
     "fig2_first_divergence": (
@@ -70,7 +73,8 @@ CAPTIONS = {
 
 
 def rst_text(name: str, number: int | None = None) -> str:
-    """The caption as ``workflow/report/<name>.rst`` holds it."""
+    """The caption as ``workflow/report/<name>.rst`` holds it: one paragraph, wrapped at 116 columns."""
     number = number or list(CAPTIONS).index(name) + 1
     title, caption = CAPTIONS[name]
-    return f"**Figure {number}. {title}** {caption}\n"
+    return textwrap.fill(f"**Figure {number}. {title}** {caption}", width=116, break_long_words=False,
+                         break_on_hyphens=False) + "\n"

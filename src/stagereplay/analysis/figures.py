@@ -119,9 +119,9 @@ def _drop_coinciding(frame: pd.DataFrame, coinciding) -> pd.DataFrame:
 
 
 def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
-    """Figure 1: per revision, the rate of suffix disagreement between the constructions of each experiment, per
-    precision, with Wilson 95% intervals and k/n above each bar; the reference study's counts as labelled open
-    diamonds on the cells the study gives a count for."""
+    """Figure 1: per revision, the rate of suffix disagreement between the constructions of each experiment, one
+    bar per precision and experiment, with Wilson 95% intervals and k/n beside each bar; the reference study's
+    counts as labelled open diamonds on the cells the study gives a count for."""
     if cells is None or cells.empty:
         return _placeholder(paths, "No data yet for figure 1: the ledger holds no compared items "
                             "(matched or fixed-prefix experiment with status ok on both constructions).")
@@ -130,50 +130,44 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
     precisions = analysis.sort_precisions(cells["precision"])
     reference = {("matched", p): c for p, c in study.MATCHED_DISAGREEMENTS.items() if c is not None}
     reference.update({("fixed_prefix", p): c for p, c in study.FIXED_PREFIX_DISAGREEMENTS.items() if c is not None})
-    width = 0.8 / len(experiments)
+    rows = [(p, e) for p in precisions for e in experiments]
     with plt.rc_context(STYLE):
-        fig, axes = _stacked(len(revisions), 2.1)
+        fig, axes = _stacked(len(revisions), 0.35 + 0.2 * len(rows), sharex=True)
+        fig.set_figheight(fig.get_figheight() + 0.55)  # room for the legend below
         for ax, revision in zip(axes, revisions):
             sub = cells[cells["revision"] == revision]
-            for i, experiment in enumerate(experiments):
-                offset = (i - (len(experiments) - 1) / 2) * width
-                for j, precision in enumerate(precisions):
-                    x = j + offset
-                    row = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
-                    if row.empty:
-                        ax.text(x, 0.02, "not run", rotation=90, ha="center", va="bottom", color="0.5", fontsize=5.5)
-                        continue
-                    r = row.iloc[0]
-                    rate = 100 * r["rate"]
-                    ax.bar(x, rate, width * 0.92, color=COLORS.get(precision, "0.5"),
-                           alpha=1.0 if experiment == "matched" else 0.35,
-                           hatch=EXPERIMENT_STYLE[experiment]["hatch"], edgecolor=COLORS.get(precision, "0.5"),
-                           lw=0.6)
-                    ax.errorbar(x, rate, yerr=_err(rate, 100 * r["wilson_low"], 100 * r["wilson_high"]),
-                                color="0.15", lw=0.7, capsize=1.5)
-                    ax.text(x, 100 * r["wilson_high"] + 2, f"{int(r['k'])}/{int(r['n'])}", ha="center",
-                            va="bottom", fontsize=5.5)
-                    count = reference.get((experiment, precision))
-                    if count is not None:
-                        ax.plot(x, 100 * count.rate, "D", mfc="white", mec=COLORS["reference"], mew=0.9, ms=4.5,
-                                zorder=5)
-                        ax.annotate(f"study {count}", (x, 100 * count.rate), xytext=(4, -1),
-                                    textcoords="offset points", fontsize=5.5, va="top", ha="left")
-            ax.set_xticks(range(len(precisions)), precisions)
-            ax.set_xlim(-0.6, len(precisions) - 0.4)
-            ax.set_ylim(0, 112)
-            ax.set_yticks([0, 25, 50, 75, 100])
-            ax.set_ylabel("items whose suffixes differ (%)")
+            for y, (precision, experiment) in enumerate(rows):
+                color = COLORS.get(precision, "0.5")
+                row = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
+                if row.empty:
+                    ax.text(1, y, "not run", va="center", color="0.5", fontsize=6)
+                    continue
+                r = row.iloc[0]
+                rate = 100 * r["rate"]
+                ax.barh(y, rate, 0.72, color=color if experiment == "matched" else "white",
+                        hatch=EXPERIMENT_STYLE[experiment]["hatch"], edgecolor=color, lw=0.8)
+                ax.errorbar(rate, y, xerr=_err(rate, 100 * r["wilson_low"], 100 * r["wilson_high"]), color="0.15",
+                            lw=0.7, capsize=1.5)
+                count = reference.get((experiment, precision))
+                # counts in a column right of the axes, where no bar or interval can run into them
+                ax.text(1.02, y, f"{int(r['k'])}/{int(r['n'])}" + (f"  (study {count.k}/{count.n})" if count else ""),
+                        transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=6, clip_on=False)
+                if count is not None:
+                    ax.plot(100 * count.rate, y, "D", mfc="white", mec=COLORS["reference"], mew=0.9, ms=4.5,
+                            zorder=5, clip_on=False)
+            ax.set_yticks(range(len(rows)), [f"{p} · {EXPERIMENT_NAMES[e]}" for p, e in rows])
+            ax.set_ylim(len(rows) - 0.5, -0.5)
+            ax.tick_params(axis="y", length=0, pad=5)
+            ax.set_xlim(0, 100)
             _panel_title(ax, f"revision {revision}", len(revisions) > 1)
-        handles = [Patch(facecolor="0.45", edgecolor="0.45", label="matched: live vs prefill")]
+        axes[-1].set_xlabel("items whose suffixes differ (%)")
+        handles = [Patch(facecolor="0.45", edgecolor="0.45", label="live vs prefill")]
         if "fixed_prefix" in experiments:
-            handles.append(Patch(facecolor=(0.45, 0.45, 0.45, 0.35), edgecolor="0.45", hatch="////",
-                                 label="fixed-prefix: incremental vs prefill"))
-        handles.append(Line2D([], [], color="0.15", lw=0.7, marker="_", ms=4, label="Wilson 95% interval"))
+            handles.append(Patch(facecolor="white", edgecolor="0.45", hatch="////", label="incremental vs prefill"))
+        handles.append(Line2D([], [], color="0.15", lw=0.7, marker="|", ms=4, label="Wilson 95% CI"))
         handles.append(Line2D([], [], ls="", marker="D", mfc="white", mec="black", ms=4.5,
-                              label="reference study (its count beside)"))
-        axes[-1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
-                        handlelength=1.6, columnspacing=1.0)
+                              label="reference study"))
+        fig.legend(handles=handles, loc="outside lower center", ncol=2, handlelength=1.6, columnspacing=1.0)
         _save(fig, paths)
 
 
@@ -247,15 +241,20 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
                         continue
                     below = int((g["margin_divergence"] < g["median_other"]).sum())
                     color = COLORS.get(precision, "0.3")
-                    ax.scatter(g["median_other"], g["margin_divergence"], s=9, marker=EXPERIMENT_STYLE[experiment][
-                        "marker"], facecolors=color if experiment == "matched" else "none", edgecolors=color,
-                        linewidths=0.7, alpha=0.85, clip_on=False,
-                        label=f"{EXPERIMENT_NAMES[experiment]}, {precision}: {below} of {len(g)} below")
+                    # Open markers: points that fall on one another stay visible as overlapping rings.
+                    ax.scatter(g["median_other"], g["margin_divergence"], s=14,
+                               marker=EXPERIMENT_STYLE[experiment]["marker"], facecolors="none", edgecolors=color,
+                               linewidths=0.8, alpha=0.8, clip_on=False,
+                               label=f"{EXPERIMENT_NAMES[experiment]}, {precision}: {below} of {len(g)} below")
             for axis in (ax.set_xscale, ax.set_yscale):
                 axis("symlog", linthresh=linthresh, linscale=0.5)
             ax.set_xlim(0, top)
             ax.set_ylim(0, top)
             ax.set_aspect("equal", adjustable="box")
+            ties = int((sub["margin_divergence"] == 0).sum())
+            if ties:  # exact ties sit on the axis, where points are hardest to count
+                ax.annotate(f"{ties} of {len(sub)} at an exact tie (margin 0)", (1, 0), xycoords="axes fraction",
+                            xytext=(0, 4), textcoords="offset points", ha="right", va="bottom", fontsize=6)
             ax.set_xlabel("median margin at the item's other steps")
             ax.set_ylabel("margin at the first divergence")
             _panel_title(ax, f"revision {revision}", len(revisions) > 1)
@@ -336,20 +335,24 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
                 ax.text(j, i, f"{r.donor}/{r.n}", ha="center", va="center", fontsize=5.5,
                         color="white" if (r.rate or 0) > 0.6 else "black")
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_xticks(range(len(directions)), [d.replace("->", " → ") for d in directions])
+            ax.set_xticks(range(len(directions)), [d.replace("->", "\n→ ") for d in directions])
             ax.xaxis.tick_top()
             ax.tick_params(axis="x", length=0)
-            ax.set_yticks(range(len(labels)), [lab.replace("layers ", "") for lab in labels])
+            names = [lab.replace("layers ", "") + (" (whole state)" if lab == "layers all · KV" else "")
+                     for lab in labels]
+            ax.set_yticks(range(len(labels)), names)
+            ax.tick_params(axis="y", length=0)
             if labels and labels[0].startswith("layers all · KV") and len(labels) > 1:
                 ax.axhline(0.5, color="white", lw=2)
-            ax.set_ylabel("layers · component · positions")
-            ax.set_title(f"revision {revision}, {precision}", loc="left", pad=12)
+            ax.set_title(f"revision {revision}, {precision}", loc="left", pad=3)
             ax.spines[:].set_visible(False)
-        fig.colorbar(image, ax=axes, label="share following the donor", shrink=0.8, aspect=25, pad=0.02)
+        fig.supylabel("layers · component · positions", fontsize=7)
+        fig.colorbar(image, ax=axes, label="share following the donor (donor → recipient)", shrink=0.8, aspect=25,
+                     pad=0.02)
         _save(fig, paths)
 
 
-def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
+def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_order=(), coinciding=(), **_) -> None:
     """Figure 6: accuracy of the reference construction minus the other's, in points, with the paired bootstrap 95%
     CI, one row per revision x experiment x precision; the reference study's matched bf16 result on top."""
     if differences is None or differences.empty:
@@ -366,7 +369,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(WIDTH, 0.75 + 0.2 * (len(rows) + 1)))
         ref = study.MATCHED_ACCURACY["bf16"]
-        labels = [f"reference study: matched, bf16 (n={ref['n']})"]
+        labels = [f"reference study · matched · bf16 · n={ref['n']}"]
         ax.errorbar(100 * ref["difference"], 0, xerr=_err(100 * ref["difference"], 100 * ref["low"], 100 * ref["high"]),
                     fmt="D", mfc="white", color=COLORS["reference"], capsize=2, lw=0.8, ms=4)
         for i, r in enumerate(rows.itertuples(index=False), start=1):
@@ -375,12 +378,14 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
                                                          100 * r.bootstrap_high),
                         fmt=EXPERIMENT_STYLE.get(r.experiment, {"marker": "o"})["marker"], color=color,
                         mfc=color if r.experiment == "matched" else "white", capsize=2, lw=0.8, ms=4)
-            labels.append(f"{r.revision}: " * many + f"{EXPERIMENT_NAMES.get(r.experiment, r.experiment)}, "
-                          f"{r.precision} (n={r.n})")
+            same = r.experiment == "fixed_prefix" and (r.revision, r.precision) in set(coinciding)
+            labels.append(f"{r.revision} · " * many + f"{EXPERIMENT_NAMES.get(r.experiment, r.experiment)}"
+                          f"{' (= matched)' if same else ''} · {r.precision} · n={r.n}")
         ax.axvline(0, color="0.6", lw=0.6, zorder=0)
         ax.set_yticks(range(len(labels)), labels)
         ax.set_ylim(len(labels) - 0.5, -0.5)
-        ax.set_xlabel("accuracy difference, reference − prefill (points), paired bootstrap 95% CI")
+        ax.tick_params(axis="y", length=0)
+        ax.set_xlabel("reference − prefill (points, 95% CI)", loc="right")
         _save(fig, paths)
 
 

@@ -198,7 +198,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
         claim2.append(f"| {precision} | {ref_dis if ref_dis else '—'} | {_fmt_prop(dis)} |")
-        claim3.append(f"| {precision} | labels that differ | {ref_flips if ref_flips else '—'} | {_fmt_prop(flips)} |")
+        claim3.append(f"| {precision} | labels that differ | {ref_flips if ref_flips else '—'} | "
+                      f"{_fmt_prop(flips)} |")
         claim3.append(f"| {precision} | accuracy live / prefill, difference | "
                       f"{study.accuracy_text(precision) if precision in study.MATCHED_ACCURACY else '—'} | "
                       f"{_fmt_acc(acc) if acc else 'no compared items'} |")
@@ -525,17 +526,18 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
         by_label = rest.groupby("label", sort=False).agg(donor=("donor", "sum"), n=("n", "sum"))
         carries = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == r["n"]]
         never = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == 0]
+        partial = [label for label in by_label.index if label not in carries and label not in never]
         reading = []
         if carries:
-            reading.append("carry the donor's continuation on every divergent row in both directions: "
-                           + _join([f"{c}" for c in carries]))
+            reading.append(f"Partial transplants carrying the donor's continuation on every divergent row, both "
+                           f"directions: {_join(carries)}.")
+        else:
+            reading.append("No partial transplant carries the donor's continuation on every divergent row.")
         if never:
-            reading.append("never do: " + _join(never))
-        partial = [label for label in by_label.index if label not in carries and label not in never]
+            reading.append(f"Carrying it on no row: {_join(never)}.")
         if partial:
-            reading.append("do on some rows: " + _join(partial))
-        lines += ["", "Partial transplants that " + "; that ".join(reading) + "."]
-        lines.append("")
+            reading.append(f"Carrying it on some rows only: {_join(partial)}.")
+        lines += ["", " ".join(reading), ""]
     lines += ["#### Claim: bidirectional transplant of all K/V layers (a consistency check)", "",
               "The boundary state is the whole decoder state (docs/STUDY.md), so handing the recipient the donor's K "
               "and V at every layer and position makes its cache the donor's cache: following the donor is what the "
@@ -738,15 +740,17 @@ def _records(provenance: dict) -> list[dict]:
 
 
 def _values(records: list[dict], *path: str) -> list:
-    """Distinct values at ``path`` (keys into nested dicts) over ``records``, in first-seen order."""
+    """Distinct values at ``path`` (keys into nested dicts) over ``records``, in first-seen order. A key recorded
+    with the value null counts (as None); a key no record holds gives nothing."""
     found = []
     for record in records:
-        node = record
+        node, present = record, True
         for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-            if node is None:
+            if not isinstance(node, dict) or key not in node:
+                present = False
                 break
-        if node is not None and node not in found:
+            node = node[key]
+        if present and node not in found:
             found.append(node)
     return found
 
@@ -756,8 +760,12 @@ def _show(values: list, empty: str = NOT_RECORDED) -> str:
         return empty
 
     def one(v):
-        if isinstance(v, dict):
-            return ", ".join(f"{k} {one(x)}" for k, x in v.items()) or "{}"
+        if v is None:
+            return "none"
+        if isinstance(v, dict):  # what a thing is (its source, path, name) before its settings
+            keys = sorted((k for k in v if v[k] is not None),  # an unset option says nothing
+                          key=lambda k: (k not in ("source", "path", "name", "marker"), list(v).index(k)))
+            return ", ".join(f"{k} {one(v[k])}" for k in keys) or "none set"
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(map(one, v)) + "]"
         return f"`{v}`" if isinstance(v, str) else str(v)
@@ -898,7 +906,7 @@ def figure_notes(revision_data: list[RevisionData]) -> dict[str, list[str]]:
 def regime_line(ledger: pd.DataFrame) -> tuple[str, dict]:
     """The numerical regime the ledger's rows were made in (a construction factor: compare only within one)."""
     regime = {column: sorted(map(str, ledger[column].dropna().unique()))
-              for column in ("numerics", "decode_regime") if column in ledger}
+              for column in ("numerics", "decode_regime") if column in ledger and ledger[column].notna().any()}
     if not regime:
         return f"Numerical regime of the ledger's rows: {NOT_RECORDED} (no regime columns).", regime
     named = "; ".join(f"{column} `{', '.join(values)}`" for column, values in regime.items())

@@ -1,0 +1,350 @@
+"""The report tells only the truth, and says whose run it is: one test (at least) per defect of that issue."""
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from report_data import (part_provenance, synthetic_audit, synthetic_batch_invariance, synthetic_bridge,
+                         synthetic_ledger, synthetic_transplant, write, write_with)
+from stagereplay.analysis import report as report_module
+from stagereplay.analysis import study
+from stagereplay.analysis import tables as analysis
+from stagereplay.analysis.report import build_report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(tmp_path, ledger=None, inputs=None, results_dir=None, name="r", **kwargs):
+    """Build a report; return (its text, stats.json)."""
+    md, js = tmp_path / f"{name}.md", tmp_path / f"{name}.json"
+    ledgers = {} if ledger is None else {"primary": ledger}
+    stats = build_report(ledgers, str(md), str(js), "t", inputs=inputs or {}, results_dir=results_dir, **kwargs)
+    return md.read_text(), stats
+
+
+def coinciding_ledger(n_items=12):
+    """A ledger whose fixed-prefix bf16 rows are its matched bf16 rows again (incremental = live), as at the
+    precision that generated the prefixes; fp32 fixed-prefix rows of its own."""
+    ledger = synthetic_ledger("primary", n_items=n_items, missing=(), nonfinite=())
+    matched = ledger[ledger["experiment"] == "matched"]
+    again = matched.assign(experiment="fixed_prefix",
+                           construction=matched["construction"].replace({"live": "incremental"}))
+    rest = ledger[(ledger["experiment"] == "fixed_prefix") & (ledger["precision"] != "bf16")]
+    return pd.concat([matched, again, rest], ignore_index=True)
+
+
+# --- 2. the margin test -------------------------------------------------------------------------------------------
+
+def test_margin_pairs_leave_the_divergence_step_out():
+    ledger = synthetic_ledger("primary", n_items=10)
+    pairs = analysis.all_pairs(ledger)
+    margins = analysis.margin_pairs(ledger, pairs)
+    assert len(margins) == int(pairs["disagree"].sum())
+    for r in margins.itertuples(index=False):
+        row = ledger[(ledger["experiment"] == r.experiment) & (ledger["precision"] == r.precision)
+                     & (ledger["replica"] == 1) & (ledger["item_index"] == r.item_index)
+                     & ledger["construction"].isin(["live", "incremental"])].iloc[0]
+        full = list(row["margins"])
+        assert r.margin_divergence == full[r.first_divergence]
+        assert r.other_margins == full[:r.first_divergence] + full[r.first_divergence + 1:]
+
+
+def test_shared_rows_are_tested_and_shown_once(tmp_path):
+    ledger = coinciding_ledger()
+    assert set(analysis.coinciding_comparisons(ledger)) == {("primary", "bf16")}
+    text, stats = run(tmp_path, write(ledger, tmp_path / "ledger.parquet"))
+    margins = stats["revisions"]["primary"]["margins"]
+    assert set(margins) == {"matched"}  # fixed-prefix bf16 is the matched data: not a second test
+    assert "sign test" in margins["matched"]["bf16"]["method"] and "mann_whitney_p_less" not in json.dumps(stats)
+    assert "| fixed_prefix | bf16 |" not in text and "| matched | bf16 |" in text
+    assert "Fixed-prefix bf16 is not tested again" in text
+    assert stats["revisions"]["primary"]["fixed_prefix"]["bf16"]["same_rows_as_matched"] is True
+    assert "| bf16 (= matched) |" in text
+    assert stats["revisions"]["primary"]["fixed_prefix"]["fp32"]["same_rows_as_matched"] is False
+
+
+def test_different_rows_are_not_merged():
+    ledger = synthetic_ledger("primary", n_items=12)  # fixed-prefix bf16 diverges on its own items
+    assert analysis.coinciding_comparisons(ledger) == {}
+
+
+# --- 3. no fixed text posing as a finding ------------------------------------------------------------------------
+
+def bridge_rows(prefill_exact: bool, precision="bf16", n=12):
+    return synthetic_bridge("primary", n=n).assign(precision=precision, status="ok", prefill_bit_exact=prefill_exact)
+
+
+def test_bridge_reading_is_built_from_the_run(tmp_path):
+    ledger = write(synthetic_ledger("primary", n_items=12), tmp_path / "ledger.parquet")
+    # A regime where prefill equals live on every row (bf16) and on none (fp32).
+    bridge = pd.concat([bridge_rows(True, "bf16"), bridge_rows(False, "fp32")], ignore_index=True)
+    text, _ = run(tmp_path, ledger, {"bridge": {"primary": write(bridge, tmp_path / "bridge.parquet")}})
+    section = text.split("### Bridge")[1].split("\n### ")[0]
+    assert "H200" not in text and "bench/RESULTS.md" not in text
+    assert "in general not the live one" not in text
+    assert "equals the live cache on every row in bf16" in section
+    assert "differs from the live cache on every row in fp32" in section
+    assert "12 / 12 rows in bf16 and 12 / 12 rows in fp32" in section  # the run's incremental counts
+    # the study's 12 / 12 sits in the reference column, labelled as the study's
+    assert "| | reference study | bf16 | fp32 |" in section
+    assert "| rows bit-exact (every layer's K and V bytes) | 12 / 12 | 12 / 12 | 12 / 12 |" in section
+
+
+def test_bridge_reading_follows_a_failing_row(tmp_path):
+    ledger = write(synthetic_ledger("primary", n_items=12), tmp_path / "ledger.parquet")
+    bridge = bridge_rows(False).assign(bit_exact=[i != 4 for i in range(12)])
+    text, _ = run(tmp_path, ledger, {"bridge": {"primary": write(bridge, tmp_path / "bridge.parquet")}})
+    assert "11 / 12 rows in bf16" in text and "are not `live` cells in this run" in text
+    assert "may stand in for `live`" not in text
+
+
+# --- 4. the study's numbers in one place --------------------------------------------------------------------------
+
+STUDY_LITERALS = ["166", "1.88", "24 / 24", "43 / 43", "20 / 200", "0.035", "0.055", "-3.5", "+5.5", "12 / 12"]
+
+
+def test_the_study_numbers_live_only_in_study_py():
+    folder = REPO / "src/stagereplay/analysis"
+    for path in folder.glob("*.py"):
+        if path.name == "study.py":
+            continue
+        code = path.read_text()
+        for literal in STUDY_LITERALS:
+            assert literal not in code, f"{path.name} writes down the study's {literal!r}: take it from study.py"
+    source = (folder / "study.py").read_text()
+    assert '"the reference study"' in source.lower() or "the reference study" in source
+    assert "docs/STUDY.md" in source
+
+
+def test_docs_state_every_number_of_study_py_and_the_sign_convention():
+    docs = (REPO / "docs/STUDY.md").read_text()
+    numbers = [str(study.MATCHED_DISAGREEMENTS["bf16"]), str(study.MATCHED_LABEL_FLIPS["bf16"]),
+               str(study.BRIDGE_BIT_EXACT), str(study.FIXED_PREFIX_DISAGREEMENTS["fp32"]),
+               f"{100 * study.FIXED_PREFIX_FP32_WILSON_HIGH:.2f}%", "24 / 24", "43 / 43", "[-3.5, +5.5]",
+               str(study.AUDIT_TRAJECTORIES), "src/stagereplay/analysis/study.py"]
+    for number in numbers:
+        assert number in docs, number
+    assert "live - prefill" in docs and "11" in docs and "9" in docs
+
+
+def test_the_report_takes_the_study_numbers_from_study_py(tmp_path, monkeypatch):
+    monkeypatch.setitem(study.MATCHED_DISAGREEMENTS, "bf16", study.Count(77, 200))
+    monkeypatch.setattr(study, "BRIDGE_BIT_EXACT", study.Count(5, 9))
+    ledger = write(synthetic_ledger("primary", n_items=8), tmp_path / "ledger.parquet")
+    text, stats = run(tmp_path, ledger, {"bridge": {"primary": write(bridge_rows(True), tmp_path / "b.parquet")}})
+    assert "| bf16 | 77 / 200 |" in text and "| 5 / 9 |" in text
+    assert stats["reference_study"]["matched_disagreements"]["bf16"] == {"k": 77, "n": 200}
+
+
+# --- 5. units of the audit ----------------------------------------------------------------------------------------
+
+def test_audit_counts_trajectories_and_rows(tmp_path):
+    ledger = synthetic_ledger("primary", n_items=10, missing=(), nonfinite=())
+    failing = ledger.index[(ledger["experiment"] == "fixed_prefix") & (ledger["item_index"] == 2)][:1].tolist()
+    paths = {"audit": {"primary": write(synthetic_audit(ledger, failing=failing), tmp_path / "audit.parquet")}}
+    text, stats = run(tmp_path, write(ledger, tmp_path / "ledger.parquet"), paths)
+    audit = stats["revisions"]["primary"]["audit"]
+    assert (audit["trajectories"]["bf16"]["k"], audit["trajectories"]["bf16"]["n"]) == (10, 10)
+    assert (audit["items"]["k"], audit["items"]["n"]) == (9, 10)
+    assert (audit["reproduced"]["k"], audit["reproduced"]["n"]) == (len(ledger) - 1, len(ledger))
+    assert f"| retained trajectories reproduced (bf16: matched `live`, replica 1) | {study.AUDIT_TRAJECTORIES} | " \
+           "10 / 10 |" in text
+    assert f"| ledger rows reproduced (trajectories and fingerprints) | — (not counted in rows) | " \
+           f"{len(ledger) - 1} / {len(ledger)} |" in text
+
+
+# --- 6 and 7. a later revision: shown as it is, never lost --------------------------------------------------------
+
+def later_transplant():
+    frame = synthetic_transplant("later").assign(divergent=True, live_fingerprint_match=None)
+    return frame.astype({"live_fingerprint_match": "object"})
+
+
+def results_tree(tmp_path):
+    """results/<run>/ after a run at [primary, later] followed by a plain rerun: later/ keeps its transplants."""
+    root = tmp_path / "results" / "t"
+    ledger = synthetic_ledger("primary", n_items=8)
+    write(ledger, root / "primary" / "ledger.parquet")
+    write(synthetic_audit(ledger), root / "primary" / "audit.parquet")
+    (root / "primary" / "audit_check.json").write_text(json.dumps({"reproduced": len(ledger),
+                                                                   "ledger_rows": len(ledger)}))
+    write(synthetic_transplant("primary").assign(divergent=True), root / "primary" / "transplant.parquet")
+    write(later_transplant(), root / "later" / "transplant.parquet")
+    return root
+
+
+def test_a_revision_without_a_ledger_shows_only_what_applies(tmp_path):
+    root = results_tree(tmp_path)
+    inputs = {"transplant": {"primary": str(root / "primary/transplant.parquet"),
+                             "later": str(root / "later/transplant.parquet")},
+              "audit": {"primary": str(root / "primary/audit.parquet")},
+              "audit_check": {"primary": str(root / "primary/audit_check.json")}}
+    text, stats = run(tmp_path, str(root / "primary/ledger.parquet"), inputs)
+    later = text.split("## Revision `later`")[1]
+    assert "Skipped" not in later and "yet" not in later
+    assert "live cache fingerprint" not in later  # no ledger there: nothing to match, not "0 / 6"
+    assert "No ledger for this revision" in later and "transplant.parquet" in later
+    assert set(stats["revisions"]["later"]) == {"transplant"}
+    assert "live_fingerprint_match" not in stats["revisions"]["later"]["transplant"]
+
+
+def test_a_plain_rerun_keeps_the_later_revision_on_disk(tmp_path):
+    root = results_tree(tmp_path)
+    # The plain rerun declares the primary revision's files only.
+    inputs = {"transplant": {"primary": str(root / "primary/transplant.parquet")},
+              "audit": {"primary": str(root / "primary/audit.parquet")}}
+    text, stats = run(tmp_path, str(root / "primary/ledger.parquet"), inputs, results_dir=str(root))
+    assert "## Revision `later`" in text and "later" in stats["revisions"]
+    assert stats["revisions_found_on_disk_only"] == ["later"]
+    assert "Found on disk, not among this invocation's declared inputs" in text
+    # and the declared audit_check.json of the primary is found too
+    assert stats["audit"]["primary"]["state"] == "passed"
+
+
+def test_figures_draw_every_revision_on_disk(tmp_path, monkeypatch):
+    from stagereplay.analysis import figures
+
+    root = results_tree(tmp_path)
+    seen = {}
+    monkeypatch.setitem(figures.PLOTTERS, "fig5_transplant",
+                        lambda matrix, paths, **kw: seen.setdefault("revisions", set(matrix["revision"])))
+    figures.plot_figures({"ledger": {"primary": str(root / "primary/ledger.parquet")},
+                          "transplant": {"primary": str(root / "primary/transplant.parquet")}},
+                         {"fig5_transplant": {"png": str(tmp_path / "f.png")}}, results_dir=str(root))
+    assert seen["revisions"] == {"primary", "later"}
+
+
+# --- 8. the report is gated by the audit --------------------------------------------------------------------------
+
+def audited(tmp_path, failing=(), check=True, check_count=None):
+    ledger = synthetic_ledger("primary", n_items=6)
+    inputs = {"audit": {"primary": write(synthetic_audit(ledger, failing=failing), tmp_path / "audit.parquet")}}
+    if check:
+        path = tmp_path / "audit_check.json"
+        path.write_text(json.dumps({"reproduced": len(ledger) if check_count is None else check_count,
+                                    "ledger_rows": len(ledger)}))
+        inputs["audit_check"] = {"primary": str(path)}
+    return write(ledger, tmp_path / "ledger.parquet"), inputs, ledger
+
+
+def first_paragraph(text: str) -> str:
+    return text.split("\n\n")[1]
+
+
+def test_a_failed_audit_is_the_first_thing_the_report_says(tmp_path):
+    ledger, inputs, frame = audited(tmp_path, failing=(3,), check=False)
+    text, stats = run(tmp_path, ledger, inputs)
+    assert first_paragraph(text).startswith("> **AUDIT FAILED.** Revision `primary`: ")
+    assert f"{len(frame) - 1} of {len(frame)} ledger rows reproduced" in first_paragraph(text)
+    assert stats["audit"]["primary"]["state"] == "failed"
+
+
+def test_a_stale_audit_check_does_not_pass(tmp_path):
+    ledger, inputs, frame = audited(tmp_path, check_count=3)
+    text, stats = run(tmp_path, ledger, inputs)
+    assert first_paragraph(text).startswith("> **AUDIT FAILED.**") and "stale" in first_paragraph(text)
+
+
+def test_an_unchecked_audit_is_said_first(tmp_path):
+    ledger, inputs, _ = audited(tmp_path, check=False)
+    text, stats = run(tmp_path, ledger, inputs)
+    assert first_paragraph(text).startswith("> **Audit not confirmed.**") and stats["audit"]["primary"]["state"] == \
+        "unchecked"
+    text, stats = run(tmp_path, ledger, {})
+    assert first_paragraph(text).startswith("> **Audit not confirmed.**") and "no audit.parquet" in text
+
+
+def test_a_passed_audit_is_said_first(tmp_path):
+    ledger, inputs, frame = audited(tmp_path)
+    text, stats = run(tmp_path, ledger, inputs)
+    assert first_paragraph(text) == (f"Audit: revision `primary`: all {len(frame)} ledger rows recomputed and "
+                                     "reproduced (audit_check.json).")
+    assert "AUDIT FAILED" not in text
+
+
+def test_an_audit_row_without_a_ledger_row_fails_the_audit(tmp_path):
+    ledger, inputs, frame = audited(tmp_path)
+    audit = synthetic_audit(frame)
+    invented = audit.iloc[[0]].assign(item_index=99, item_id="item-99")
+    write(pd.concat([audit, invented]), inputs["audit"]["primary"])
+    text, stats = run(tmp_path, ledger, inputs)
+    assert "AUDIT FAILED" in first_paragraph(text) and "have no ledger row" in first_paragraph(text)
+
+
+def test_the_report_rule_takes_the_audit_checks():
+    rule = (REPO / "workflow/rules/report.smk").read_text().split("rule build_report:")[1].split("output:")[0]
+    assert "audit_check.json" in rule
+    script = (REPO / "workflow/scripts/build_report.py").read_text()
+    assert "results_dir" in script
+
+
+# --- 9. batch invariance counts rows with something to compare ---------------------------------------------------
+
+def test_batch_invariance_counts_only_comparable_rows(tmp_path):
+    ledger = write(synthetic_ledger("primary", n_items=6), tmp_path / "ledger.parquet")
+    path = write_with(synthetic_batch_invariance(), tmp_path / "bi.parquet",
+                      {"batch_plan": {"batch_size": 4, "seed": 0}, "batch_invariance": {"status": "compared"}})
+    text, stats = run(tmp_path, ledger, {"batch_invariance": {"primary": path}})
+    live = stats["revisions"]["primary"]["batch_invariance"]["fp32"]["live"]
+    assert (live["cache_equal"]["k"], live["cache_equal"]["n"]) == (2, 2)  # not 2 / 4: two rows have no cache
+    assert (live["suffix_equal"]["k"], live["suffix_equal"]["n"]) == (2, 2)
+    assert (live["n_without_cache"], live["n_not_ok"], live["n"]) == (2, 2, 4)
+    assert "| fp32 | live | 4 | 2 / 2 (100.0%" in text and "| 2 |" in text
+
+
+# --- 10. whose run it is ------------------------------------------------------------------------------------------
+
+def test_the_report_says_what_produced_the_run(tmp_path):
+    ledger = synthetic_ledger("primary", n_items=6)
+    prov = {"stage": "gather", "parts": [part_provenance("bf16"), part_provenance("fp32")]}
+    path = write_with(ledger, tmp_path / "ledger.parquet", prov)
+    selection = write_with(pd.DataFrame({"item_index": range(6), "item_id": [f"item-{i}" for i in range(6)]}),
+                           tmp_path / "items.parquet",
+                           {"stage": "select_items", "seed": 0,
+                            "config": {"dataset": {"source": "synthetic", "size": 1000, "seed": 0}, "n_items": 6}})
+    text, stats = run(tmp_path, path, selection=selection)
+    ident = text.split("## What produced this run")[1].split("\n## ")[0]
+    for expected in ("| model | `data/toy` |", "requested `primary`; source `data/toy/primary`",
+                     "resolved: not recorded", "| dataset | source `synthetic`, seed 0, size 1000 |",
+                     "selected items (items.parquet content sha256): `", "source: not recorded",
+                     "| items | 6 selected (config n_items); 6 in the ledger(s) |",
+                     "max_stage_tokens 32; max_new_tokens 48", "marker `;`", "| precisions | `bf16`; `fp32` |",
+                     "decode_regime `eager`", "stagereplay `0.1.0`, commit `abc123`", "torch `2.13.0`",
+                     "transformers `4.99.0`", "device `cpu`", "tf32 False"):
+        assert expected in ident, expected
+    assert text.index("## What produced this run") < text.index("## Revision `primary`")
+    assert stats["identity"]["model"] == ["data/toy"]
+
+
+def test_identity_says_not_recorded_rather_than_inventing(tmp_path):
+    ledger = write(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet")  # provenance: a stage name
+    text, _ = run(tmp_path, ledger)
+    ident = text.split("## What produced this run")[1].split("\n## ")[0]
+    assert "| model | not recorded |" in ident and "| dataset | not recorded (no selection/items.parquet) |" in ident
+    assert re.search(r"\| package \| stagereplay not recorded, commit not recorded \|", ident)
+
+
+def test_a_hub_commit_is_named(tmp_path):
+    prov = {"stage": "gather", "parts": [part_provenance("bf16", model_commit="0123abcd", model_source="org/m@main")]}
+    ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)
+    text, _ = run(tmp_path, ledger)
+    assert "resolved: hub commit `0123abcd`" in text
+
+
+# --- the transplant: a consistency check, and the localisation ---------------------------------------------------
+
+def test_transplant_section_calls_the_all_layer_transplant_a_check_and_leads_with_the_localisation(tmp_path):
+    frame = synthetic_transplant("primary").assign(divergent=True)
+    frame["cache_fingerprint"] = [f"c{i}" for i in range(len(frame))]
+    frame["donor_cache_fingerprint"] = frame["cache_fingerprint"].where(
+        (frame["layer_set"] == "all") & (frame["component"] == "kv") & (frame["positions"] == "all"), "other")
+    lines, numbers = report_module.transplant_section(report_module.RevisionData("primary", {}, _frames={
+        "transplant": frame}))
+    text = "\n".join(lines)
+    assert text.index("#### Localisation") < text.index("#### Claim: bidirectional transplant of all K/V layers")
+    assert "consistency check" in text and "not a finding about the model" in text
+    assert "| bf16 | incremental->prefill | 6 / 6 | 0 | 0 | 6 / 6 |" in text  # follows donor; cache = donor's
+    assert numbers["all_layers"]["bf16"]["incremental->prefill"]["cache_equals_donor"] == {"k": 6, "n": 6}
+    assert "Carrying it on some rows only" in text or "Carrying it on no row" in text
