@@ -142,13 +142,14 @@ class Rebuild:
         for name, row in zip(self.pair, (m["row_a"], m["row_b"])):
             res = self.own[name][r]
             same = res.fingerprints[0] == row["cache_fingerprint"]
-            if name == "live":
+            names[name] = name
+            if name == "live":  # rebuilt by its own schedule: live only if bit-exact with the ledger's live cache
                 match = same
-                names[name] = "live" if same else "incremental"
                 if not same:
+                    names[name] = "incremental"
                     log.warning("item %r: the rebuilt incremental cache is not bit-exact with the ledger's live "
                                 "cache; it is labelled 'incremental', not 'live'", row["item_id"])
-                    continue
+                    continue  # no baseline continuation to compare with
             elif not same:
                 raise ReplicaMismatchError(
                     f"item {row['item_id']!r}: the rebuilt {name} cache at {row['precision']} differs from the "
