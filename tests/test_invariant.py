@@ -14,7 +14,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from stagereplay.models import invariant
-from stagereplay.engine import Decoder
+from stagereplay.decode.eager import EagerDecoder
 from stagereplay.io.fingerprints import tensor_bytes
 from invariant_helpers import PROMPT, constructions
 from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, set_determinism
@@ -135,7 +135,7 @@ def test_patched_modules_are_row_invariant(invariant_models, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_constructions_are_byte_identical_under_the_regime(invariant_models, precision):
-    fingerprints, suffixes = constructions(Decoder(invariant_models[precision].model, ()))
+    fingerprints, suffixes = constructions(EagerDecoder(invariant_models[precision].model, ()))
     assert len(set(fingerprints.values())) == 1, fingerprints
     assert len({repr(s) for s in suffixes.values()}) == 1  # token ids and fp32 margins alike
 
@@ -147,7 +147,7 @@ def test_constructions_are_byte_identical_with_the_load_model_hook(tiny_model_di
     assert loaded.info["numerics_regime"] == {"numerics": "invariant", "kernels": "reference",
                                               "attention_block_size": invariant.BLOCK_SIZE,
                                               "rotary_chunk": invariant.ROTARY_CHUNK}
-    fingerprints, suffixes = constructions(Decoder(loaded.model, ()), n_stage=invariant.BLOCK_SIZE)
+    fingerprints, suffixes = constructions(EagerDecoder(loaded.model, ()), n_stage=invariant.BLOCK_SIZE)
     assert len(set(fingerprints.values())) == 1, fingerprints
     assert len({repr(s) for s in suffixes.values()}) == 1
 
@@ -158,7 +158,7 @@ def test_default_regime_constructions_differ(tiny_model_dir):
     set_determinism(1)
     loaded = load(tiny_model_dir, "fp32")
     assert loaded.info["numerics_regime"] == {"numerics": "default"}
-    fingerprints, _ = constructions(Decoder(loaded.model, ()))
+    fingerprints, _ = constructions(EagerDecoder(loaded.model, ()))
     assert fingerprints["live"] == fingerprints["incremental"]
     assert fingerprints["prefill"] != fingerprints["live"]
 
@@ -240,19 +240,23 @@ def test_later_stages_read_the_recorded_regime(tmp_path):
     import pandas as pd
 
     from stagereplay.io.parquet import write_parquet
+    from stagereplay.io.provenance import recorded_numerics
 
     frame = pd.DataFrame({"item_index": [0]})
     regime = {"numerics": "invariant", "kernels": "reference", "attention_block_size": 64, "rotary_chunk": 256}
     write_parquet(frame, tmp_path / "gathered.parquet", {"stage": "gather", "parts": [{"numerics_regime": regime}]})
     write_parquet(frame, tmp_path / "old.parquet", {"stage": "gather", "parts": [{"stage": "reconstruct_prefixes"}]})
-    assert invariant.recorded_numerics(tmp_path / "gathered.parquet") == "invariant"
-    assert invariant.recorded_numerics(tmp_path / "old.parquet") == "default"
+    assert recorded_numerics(tmp_path / "gathered.parquet") == "invariant"
+    with pytest.raises(ValueError, match="records no numerics regime"):  # never guessed
+        recorded_numerics(tmp_path / "old.parquet")
 
 
 def batched_and_single_ledgers(tmp_path, precision, numerics):
     """The matched stage's ledger for 4 toy items with the static decoder, at batch 1 and in batches of 3."""
     from stagereplay.io.parquet import read_parquet
-    from stagereplay.stages import reconstruct_prefixes, select_items
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
+    from stagereplay.stages.select import select_items
+    from stagereplay.stages.settings import ReconstructSettings
 
     items = tmp_path / "items.parquet"
     select_items({"source": "synthetic", "size": 50, "seed": 0}, 4, 0, str(items))
@@ -263,7 +267,8 @@ def batched_and_single_ledgers(tmp_path, precision, numerics):
     for batch_size in (1, 3):
         out = tmp_path / f"ledger{batch_size}.parquet"
         reconstruct_prefixes(str(items), str(out), str(tmp_path / f"prefixes{batch_size}.parquet"),
-                             batch_size=batch_size, **common)
+                             str(tmp_path / f"bridge{batch_size}.parquet"),
+                             ReconstructSettings(batch_size=batch_size, **common))
         ledger = read_parquet(out).sort_values(["item_index", "construction", "replica"])
         ledgers[batch_size] = ledger.reset_index(drop=True)
     return ledgers[1], ledgers[3]

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from stagereplay import stages
+from stagereplay.analysis.tables import pair_table
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
-from stagereplay.analysis.report import compare_constructions
+from stagereplay.stages.reconstruct import reconstruct_prefixes
+from stagereplay.stages.select import select_items
+from stagereplay.stages.settings import ReconstructSettings
 
 REPO = Path(__file__).resolve().parents[1]
 ITEMS = {1: [69, 114, 152], 2: [49, 81, 93]}  # boundary occurrence -> item indices
@@ -22,7 +24,7 @@ ITEMS = {1: [69, 114, 152], 2: [49, 81, 93]}  # boundary occurrence -> item indi
 @pytest.fixture(scope="module")
 def selection(tmp_path_factory):
     folder = tmp_path_factory.mktemp("toy_invariant")
-    items = stages.select_items({"source": "synthetic", "size": 5000, "seed": 0}, 200, 0,
+    items = select_items({"source": "synthetic", "size": 5000, "seed": 0}, 200, 0,
                                 str(folder / "selection.parquet"))
     return folder, items
 
@@ -32,25 +34,27 @@ def run_matched(selection, occurrence: int, numerics: str):
     chosen = folder / f"items_{occurrence}.parquet"
     write_parquet(items[items["item_index"].isin(ITEMS[occurrence])], chosen, {"stage": "test"})
     ledger = folder / f"ledger_{occurrence}_{numerics}.parquet"
-    stages.reconstruct_prefixes(
+    reconstruct_prefixes(
         str(chosen), str(ledger), str(folder / f"prefixes_{occurrence}_{numerics}.parquet"),
-        model=str(REPO / "data/toy"), revision="primary", precision="bf16",
-        boundary={"marker": ";", "occurrence": occurrence}, max_stage_tokens=32, max_new_tokens=48,
-        device="cpu", attn_implementation="sdpa", stage_end="</think>", numerics=numerics, progress=False)
+        str(folder / f"bridge_{occurrence}_{numerics}.parquet"),
+        ReconstructSettings(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
+                            boundary={"marker": ";", "occurrence": occurrence}, max_stage_tokens=32,
+                            max_new_tokens=48, device="cpu", attn_implementation="sdpa", stage_end="</think>",
+                            numerics=numerics, progress=False))
     return read_parquet(ledger), read_provenance(ledger)
 
 
 @pytest.mark.parametrize("occurrence", [1, 2])
 def test_invariant_regime_removes_the_bf16_divergence(selection, occurrence):
     default, default_prov = run_matched(selection, occurrence, "default")
-    compared = compare_constructions(default, "matched", "live", "prefill")
+    compared = pair_table(default, "matched", "live", "prefill")
     assert len(compared) == len(ITEMS[occurrence])
     assert compared["disagree"].sum() >= 1, "the default regime shows no disagreement: the control has no power"
     assert set(default["numerics"]) == {"default"}
     assert default_prov["numerics_regime"] == {"numerics": "default"}
 
     exact, prov = run_matched(selection, occurrence, "invariant")
-    compared = compare_constructions(exact, "matched", "live", "prefill")
+    compared = pair_table(exact, "matched", "live", "prefill")
     assert len(compared) == len(ITEMS[occurrence])
     assert compared["disagree"].sum() == 0, compared[compared["disagree"]]
     rows = exact[exact["replica"] == 1].set_index(["item_index", "construction"])

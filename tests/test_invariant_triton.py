@@ -1,4 +1,4 @@
-"""The invariant regime's Triton kernels (stagereplay.invariant_triton).
+"""The invariant regime's Triton kernels (stagereplay.models.invariant_triton).
 
 On a CPU, Triton's interpreter runs every kernel against a float64 version of its formula (indexing, masks,
 partial tiles and key blocks, GQA packing, the online softmax). Byte-level row invariance, and byte-identical
@@ -17,7 +17,7 @@ import torch
 
 from invariant_helpers import constructions
 from stagereplay.models import invariant
-from stagereplay.engine import Decoder
+from stagereplay.decode.eager import EagerDecoder
 from stagereplay.models.loading import ModelSource, load_model, set_determinism
 
 triton = pytest.importorskip("triton")
@@ -71,7 +71,7 @@ def test_toy_constructions_are_byte_identical_with_triton(tiny_model_dir, precis
     set_determinism(1)
     loaded = load_model(ModelSource("local", str(tiny_model_dir)), precision, "cuda", numerics="invariant")
     assert loaded.info["numerics_regime"]["kernels"] == "triton"
-    fingerprints, suffixes = constructions(Decoder(loaded.model, ()), n_stage=invariant.BLOCK_SIZE + 3)
+    fingerprints, suffixes = constructions(EagerDecoder(loaded.model, ()), n_stage=invariant.BLOCK_SIZE + 3)
     assert len(set(fingerprints.values())) == 1, fingerprints
     assert len({repr(s) for s in suffixes.values()}) == 1
 
@@ -82,7 +82,7 @@ def static_checks(device: str) -> dict:
 
 def assert_static_checks(results: dict):
     for precision, r in results.items():
-        assert r["describe"] == "triton" and r["status"] == "ok" and r["stage_tokens"] == 68
+        assert r["attention"] == "triton" and r["status"] == "ok" and r["stage_tokens"] == 68
         assert r["replicas_equal"] and r["bridge_bit_exact"], (precision, r)  # exact within the regime
         # another regime than the masked attention, but the same model: rounding-sized differences
         assert r["prefill_logits_vs_masked"] <= (1e-4 if precision == "fp32" else 0.1), (precision, r)

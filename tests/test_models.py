@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from gguf_fixture import write_tiny_gguf
-from stagereplay.engine import Decoder, continue_greedy, generate_to_boundary
-from stagereplay.experiment import Prompter, make_matcher
+from stagereplay.data.prompts import Prompter
+from stagereplay.decode.eager import EagerDecoder
+from stagereplay.decode.greedy import decode_rows, matcher_from_config
+from stagereplay.experiments import constructions
 from stagereplay.models.loading import ModelLoadError, ModelSource, eos_token_ids, load_model, resolve_source
 
 
@@ -114,12 +116,15 @@ def test_generation_config_sampling_defaults_do_not_leak(tmp_path, tiny_model_di
     runs = []
     for folder in (tiny_model_dir, sampling, sampling):
         loaded = load_model(ModelSource("local", str(folder)), "fp32", "cpu")
-        decoder = Decoder(loaded.model, tuple(eos_token_ids(loaded)))
-        matcher = make_matcher({"token_id": 10**6}, loaded.tokenizer)  # never reached: decode the whole budget
+        decoder = EagerDecoder(loaded.model, tuple(eos_token_ids(loaded)))
+        matcher = matcher_from_config({"token_id": 10**6}, loaded.tokenizer)  # never reached: the whole budget
         prompt = Prompter(loaded.tokenizer)("12+34-5=")
-        stage = generate_to_boundary(decoder, prompt, matcher, 24)
-        cont = continue_greedy(decoder, decoder.new_cache(), prompt[-1], 24)
-        runs.append((stage.generated_ids, cont.suffix_ids))
+        stage = decode_rows(decoder, [prompt], matcher=matcher, max_stage_tokens=24, max_new_tokens=1)[0]
+        assert stage.stop_reason == "boundary_missing"
+        # and a continuation from a rebuilt cache: the prompt but its last id, which is pending
+        cont = decode_rows(decoder, [prompt[:-1]], stages=[prompt[-1:]], max_new_tokens=24,
+                           build=constructions.get("prefill").cache_build())[0]
+        runs.append((stage.suffix_ids, cont.suffix_ids, cont.margins))
     assert runs[0] == runs[1] == runs[2]
     # the settings are live for ``generate``, which would have followed them (sampling, repetition penalty)
     torch.manual_seed(0)
@@ -131,14 +136,17 @@ def test_generation_config_sampling_defaults_do_not_leak(tmp_path, tiny_model_di
 
 def test_gguf_runs_through_the_reconstruct_stage(gguf_dir, tmp_path):
     from stagereplay.io.parquet import read_provenance
-    from stagereplay.stages import reconstruct_prefixes, select_items
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
+    from stagereplay.stages.select import select_items
+    from stagereplay.stages.settings import ReconstructSettings
 
     folder, _ = gguf_dir
     select_items({"source": "synthetic", "size": 20, "seed": 0}, 2, 0, str(tmp_path / "items.parquet"))
     reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
-                         str(tmp_path / "prefixes.parquet"), model=str(folder), revision="tiny-qwen2.gguf",
-                         precision="bf16", boundary={"marker": "</think>", "occurrence": 1}, max_stage_tokens=4,
-                         max_new_tokens=4, device="cpu", progress=False)
+                         str(tmp_path / "prefixes.parquet"), str(tmp_path / "bridge.parquet"),
+                         ReconstructSettings(model=str(folder), revision="tiny-qwen2.gguf", precision="bf16",
+                                             boundary={"marker": "</think>", "occurrence": 1}, max_stage_tokens=4,
+                                             max_new_tokens=4, device="cpu", progress=False))
     import pandas as pd
 
     ledger = pd.read_parquet(tmp_path / "ledger.parquet")

@@ -1,4 +1,4 @@
-"""Checks of stagereplay.invariant_triton, run as a script so that TRITON_INTERPRET can be set before Triton
+"""Checks of stagereplay.models.invariant_triton, run as a script so that TRITON_INTERPRET can be set before Triton
 compiles anything: ``python tests/triton_kernel_checks.py DEVICE`` prints one JSON object.
 
 On a CPU (Triton's interpreter) the kernels are checked for what they compute: each against a float64 version of
