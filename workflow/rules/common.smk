@@ -328,6 +328,3 @@ def report_inputs(wildcards):
 def figure_files(fmt):
     return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
 
-
-# Unread: report.smk still appends its figures here; all_outputs() lists them itself. Remove with that line.
-TARGETS = []

@@ -48,6 +48,3 @@ rule build_report:
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"
-
-
-TARGETS.extend(figure_files("pdf") + figure_files("png"))
