@@ -29,7 +29,8 @@ from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, first_divergence
 from stagereplay.decode.plans import batch_plan
 from stagereplay.decode.regimes import make_decoder
-from stagereplay.decode.static import ATTENTIONS, StaticDecoder, fuse_layer
+from stagereplay.decode.fused import fuse_layer
+from stagereplay.decode.static import ATTENTIONS, StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings

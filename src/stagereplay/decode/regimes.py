@@ -8,9 +8,19 @@ from __future__ import annotations
 
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.protocol import Decoder, RegimeError
-from stagereplay.decode.static import StaticDecoder, check_static_options
+from stagereplay.decode.static import StaticDecoder
 
 REGIMES = ("eager", "static", "cuda_graph")
+
+
+def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None) -> None:
+    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
+    workflow's parse-time check both call this)."""
+    if regime == "eager" and (attention != "masked" or prefill_group is not None):
+        raise RegimeError(
+            f"decode_attention: {attention} and decode_prefill_group: {prefill_group} set the forward over the static "
+            "K/V buffer, which decode_regime: eager does not have: they need decode_regime static or cuda_graph; set "
+            "decode_regime: static or cuda_graph, or leave them at their defaults (masked, null)")
 
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from stagereplay.decode.fused import fuse_layer
 from stagereplay.decode.protocol import Layers, RegimeError
 from stagereplay.models.invariant import describe as describe_invariant
 
@@ -50,34 +51,6 @@ def _unique_index_writes():
     finally:
         if was:
             torch.use_deterministic_algorithms(True, warn_only=warn)
-
-
-def fuse_layer(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One weight for q/k/v and one for gate/up, so that each is one GEMM (fewer launches per token).
-
-    The modules' own weights are rebound to row slices of the fused tensors: no memory is duplicated, and the
-    eager forward reads the same values with the same layout. Idempotent: a layer fused before is reused.
-    """
-    if hasattr(layer, "_stagereplay_fused"):
-        return layer._stagereplay_fused
-    attn, mlp = layer.self_attn, layer.mlp
-    with torch.no_grad():
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv_w = torch.cat([p.weight for p in projs])
-        qkv_b = torch.cat([p.bias for p in projs]) if all(p.bias is not None for p in projs) else None
-        gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        start = 0
-        for p in projs:
-            n = p.weight.shape[0]
-            p.weight.data = qkv_w[start:start + n]
-            if qkv_b is not None:
-                p.bias.data = qkv_b[start:start + n]
-            start += n
-        n = mlp.gate_proj.weight.shape[0]
-        mlp.gate_proj.weight.data = gate_up_w[:n]
-        mlp.up_proj.weight.data = gate_up_w[n:]
-    layer._stagereplay_fused = (qkv_w, qkv_b, gate_up_w)
-    return layer._stagereplay_fused
 
 
 class StaticKV:
@@ -403,14 +376,3 @@ class StaticDecoder:
 
     def pad(self, batch: StaticKV, row: int) -> int:
         return int(batch.pads[row])
-
-
-def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None) -> None:
-    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
-    workflow's parse-time check both call this)."""
-    if regime == "eager" and (attention != "masked" or prefill_group is not None):
-        raise RegimeError(
-            f"decode_attention: {attention} and decode_prefill_group: {prefill_group} set the forward over the static "
-            "K/V buffer, which decode_regime: eager does not have: they need decode_regime static or cuda_graph; set "
-            "decode_regime: static or cuda_graph, or leave them at their defaults (masked, null)")
-

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_context
-from stagereplay.decode.static import check_static_options
+from stagereplay.decode.regimes import check_static_options
 from stagereplay.models.loading import (
     ModelLoadError,
     ModelSource,
