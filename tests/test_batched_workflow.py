@@ -13,7 +13,8 @@ from test_workflow import snakemake, tiny_config
 BATCHED = dict(n_items=6, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
                decode_regime="static", batch_size=4, decode_prefill_group=3, bridge={"n_rows": 3, "seed": 0},
                batch_invariance={"sample": 3, "seed": 0}, dump={"items": "all"},
-               transplant={"select": "sample:3", "seed": 0, "sweeps": ["all", "k_only"]})
+               transplant={"select": "sample:3", "seed": 0, "sweeps": ["all", "k_only"],
+                           "revisions": ["primary", "later"]})
 LEDGER = "results/tiny/primary/ledger.parquet"
 
 
@@ -72,7 +73,9 @@ def test_batched_run_end_to_end(run_a):
         stored = matched.loc[(row["item_index"], row["precision"], row["construction"])]
         assert row["cache_fingerprint_batched"] == stored["cache_fingerprint"]
         assert (row["batch_index"], row["batch_row"], row["batch_rows"]) == place[row["item_id"]]
-        assert row["cache_equal"] == (row["cache_fingerprint_batched"] == row["cache_fingerprint_alone"])
+        both = row["cache_fingerprint_batched"] and row["cache_fingerprint_alone"]
+        assert row["cache_equal"] == ((row["cache_fingerprint_batched"] == row["cache_fingerprint_alone"]) if both
+                                      else None)
         assert row["suffix_equal"] == pd.isna(row["first_divergence"])
         assert row["label_equal"] == (row["correct_batched"] == row["correct_alone"])
     report = (run / "results/tiny/report/report.md").read_text()
@@ -95,6 +98,17 @@ def test_batched_run_end_to_end(run_a):
                 "cache_fingerprint"]
         if row["component"] == "kv":  # all layers, all positions: the recipient now holds the donor's cache
             assert row["cache_fingerprint"] == row["donor_cache_fingerprint"]
+            # and continues exactly as the donor did, in both directions: layout parity, batched as at batch 1
+            assert row["outcome"] == "donor" and row["suffix_fingerprint"] == row["donor_suffix_fingerprint"]
+    # every construction of an item was decoded in one layout (the live run's), recorded per row
+    ok_rows = ledger[ledger["status"] == "ok"]
+    layouts = ok_rows.groupby(["item_index", "precision", "experiment"])[["layout_pad", "layout_position"]].nunique()
+    assert (layouts == 1).all().all()
+    # a later revision replays the primary's prefixes in the primary's plan and transplants there
+    later = pd.read_parquet(run / "results/tiny/later/transplant.parquet")
+    assert read_provenance(run / "results/tiny/later/replay_baseline.parquet")["batch_plan"] == plan
+    kv = later[later["component"] == "kv"]
+    assert len(kv) == 3 * 2 and (kv["outcome"] == "donor").all()
     assert "### Transplants" in report and "Not run" not in report
     stats = json.loads((run / "results/tiny/report/stats.json").read_text())["revisions"]["primary"]
     assert stats["batch_invariance"]["bf16"]["live"]["suffix_equal"]["n"] == 3
@@ -128,11 +142,6 @@ def test_batching_refuses_what_cannot_work(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", check=False)
     assert proc.returncode != 0
     assert "set decode_regime: static (any device) or cuda_graph" in proc.stdout + proc.stderr
-    tiny_config(tmp_path, batch_size=2, decode_regime="static", revisions=["primary", "later"],
-                transplant={"revisions": ["primary", "later"]})
-    proc = snakemake(tmp_path, "--dry-run", check=False)
-    assert proc.returncode != 0
-    assert "transplant at the primary revision only, or run with batch_size: 1" in proc.stdout + proc.stderr
     tiny_config(tmp_path, decode_regime="eager", decode_prefill_group=2)
     proc = snakemake(tmp_path, "--dry-run", check=False)
     assert proc.returncode != 0
@@ -142,9 +151,10 @@ def test_batching_refuses_what_cannot_work(tmp_path):
 @pytest.mark.slow
 def test_audit_of_a_batched_ledger_names_a_tampered_row(run_a, tmp_path):
     """Byte for byte, batch columns included: a row moved to another place of the plan does not reproduce."""
-    from stagereplay.control_stages import audit_ledger
-    from stagereplay.experiment import LEDGER_SCHEMA
+    from stagereplay.experiments.rows import LEDGER_SCHEMA
     from stagereplay.io.parquet import write_parquet
+    from stagereplay.stages.controls import audit_ledger
+    from stagereplay.stages.settings import ControlSettings
     from test_workflow import REPO
 
     run = run_a[0]
@@ -153,13 +163,16 @@ def test_audit_of_a_batched_ledger_names_a_tampered_row(run_a, tmp_path):
     ledger.at[moved, "batch_row"] = (ledger.at[moved, "batch_row"] + 1) % 4
     write_parquet(ledger, tmp_path / "ledger.parquet", read_provenance(run / LEDGER), LEDGER_SCHEMA)
     cfg = tiny_config(tmp_path / "cfg", **BATCHED)
+    settings = ControlSettings(model=str(REPO / cfg["model"]), revision="primary", precision="fp32",
+                               reference_precision="bf16", boundary=cfg["boundary"],
+                               max_stage_tokens=cfg["max_stage_tokens"], max_new_tokens=cfg["max_new_tokens"],
+                               device="cpu", attn_implementation=cfg["attn_implementation"], progress=False,
+                               decode_regime="static", batch_size=4, decode_prefill_group=3)
     audit_ledger(str(run / "results/tiny/selection/items.parquet"), str(tmp_path / "ledger.parquet"),
-                 str(tmp_path / "audit.parquet"), model=str(REPO / cfg["model"]), revision="primary",
-                 precision="fp32", reference_precision="bf16", boundary=cfg["boundary"],
-                 max_stage_tokens=cfg["max_stage_tokens"], max_new_tokens=cfg["max_new_tokens"], device="cpu",
-                 attn_implementation=cfg["attn_implementation"], progress=False)
+                 str(tmp_path / "audit.parquet"), settings)
     audit = pd.read_parquet(tmp_path / "audit.parquet")
     assert len(audit) == int((ledger["precision"] == "fp32").sum())
     bad = audit[~audit["reproduced"]]
-    assert len(bad) == 1 and list(bad["differed"].iloc[0]) == ["batch_row"]
+    # the row does not reproduce, and its layout is no longer its item's other constructions' (layout parity)
+    assert len(bad) == 1 and list(bad["differed"].iloc[0]) == ["batch_row", "layout_parity"]
     assert bad["item_id"].iloc[0] == ledger.at[moved, "item_id"]

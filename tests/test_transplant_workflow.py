@@ -5,9 +5,9 @@ import hashlib
 import pandas as pd
 import pytest
 
-from stagereplay.io import cache_dumps as cache_io
+from stagereplay.io import cache_dumps
 from stagereplay.io.parquet import read_provenance
-from stagereplay.transplant_stages import TRANSPLANT_SCHEMA
+from stagereplay.stages.transplant import TRANSPLANT_SCHEMA
 
 from test_workflow import snakemake, tiny_config
 
@@ -53,7 +53,7 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     ledger = pd.read_parquet(res / "primary/ledger.parquet")
     live = ledger[(ledger["construction"] == "live") & (ledger["replica"] == 1)].set_index(["item_index", "precision"])
     for row in manifest.itertuples():
-        dump = cache_io.load_cache(res / "primary/caches" / row.path)  # every layer's bytes checked on load
+        dump = cache_dumps.load_cache(res / "primary/caches" / row.path)  # every layer's bytes checked on load
         assert dump.meta["cache_fingerprint"] == row.cache_fingerprint
         if row.construction == "live":  # the dumped cache is the ledger's live cache, byte for byte
             assert row.cache_fingerprint == live.loc[(row.item_index, row.precision), "cache_fingerprint"]

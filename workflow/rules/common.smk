@@ -66,12 +66,6 @@ for _slug, _name in TRANSPLANT_REVISIONS.items():
         raise ValueError(
             f"transplant.revisions: {_name!r} and {ALL_REVISIONS[_slug]!r} share the folder name {_slug!r}; rename one"
         )
-if config["batch_size"] > 1 and set(TRANSPLANT_REVISIONS) != {PRIMARY}:
-    raise ValueError(
-        f"transplant.revisions: {sorted(TRANSPLANT_REVISIONS)} with batch_size: {config['batch_size']}: at a "
-        "revision other than the primary the transplants replay the primary's prefixes, which is not batched yet; "
-        "transplant at the primary revision only, or run with batch_size: 1"
-    )
 
 
 wildcard_constraints:
