@@ -11,7 +11,8 @@ import pytest
 from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_differences, synthetic_ledger,
                          synthetic_transplant, write)
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report import build_report, compare_constructions
+from stagereplay.analysis.report import build_report
+from stagereplay.analysis.tables import compare_constructions
 
 
 @pytest.fixture(scope="module")

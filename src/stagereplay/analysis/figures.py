@@ -6,11 +6,11 @@ constructions' boundary caches, (5) the transplant outcome matrix, (6) paired ac
 A figure whose input is absent or empty is still written, saying which input it waits for, so the pipeline never
 stops on a stage that has not run.
 
-Style, one for all six: a single column's width (:data:`WIDTH`, 3.4 in), 7-pt type, the Okabe-Ito colours (one per
-precision) with a marker and line style per experiment or component so that series stay apart in greyscale and
-where they coincide, every mark in a legend, fonts embedded in the PDF as TrueType (``pdf.fonttype`` 42), no
-title or figure number drawn into the image: the captions (:mod:`stagereplay.analysis.captions`) go beside it, in
-the report and in ``workflow/report/*.rst``. The reference study's values come from
+Style, one for all six (:mod:`stagereplay.analysis.figure_style`): a single column's width (3.4 in), 7-pt type,
+the Okabe-Ito colours (one per precision) with a marker and line style per experiment or component so that series
+stay apart in greyscale and where they coincide, every mark in a legend, fonts embedded in the PDF as TrueType
+(``pdf.fonttype`` 42), no title or figure number drawn into the image: the captions
+(:mod:`stagereplay.analysis.captions`) go beside it, in the report and in ``workflow/report/*.rst``. The reference study's values come from
 :mod:`stagereplay.analysis.study`.
 
 This module knows nothing of torch or Snakemake: :func:`plot_figures` takes paths, the figure functions take
@@ -32,28 +32,15 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from stagereplay.analysis import captions, study  # noqa: E402
 from stagereplay.analysis import tables as analysis  # noqa: E402
+from stagereplay.analysis.figure_style import (COLORS, COMPONENT_STYLE, EXPERIMENT_NAMES,  # noqa: E402
+                                               EXPERIMENT_STYLE, STYLE, WIDTH, drop_coinciding, error_lengths,
+                                               ordered_revisions, panel_keys, panel_title, revision_key,
+                                               stacked_axes, symlog_threshold)
 from stagereplay.analysis.inputs import merge_inputs  # noqa: E402
 from stagereplay.io.parquet import atomic_path, read_parquet  # noqa: E402
 
 FIGURES = {name: title for name, (title, _) in captions.CAPTIONS.items()}
 FORMATS = ("pdf", "png")
-
-# Okabe-Ito: apart in colour-blind reading; markers and line styles keep series apart in greyscale.
-COLORS = {"bf16": "#0072B2", "fp32": "#D55E00", "fp16": "#009E73", "reference": "#000000"}
-EXPERIMENT_STYLE = {"matched": {"marker": "o", "ls": "-", "hatch": None},
-                    "fixed_prefix": {"marker": "s", "ls": "--", "hatch": "////"}}
-EXPERIMENT_NAMES = {"matched": "matched", "fixed_prefix": "fixed-prefix"}
-COMPONENT_STYLE = {"k": {"marker": "o", "ls": "-", "filled": True, "dx": -0.12},
-                   "v": {"marker": "s", "ls": "--", "filled": False, "dx": 0.12}}
-
-WIDTH = 3.4  # inches: one column of a two-column paper
-STYLE = {
-    "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "xtick.labelsize": 6.5, "ytick.labelsize": 6.5,
-    "legend.fontsize": 6.5, "axes.spines.top": False, "axes.spines.right": False, "axes.linewidth": 0.6,
-    "xtick.major.width": 0.6, "ytick.major.width": 0.6, "lines.linewidth": 1.0, "lines.markersize": 3.5,
-    "savefig.dpi": 300, "pdf.fonttype": 42, "ps.fonttype": 42, "figure.constrained_layout.use": True,
-    "legend.frameon": False, "font.family": "DejaVu Sans", "hatch.linewidth": 0.6,
-}
 
 
 def _save(fig, paths: dict[str, str]) -> None:
@@ -66,56 +53,12 @@ def _save(fig, paths: dict[str, str]) -> None:
     plt.close(fig)
 
 
-def _err(centre: float, low: float, high: float) -> list[list[float]]:
-    """Error-bar lengths; clipped at 0 because a clipped interval end can sit a rounding error inside the point."""
-    return [[max(0.0, centre - low)], [max(0.0, high - centre)]]
-
-
 def _placeholder(paths: dict[str, str], message: str) -> None:
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(WIDTH, 1.0))
         ax.set_axis_off()
         ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, color="0.3", transform=ax.transAxes)
         _save(fig, paths)
-
-
-def _revision_key(order):
-    """Sort key of revisions: the config's ``order`` first, any other after it by name."""
-    order = list(order)
-    return lambda revision: (order.index(revision), "") if revision in order else (len(order), revision)
-
-
-def _revisions(frame: pd.DataFrame, order) -> list[str]:
-    return sorted(frame["revision"].unique(), key=_revision_key(order))
-
-
-def _panel_keys(frame: pd.DataFrame, order) -> list[tuple[str, str]]:
-    """(revision, precision) panels in the config's revision order and bf16, fp16, fp32 order."""
-    keys = frame[["revision", "precision"]].drop_duplicates().itertuples(index=False, name=None)
-    precisions = analysis.sort_precisions(frame["precision"])
-    by_revision = _revision_key(order)
-    return sorted(keys, key=lambda k: (by_revision(k[0]), precisions.index(k[1])))
-
-
-def _stacked(n: int, height: float, sharex: bool = False):
-    """``n`` panels stacked in one column at the column's width; ``height`` is per panel."""
-    fig, axes = plt.subplots(n, 1, figsize=(WIDTH, height * n), sharex=sharex, squeeze=False)
-    return fig, [row[0] for row in axes]
-
-
-def _panel_title(ax, text: str, many: bool) -> None:
-    """A panel's name (revision, precision), only where there is more than one panel to tell apart."""
-    if many:
-        ax.set_title(text, loc="left")
-
-
-def _drop_coinciding(frame: pd.DataFrame, coinciding) -> pd.DataFrame:
-    """Rows of fixed-prefix cells that repeat the matched cells (shown once, as matched)."""
-    if frame is None or frame.empty or not coinciding:
-        return frame
-    keep = [not (r.experiment == "fixed_prefix" and (r.revision, r.precision) in coinciding)
-            for r in frame[["experiment", "revision", "precision"]].itertuples(index=False)]
-    return frame[keep]
 
 
 def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -125,14 +68,14 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
     if cells is None or cells.empty:
         return _placeholder(paths, "No data yet for figure 1: the ledger holds no compared items "
                             "(matched or fixed-prefix experiment with status ok on both constructions).")
-    revisions = _revisions(cells, revision_order)
+    revisions = ordered_revisions(cells, revision_order)
     experiments = [e for e, *_ in analysis.COMPARISONS if e in set(cells["experiment"])]
     precisions = analysis.sort_precisions(cells["precision"])
     reference = {("matched", p): c for p, c in study.MATCHED_DISAGREEMENTS.items() if c is not None}
     reference.update({("fixed_prefix", p): c for p, c in study.FIXED_PREFIX_DISAGREEMENTS.items() if c is not None})
     rows = [(p, e) for p in precisions for e in experiments]
     with plt.rc_context(STYLE):
-        fig, axes = _stacked(len(revisions), 0.35 + 0.2 * len(rows), sharex=True)
+        fig, axes = stacked_axes(len(revisions), 0.35 + 0.2 * len(rows), sharex=True)
         fig.set_figheight(fig.get_figheight() + 0.55)  # room for the legend below
         for ax, revision in zip(axes, revisions):
             sub = cells[cells["revision"] == revision]
@@ -146,8 +89,8 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
                 rate = 100 * r["rate"]
                 ax.barh(y, rate, 0.72, color=color if experiment == "matched" else "white",
                         hatch=EXPERIMENT_STYLE[experiment]["hatch"], edgecolor=color, lw=0.8)
-                ax.errorbar(rate, y, xerr=_err(rate, 100 * r["wilson_low"], 100 * r["wilson_high"]), color="0.15",
-                            lw=0.7, capsize=1.5)
+                ax.errorbar(rate, y, xerr=error_lengths(rate, 100 * r["wilson_low"], 100 * r["wilson_high"]),
+                            color="0.15", lw=0.7, capsize=1.5)
                 count = reference.get((experiment, precision))
                 # counts in a column right of the axes, where no bar or interval can run into them
                 ax.text(1.02, y, f"{int(r['k'])}/{int(r['n'])}" + (f"  (study {count.k}/{count.n})" if count else ""),
@@ -159,7 +102,7 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
             ax.set_ylim(len(rows) - 0.5, -0.5)
             ax.tick_params(axis="y", length=0, pad=5)
             ax.set_xlim(0, 100)
-            _panel_title(ax, f"revision {revision}", len(revisions) > 1)
+            panel_title(ax, f"revision {revision}", len(revisions) > 1)
         axes[-1].set_xlabel("items whose suffixes differ (%)")
         handles = [Patch(facecolor="0.45", edgecolor="0.45", label="live vs prefill")]
         if "fixed_prefix" in experiments:
@@ -178,10 +121,10 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
     if div is None or div.empty:
         return _placeholder(paths, "No data yet for figure 2: no compared pair of suffixes disagrees "
                             "(needs a ledger with disagreeing constructions).")
-    div = _drop_coinciding(div, coinciding)
-    revisions = _revisions(div, revision_order)
+    div = drop_coinciding(div, coinciding)
+    revisions = ordered_revisions(div, revision_order)
     with plt.rc_context(STYLE):
-        fig, axes = _stacked(len(revisions), 2.0)
+        fig, axes = stacked_axes(len(revisions), 2.0)
         for ax, revision in zip(axes, revisions):
             sub = div[div["revision"] == revision]
             for experiment in [e for e, *_ in analysis.COMPARISONS]:
@@ -205,14 +148,9 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
             ax.set_xlim(0, max(float(longest), float(sub["first_divergence"].max()) + 1))
             ax.set_xlabel("first-divergence position (suffix token)")
             ax.set_ylabel("share of disagreeing items")
-            _panel_title(ax, f"revision {revision}", len(revisions) > 1)
+            panel_title(ax, f"revision {revision}", len(revisions) > 1)
             ax.legend(loc="lower right", handlelength=2.4)
         _save(fig, paths)
-
-
-def _symlog_threshold(values: np.ndarray) -> float:
-    positive = values[np.isfinite(values) & (values > 0)]
-    return float(10 ** np.floor(np.log10(positive.min()))) if positive.size else 1e-3
 
 
 def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -225,12 +163,12 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
     if margins.empty:
         return _placeholder(paths, "No data yet for figure 3: no disagreeing suffix has a decode step besides "
                             "its first divergence.")
-    revisions = _revisions(margins, revision_order)
+    revisions = ordered_revisions(margins, revision_order)
     values = margins[["margin_divergence", "median_other"]].to_numpy(dtype=float)
-    linthresh = _symlog_threshold(values)
+    linthresh = symlog_threshold(values)
     top = float(np.nanmax(values)) * 2 if np.isfinite(values).any() else 1.0
     with plt.rc_context(STYLE):
-        fig, axes = _stacked(len(revisions), 2.9)
+        fig, axes = stacked_axes(len(revisions), 2.9)
         for ax, revision in zip(axes, revisions):
             sub = margins[margins["revision"] == revision]
             ax.plot([0, top], [0, top], color="0.6", lw=0.7, ls=":", zorder=0, label="equal margins")
@@ -257,7 +195,7 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
                             xytext=(0, 4), textcoords="offset points", ha="right", va="bottom", fontsize=6)
             ax.set_xlabel("median margin at the item's other steps")
             ax.set_ylabel("margin at the first divergence")
-            _panel_title(ax, f"revision {revision}", len(revisions) > 1)
+            panel_title(ax, f"revision {revision}", len(revisions) > 1)
             ax.legend(loc="upper left", handletextpad=0.3)
         _save(fig, paths)
 
@@ -269,7 +207,7 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
     if profile is None or profile.empty:
         return _placeholder(paths, "No data yet for figure 4: cache_differences.parquet is absent or empty "
                             "(rule measure_cache_differences).")
-    revisions = _revisions(profile, revision_order)
+    revisions = ordered_revisions(profile, revision_order)
     precisions = analysis.sort_precisions(profile["precision"])
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(2, len(revisions), figsize=(WIDTH, 3.5), sharex=True, sharey="row", squeeze=False)
@@ -290,7 +228,7 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
                     lower.fill_between(x, g["max_abs_p10"].to_numpy(dtype=float),
                                        g["max_abs_p90"].to_numpy(dtype=float), color=color, alpha=0.15, lw=0)
             upper.set_ylim(-0.04, 1.04)
-            _panel_title(upper, f"revision {revision}", len(revisions) > 1)
+            panel_title(upper, f"revision {revision}", len(revisions) > 1)
             spread = sub[["max_abs_median", "max_abs_p10", "max_abs_p90"]].to_numpy(dtype=float)
             if np.any(np.isfinite(spread) & (spread > 0)):
                 lower.set_yscale("log")
@@ -317,10 +255,10 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
     if matrix is None or matrix.empty:
         return _placeholder(paths, "No data yet for figure 5: transplant.parquet is absent or empty "
                             "(the transplant stage has not run).")
-    panels = _panel_keys(matrix, revision_order)
+    panels = panel_keys(matrix, revision_order)
     n_rows = max(matrix[(matrix["revision"] == r) & (matrix["precision"] == p)]["label"].nunique() for r, p in panels)
     with plt.rc_context(STYLE):
-        fig, axes = _stacked(len(panels), 0.55 + 0.17 * n_rows)
+        fig, axes = stacked_axes(len(panels), 0.55 + 0.17 * n_rows)
         image = None
         for ax, (revision, precision) in zip(axes, panels):
             sub = matrix[(matrix["revision"] == revision) & (matrix["precision"] == precision)]
@@ -361,7 +299,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
     known = [c[0] for c in analysis.COMPARISONS]
     precisions = analysis.sort_precisions(differences["precision"])
     rows = differences.assign(
-        _r=differences["revision"].map(_revision_key(revision_order)),
+        _r=differences["revision"].map(revision_key(revision_order)),
         _e=differences["experiment"].map(lambda e: known.index(e) if e in known else 99),
         _p=differences["precision"].map(precisions.index),
     ).sort_values(["_r", "_e", "_p"]).reset_index(drop=True)
@@ -370,11 +308,12 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
         fig, ax = plt.subplots(figsize=(WIDTH, 0.75 + 0.2 * (len(rows) + 1)))
         ref = study.MATCHED_ACCURACY["bf16"]
         labels = [f"reference study · matched · bf16 · n={ref['n']}"]
-        ax.errorbar(100 * ref["difference"], 0, xerr=_err(100 * ref["difference"], 100 * ref["low"], 100 * ref["high"]),
+        ax.errorbar(100 * ref["difference"], 0,
+                    xerr=error_lengths(100 * ref["difference"], 100 * ref["low"], 100 * ref["high"]),
                     fmt="D", mfc="white", color=COLORS["reference"], capsize=2, lw=0.8, ms=4)
         for i, r in enumerate(rows.itertuples(index=False), start=1):
             color = COLORS.get(r.precision, "0.3")
-            ax.errorbar(100 * r.difference, i, xerr=_err(100 * r.difference, 100 * r.bootstrap_low,
+            ax.errorbar(100 * r.difference, i, xerr=error_lengths(100 * r.difference, 100 * r.bootstrap_low,
                                                          100 * r.bootstrap_high),
                         fmt=EXPERIMENT_STYLE.get(r.experiment, {"marker": "o"})["marker"], color=color,
                         mfc=color if r.experiment == "matched" else "white", capsize=2, lw=0.8, ms=4)

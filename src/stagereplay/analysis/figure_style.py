@@ -1,0 +1,85 @@
+"""The one style of the six paper figures, and the layout helpers they share.
+
+A single column's width (:data:`WIDTH`, 3.4 in), 7-pt type (:data:`STYLE`, used as an ``rc_context``), the
+Okabe-Ito colours (one per precision, :data:`COLORS`) with a marker and line style per experiment
+(:data:`EXPERIMENT_STYLE`) or cache component (:data:`COMPONENT_STYLE`) so that series stay apart in greyscale and
+where they coincide, fonts embedded in the PDF as TrueType (``pdf.fonttype`` 42). The helpers order revisions and
+panels the same way in every figure and stack panels at the column's width. matplotlib runs on the Agg backend.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from stagereplay.analysis import tables as analysis  # noqa: E402
+
+# Okabe-Ito: apart in colour-blind reading; markers and line styles keep series apart in greyscale.
+COLORS = {"bf16": "#0072B2", "fp32": "#D55E00", "fp16": "#009E73", "reference": "#000000"}
+EXPERIMENT_STYLE = {"matched": {"marker": "o", "ls": "-", "hatch": None},
+                    "fixed_prefix": {"marker": "s", "ls": "--", "hatch": "////"}}
+EXPERIMENT_NAMES = {"matched": "matched", "fixed_prefix": "fixed-prefix"}
+COMPONENT_STYLE = {"k": {"marker": "o", "ls": "-", "filled": True, "dx": -0.12},
+                   "v": {"marker": "s", "ls": "--", "filled": False, "dx": 0.12}}
+
+WIDTH = 3.4  # inches: one column of a two-column paper
+STYLE = {
+    "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "xtick.labelsize": 6.5, "ytick.labelsize": 6.5,
+    "legend.fontsize": 6.5, "axes.spines.top": False, "axes.spines.right": False, "axes.linewidth": 0.6,
+    "xtick.major.width": 0.6, "ytick.major.width": 0.6, "lines.linewidth": 1.0, "lines.markersize": 3.5,
+    "savefig.dpi": 300, "pdf.fonttype": 42, "ps.fonttype": 42, "figure.constrained_layout.use": True,
+    "legend.frameon": False, "font.family": "DejaVu Sans", "hatch.linewidth": 0.6,
+}
+
+
+def error_lengths(centre: float, low: float, high: float) -> list[list[float]]:
+    """Error-bar lengths; clipped at 0 because a clipped interval end can sit a rounding error inside the point."""
+    return [[max(0.0, centre - low)], [max(0.0, high - centre)]]
+
+
+def revision_key(order):
+    """Sort key of revisions: the config's ``order`` first, any other after it by name."""
+    order = list(order)
+    return lambda revision: (order.index(revision), "") if revision in order else (len(order), revision)
+
+
+def ordered_revisions(frame: pd.DataFrame, order) -> list[str]:
+    return sorted(frame["revision"].unique(), key=revision_key(order))
+
+
+def panel_keys(frame: pd.DataFrame, order) -> list[tuple[str, str]]:
+    """(revision, precision) panels in the config's revision order and bf16, fp16, fp32 order."""
+    keys = frame[["revision", "precision"]].drop_duplicates().itertuples(index=False, name=None)
+    precisions = analysis.sort_precisions(frame["precision"])
+    by_revision = revision_key(order)
+    return sorted(keys, key=lambda k: (by_revision(k[0]), precisions.index(k[1])))
+
+
+def stacked_axes(n: int, height: float, sharex: bool = False):
+    """``n`` panels stacked in one column at the column's width; ``height`` is per panel."""
+    fig, axes = plt.subplots(n, 1, figsize=(WIDTH, height * n), sharex=sharex, squeeze=False)
+    return fig, [row[0] for row in axes]
+
+
+def panel_title(ax, text: str, many: bool) -> None:
+    """A panel's name (revision, precision), only where there is more than one panel to tell apart."""
+    if many:
+        ax.set_title(text, loc="left")
+
+
+def drop_coinciding(frame: pd.DataFrame, coinciding) -> pd.DataFrame:
+    """Rows of fixed-prefix cells that repeat the matched cells (shown once, as matched)."""
+    if frame is None or frame.empty or not coinciding:
+        return frame
+    keep = [not (r.experiment == "fixed_prefix" and (r.revision, r.precision) in coinciding)
+            for r in frame[["experiment", "revision", "precision"]].itertuples(index=False)]
+    return frame[keep]
+
+
+def symlog_threshold(values: np.ndarray) -> float:
+    positive = values[np.isfinite(values) & (values > 0)]
+    return float(10 ** np.floor(np.log10(positive.min()))) if positive.size else 1e-3

@@ -1,0 +1,120 @@
+"""The transplants in the report: the localisation sweep (which part of the boundary cache carries the
+divergence, beyond the study) and the all-layer bidirectional transplant (claim 7, a consistency check)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from stagereplay.analysis import stats, study
+from stagereplay.analysis import tables as analysis
+from stagereplay.analysis.report_format import format_percent, join_words, seeded
+from stagereplay.analysis.revision_data import RevisionData
+
+
+def _all_layer_rows(transplant: pd.DataFrame) -> pd.DataFrame:
+    sel = transplant[(transplant["layer_set"] == "all") & (transplant["component"] == "kv")]
+    if "positions" in sel.columns:
+        sel = sel[sel["positions"] == "all"]
+    return sel
+
+
+def _divergent(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["divergent"].fillna(False).astype(bool)] if "divergent" in frame.columns else frame
+
+
+def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
+    """Claim 7 and the localisation sweep beyond the study.
+
+    Handing the recipient the donor's whole boundary state makes it the donor's state, so the all-layer transplant
+    is a check of the construction (and of the two caches' layout parity), not a discovery: the report says so and
+    puts the localisation (layer bands, K or V alone, position ranges) first, as the informative part. Rates count
+    divergent items only (the two constructions' own continuations differ): a non-divergent item has no donor to
+    tell apart from its recipient."""
+    transplant = data.frame("transplant")
+    analysis.check_unique(transplant, "transplant")
+    matrix = analysis.transplant_matrix(transplant)
+    if matrix.empty:
+        n_items = int(transplant["item_index"].nunique()) if len(transplant) else 0
+        return ["#### Transplants", "",
+                f"_No divergent item to transplant: {n_items} item(s) were transplanted and on none do the two "
+                "constructions' own continuations differ, so following the donor cannot be told apart from "
+                "following the recipient._", "",
+                f"Reference study (all {study.LAYERS} K/V layers): {study.transplant_text()}.", ""], {
+            "n_items": n_items, "n_divergent": 0}
+    full = matrix[(matrix["layer_set"] == "all") & (matrix["component"] == "kv") & (matrix["positions"] == "all")]
+    rest = matrix.drop(full.index)
+    out: dict = {"all_layers": {}, "sweep": []}
+    lines: list[str] = []
+    n_div = int(_divergent(transplant)["item_index"].nunique())
+    constructions = sorted(set(transplant["donor"]) | set(transplant["recipient"])) if "donor" in transplant else []
+    lines += [f"{n_div} divergent item(s) of {transplant['item_index'].nunique()} transplanted"
+              + (f", between `{constructions[0]}` and `{constructions[1]}`" if len(constructions) == 2 else "")
+              + ", each in both directions.", ""]
+    if len(rest):
+        lines += ["#### Localisation: which part of the cache carries the divergence (beyond the study)", "",
+                  "Share of divergent continuations that follow the donor when only part of its boundary cache is "
+                  "handed over.", "",
+                  "| precision | layers · component · positions | direction | follows donor | recipient | neither | "
+                  "Wilson 95% |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        ordered = sorted(rest.itertuples(index=False), key=lambda r: (r.precision, analysis.transplant_row_key(r),
+                                                                      r.direction))
+        for r in ordered:
+            lines.append(f"| {r.precision} | {r.label} | {r.direction} | {r.donor} / {r.n} | {r.recipient} | "
+                         f"{r.neither} | [{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]% |")
+            out["sweep"].append({"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
+                                 "positions": r.positions, "direction": r.direction, "n": int(r.n),
+                                 "donor": int(r.donor), "recipient": int(r.recipient), "neither": int(r.neither),
+                                 "seed": data.seed, "method": "outcome counts; wilson interval on the donor share",
+                                 "follows_donor": stats.proportion(int(r.donor), int(r.n))})
+        by_label = rest.groupby("label", sort=False).agg(donor=("donor", "sum"), n=("n", "sum"))
+        carries = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == r["n"]]
+        never = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == 0]
+        partial = [label for label in by_label.index if label not in carries and label not in never]
+        reading = []
+        if carries:
+            reading.append(f"Partial transplants carrying the donor's continuation on every divergent row, both "
+                           f"directions: {join_words(carries)}.")
+        else:
+            reading.append("No partial transplant carries the donor's continuation on every divergent row.")
+        if never:
+            reading.append(f"Carrying it on no row: {join_words(never)}.")
+        if partial:
+            reading.append(f"Carrying it on some rows only: {join_words(partial)}.")
+        lines += ["", " ".join(reading), ""]
+    lines += ["#### Claim: bidirectional transplant of all K/V layers (a consistency check)", "",
+              "The boundary state is the whole decoder state (docs/STUDY.md), so handing the recipient the donor's K "
+              "and V at every layer and position makes its cache the donor's cache: following the donor is what the "
+              "construction guarantees. The all-layer transplant checks the construction and that the two caches "
+              "are laid out alike; it is not a finding about the model.", "",
+              f"Reference study (all {study.LAYERS} K/V layers): {study.transplant_text()}.", "",
+              "| precision | direction | this run: follows donor | recipient | neither | transplanted cache = donor's "
+              "cache (fingerprint) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in full.itertuples(index=False):
+        sel = _divergent(_all_layer_rows(transplant[(transplant["precision"] == r.precision)
+                                                    & (transplant["direction"] == r.direction)]))
+        out["all_layers"].setdefault(r.precision, {})[r.direction] = seeded(
+            stats.follow_rate(sel["outcome"].tolist()), data.seed)
+        parity = "—"
+        if {"cache_fingerprint", "donor_cache_fingerprint"} <= set(sel.columns):
+            both = sel[sel["cache_fingerprint"].notna() & sel["donor_cache_fingerprint"].notna()]
+            equal = int((both["cache_fingerprint"] == both["donor_cache_fingerprint"]).sum())
+            parity = f"{equal} / {len(both)}"
+            out["all_layers"][r.precision][r.direction]["cache_equals_donor"] = {"k": equal, "n": len(both)}
+        lines.append(f"| {r.precision} | {r.direction} | {r.donor} / {r.n} | {r.recipient} | {r.neither} | {parity} |")
+    if full.empty:
+        lines.append("| — | — | no all-layer K/V transplant over all positions in this file | | | |")
+    whole = _divergent(_all_layer_rows(transplant))
+    whole = whole[whole["outcome"] != "donor"]
+    out["all_layer_misses"] = [f"{r.item_id} {r.direction} ({r.outcome})" for r in whole.itertuples(index=False)]
+    if len(whole):
+        lines += ["", "**Finding:** all-layer transplants that did not follow their donor, although the transplanted "
+                  "cache should be the donor's whole state (a fault of the construction or of the layout): "
+                  + ", ".join(f"`{m}`" for m in out["all_layer_misses"])]
+    if "live_fingerprint_match" in transplant.columns:
+        match = transplant.drop_duplicates("item_index")["live_fingerprint_match"]
+        known = match.dropna()
+        if len(known):  # null where the baseline has no live row (a revision without a ledger of its own)
+            lines += ["", f"The rebuilt `incremental` cache equals the ledger's live cache fingerprint for "
+                      f"{int(known.astype(bool).sum())} / {len(known)} items (those are labelled `live`)."]
+            out["live_fingerprint_match"] = {"k": int(known.astype(bool).sum()), "n": int(len(known))}
+    return lines + [""], out
