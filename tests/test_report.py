@@ -12,7 +12,6 @@ from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_diff
                          synthetic_transplant, write)
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report import build_report
-from stagereplay.analysis.tables import compare_constructions
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +122,6 @@ def test_absent_inputs_are_skipped_with_a_note(tmp_path):
     assert "Not produced for this revision" in report and "transplant" in result["revisions"]["primary"][
         "not_produced"]
     assert result["revisions"]["primary"]["matched"]["bf16"]["n_compared"] == 6
-
-
-def test_compare_constructions_is_the_pair_table():
-    ledger = synthetic_ledger("primary")
-    mine = analysis.pair_table(ledger, "matched", "live", "prefill").set_index("item_index").sort_index()
-    kept = compare_constructions(ledger, "matched", "live", "prefill").set_index("item_index").sort_index()
-    assert list(mine.index) == list(kept.index)
-    assert (mine["disagree"] == kept["disagree"]).all()
-    assert mine["margin_a"].astype(float).fillna(-1).tolist() == kept["margin_live"].astype(float).fillna(-1).tolist()
-    assert (mine["label_differs"] == kept["label_differs"]).all()
 
 
 def plain_first_divergence(a, b):

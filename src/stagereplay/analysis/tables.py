@@ -126,14 +126,6 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
 
-def compare_constructions(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.DataFrame:
-    """One row per (item, precision): replica 1 of construction ``a`` against replica 1 of ``b``; the columns of
-    :func:`pair_table` with the margins and labels named after the constructions (``margin_live``...)."""
-    pairs = pair_table(ledger, experiment, a, b)
-    return pairs.rename(columns={"margin_a": f"margin_{a}", "margin_b": f"margin_{b}",
-                                 "correct_a": f"correct_{a}", "correct_b": f"correct_{b}"})
-
-
 def all_pairs(ledger: pd.DataFrame) -> pd.DataFrame:
     """:func:`pair_table` for every comparison of :data:`COMPARISONS` the ledger holds."""
     frames = [pair_table(ledger, *c) for c in COMPARISONS]
