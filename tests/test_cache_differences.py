@@ -84,8 +84,15 @@ def test_measure_cache_differences_on_a_tiny_model(tiny_model_dir, tmp_path):
              "status": "ok" if i != 2 else "boundary_missing", "prompt_ids": PROMPT[: 4 + i],
              "stage_ids": STAGE if i != 2 else [], "prefix_fingerprint": "", "gold_answer": "1"} for i in range(4)]
     prefixes = tmp_path / "prefixes.parquet"
-    write_parquet(pd.DataFrame(rows), prefixes, {"stage": "test"}, PREFIX_SCHEMA)
     out = tmp_path / "cache_differences.parquet"
+    # caches are rebuilt in the regime the prefixes were generated in: a file that records none is refused
+    write_parquet(pd.DataFrame(rows), prefixes, {"stage": "test"}, PREFIX_SCHEMA)
+    with pytest.raises(ValueError, match="records no decode regime"):
+        measure_cache_differences(str(prefixes), str(out), settings(tiny_model_dir, precisions=("bf16",)))
+    assert not out.exists()
+    generated = {"stage": "reconstruct_prefixes", "decode_regime": "eager", "decode_max_len": None,
+                 "decode_max_rows": 1, "numerics_regime": {"numerics": "default"}}
+    write_parquet(pd.DataFrame(rows), prefixes, generated, PREFIX_SCHEMA)
     measure_cache_differences(str(prefixes), str(out), settings(tiny_model_dir, precisions=("bf16", "fp32"),
                                                                 n_items=2, seed=0))
     df = read_parquet(out)

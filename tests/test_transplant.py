@@ -332,9 +332,6 @@ def test_rebuilt_cache_is_called_live_only_when_its_bytes_are_the_ledgers(setup,
         rebuild(edited("prefill", suffix_ids=[(prefill_suffix[0] + 1) % 21] + list(prefill_suffix[1:])))
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: stages.transplant.Rebuild._check sets names[name] only for 'live', "
-                   "so a rebuilt pair has no name for its other construction (dump_caches and transplant_caches "
-                   "then fail with KeyError: 'prefill')")
 def test_rebuild_names_both_constructions_of_the_pair(setup, loaded_fp32):
     """Every rebuilt construction of the pair gets a name: the other one keeps its own."""
     decoder, stage, _ = setup
@@ -371,11 +368,6 @@ def toy_ledger(tmp_path_factory):
     return folder, model
 
 
-BUG_NAMES = ("src bug: stages.transplant.Rebuild._check names only the 'live' construction of the pair, so "
-             "dump_caches (rebuild.names[r][name]) and transplant_caches ({names[name]: ...}) raise KeyError: 'prefill'")
-
-
-@pytest.mark.xfail(strict=True, reason=BUG_NAMES)
 def test_dump_caches_writes_both_constructions_bit_exact_with_the_ledger(toy_ledger, tmp_path):
     from stagereplay.io.parquet import read_parquet
     from stagereplay.stages.settings import DumpSettings, from_params
@@ -396,7 +388,6 @@ def test_dump_caches_writes_both_constructions_bit_exact_with_the_ledger(toy_led
         assert dump.meta["cache_fingerprint"] == by[(int(entry["item_index"]), side)]["cache_fingerprint"]
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_NAMES)
 def test_transplant_caches_all_layer_transplants_follow_the_donor(toy_ledger, tmp_path):
     from stagereplay.io.parquet import read_parquet
     from stagereplay.stages.settings import TransplantSettings, from_params
