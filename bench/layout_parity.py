@@ -21,6 +21,8 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batch_invariance import StageOfLength  # noqa: E402
@@ -40,7 +42,7 @@ def follows(decoder, prompts, stages, settings, rows) -> dict:
     own = {"live": run(decoder, "incremental", prompts, settings, stages=stages, keep=keep),
            "prefill": run(decoder, "prefill", prompts, settings, stages=stages, keep=keep)}
     every = TransplantSpec("all", tuple(range(decoder.n_layers)))
-    out = {"divergent": 0, "follow_donor": 0, "transplants": 0}
+    out = {"divergent": 0, "follow_donor": 0, "follow_donor_margin_bytes": 0, "transplants": 0}
     for r in rows:
         if first_divergence(own["live"][r].suffix_ids, own["prefill"][r].suffix_ids) is None:
             continue
@@ -49,7 +51,12 @@ def follows(decoder, prompts, stages, settings, rows) -> dict:
                                   r, [every]):
             out["transplants"] += 1
             out["follow_donor"] += row["outcome"] == "donor"
+            out["follow_donor_margin_bytes"] += margin_bytes(row["margins"]) == margin_bytes(own[row["donor"]][r].margins)
     return out
+
+
+def margin_bytes(margins) -> bytes:
+    return np.asarray(margins, dtype="<f4").tobytes()
 
 
 def old_layout(decoder, prompts, stages, settings) -> dict:
@@ -60,7 +67,7 @@ def old_layout(decoder, prompts, stages, settings) -> dict:
     cuts = [p + s[:-1] for p, s in zip(prompts, stages)]
     prefill = run(decoder, "incremental", cuts, settings, stages=[[s[-1]] for s in stages], keep=keep)
     every = TransplantSpec("all", tuple(range(decoder.n_layers)))
-    out = {"divergent": 0, "follow_donor": 0, "transplants": 0}
+    out = {"divergent": 0, "follow_donor": 0, "follow_donor_margin_bytes": 0, "transplants": 0}
     for r in range(len(prompts)):
         if first_divergence(live[r].suffix_ids, prefill[r].suffix_ids) is None:
             continue
@@ -72,6 +79,8 @@ def old_layout(decoder, prompts, stages, settings) -> dict:
         out["transplants"] += 2
         out["follow_donor"] += (to_prefill.suffix_ids == live[r].suffix_ids) + (to_live.suffix_ids ==
                                                                                 prefill[r].suffix_ids)
+        out["follow_donor_margin_bytes"] += ((margin_bytes(to_prefill.margins) == margin_bytes(live[r].margins))
+                                             + (margin_bytes(to_live.margins) == margin_bytes(prefill[r].margins)))
     return out
 
 
