@@ -5,12 +5,9 @@ Config and workflow failures go through snakemake on a tiny config in a temp dir
 package functions the rules call.
 """
 
-import copy
 import hashlib
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -33,6 +30,7 @@ from stagereplay.stages.preflight import check_model, check_run
 from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
 from stagereplay.stages.select import select_items
 from stagereplay.stages.settings import ReconstructSettings, from_params
+from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
@@ -49,13 +47,6 @@ def valid_config(**overrides):
     validate(cfg, SCHEMA, set_default=True)
     cfg["model"] = str(REPO / cfg["model"]) if cfg["model"] == "data/toy" else cfg["model"]
     return cfg
-
-
-def snakemake(workdir, *args):
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(workdir / "config.yaml"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def write_config(workdir, **overrides):
@@ -101,10 +92,12 @@ def test_bad_config_key_or_value_is_named(change, named):
 
 def test_workflow_refuses_mistyped_key_and_escaping_run_before_any_work(tmp_path):
     write_config(tmp_path / "w", dataset={"source": "synthetic", "sise": 50})
-    rc, out = snakemake(tmp_path / "w", "--cores", "1")
+    proc = snakemake(tmp_path / "w", "--cores", "1", check=False)
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc != 0 and "sise" in out and "Additional properties are not allowed" in out
     write_config(tmp_path / "w", run="../../escape")
-    rc, out = snakemake(tmp_path / "w", "--cores", "1")
+    proc = snakemake(tmp_path / "w", "--cores", "1", check=False)
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc != 0 and "../../escape" in out
     assert not (tmp_path / "escape").exists() and not (tmp_path / "w/results").exists()
 
@@ -113,10 +106,12 @@ def test_a_block_given_without_its_null_defaults(tmp_path):
     """A block in the config file, or `--config 'transplant={revisions: [...]}'` as the README shows, lacks the keys
     whose default is null (the validator fills none). The workflow plans; a bad revision there is named."""
     write_config(tmp_path / "w", transplant={"revisions": ["primary", "later"]}, cache_differences={"n_items": 2})
-    rc, out = snakemake(tmp_path / "w", "-n")
+    proc = snakemake(tmp_path / "w", "-n", check=False)
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, out[-3000:]
     write_config(tmp_path / "w")
-    rc, out = snakemake(tmp_path / "w", "--cores", "1", "--config", "transplant={revisions: [primary, nope]}")
+    proc = snakemake(tmp_path / "w", "--cores", "1", "--config", "transplant={revisions: [primary, nope]}", check=False)
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc != 0 and "revisions: 'nope' is neither a subfolder" in out
     assert not (tmp_path / "w/results").exists()
 
@@ -364,7 +359,8 @@ def test_failing_rerun_leaves_earlier_results_byte_for_byte(tmp_path):
     work = tmp_path / "w"
     write_config(work)
     target = "results/tiny/primary/ledger.parquet"  # the generation stages: enough to lose, and quick
-    rc, out = snakemake(work, "--cores", "2", target)
+    proc = snakemake(work, "--cores", "2", target, check=False)
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, out[-3000:]
     before = snapshot(work / "results")
     assert {"tiny/selection/items.parquet", "tiny/primary/parts/matched_bf16_0.parquet",
@@ -378,6 +374,7 @@ def test_failing_rerun_leaves_earlier_results_byte_for_byte(tmp_path):
         ({"model": str(tmp_path / "no-such-model")}, "is not an existing folder or GGUF file"),
     ]:
         write_config(work, **change)
-        rc, out = snakemake(work, "--cores", "2", target)
+        proc = snakemake(work, "--cores", "2", target, check=False)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
         assert rc != 0 and named in out, out[-3000:]
         assert snapshot(work / "results") == before, change

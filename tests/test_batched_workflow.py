@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from stagereplay.io.parquet import read_provenance
-from test_workflow import snakemake, tiny_config
+from workflow_runner import snakemake, tiny_config
 
 BATCHED = dict(n_items=6, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
                decode_regime="static", batch_size=4, decode_prefill_group=3, bridge={"n_rows": 3, "seed": 0},
@@ -155,7 +155,7 @@ def test_audit_of_a_batched_ledger_names_a_tampered_row(run_a, tmp_path):
     from stagereplay.io.parquet import write_parquet
     from stagereplay.stages.controls import audit_ledger
     from stagereplay.stages.settings import ControlSettings
-    from test_workflow import REPO
+    from workflow_runner import REPO
 
     run = run_a[0]
     ledger = pd.read_parquet(run / LEDGER)

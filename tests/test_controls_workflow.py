@@ -10,7 +10,7 @@ import pytest
 
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_provenance, write_parquet
-from test_workflow import snakemake, tiny_config
+from workflow_runner import snakemake, tiny_config
 
 TINY = dict(n_items=4, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
             bridge={"n_rows": 3, "seed": 0})

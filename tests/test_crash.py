@@ -16,6 +16,7 @@ import yaml
 
 from stagereplay.io import cache_dumps as cache_io
 from stagereplay.io.parquet import atomic_path, read_parquet, write_parquet
+from workflow_runner import snakemake_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,11 +58,6 @@ def test_a_failing_block_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def snakemake_cmd(workdir, *args):
-    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-            "--configfile", str(workdir / "config.yaml"), *args]
-
-
 def crash_config(workdir):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(run="crash", n_items=12, shards=2, max_new_tokens=16, device="cpu", precisions=["bf16"],
@@ -77,7 +73,7 @@ def test_killed_in_the_middle_of_generation_then_rerun_incomplete(tmp_path):
     logs = tmp_path / "logs/crash/primary"
     # One core: the shards run one after the other. Kill the whole process group (snakemake and the job's
     # interpreter, as a lost node would) once one shard is done and the other is generating.
-    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", target), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(snakemake_command(tmp_path, "--cores", "1", target), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     killed_shard = None
     deadline = time.time() + 240
@@ -106,8 +102,8 @@ def test_killed_in_the_middle_of_generation_then_rerun_incomplete(tmp_path):
     assert not (tmp_path / "results/crash/primary/ledger.parquet").exists()
 
     # The lock of the killed run stays behind: --unlock, then --rerun-incomplete.
-    subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
-    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete", target),
+    subprocess.run(snakemake_command(tmp_path, "--unlock"), check=True, capture_output=True)
+    rerun = subprocess.run(snakemake_command(tmp_path, "--cores", "1", "--rerun-incomplete", target),
                            capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert {name: (parts / name).stat().st_mtime_ns for name in kept} == kept  # not recomputed
@@ -122,13 +118,13 @@ def test_killed_in_the_middle_of_generation_then_rerun_incomplete(tmp_path):
 @pytest.mark.slow
 def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     crash_config(tmp_path)
-    ledger = subprocess.run(snakemake_cmd(tmp_path, "--cores", "2", "results/crash/primary/ledger.parquet"),
+    ledger = subprocess.run(snakemake_command(tmp_path, "--cores", "2", "results/crash/primary/ledger.parquet"),
                             capture_output=True, text=True)
     assert ledger.returncode == 0, ledger.stderr[-3000:]
     # Kill it in the middle of dump_caches, with some dumps written and others not.
     caches = tmp_path / "results/crash/primary/caches"
     manifest = tmp_path / "results/crash/primary/caches.parquet"
-    proc = subprocess.Popen(snakemake_cmd(tmp_path, "--cores", "1", str(manifest.relative_to(tmp_path))),
+    proc = subprocess.Popen(snakemake_command(tmp_path, "--cores", "1", str(manifest.relative_to(tmp_path))),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     killed = False
     deadline = time.time() + 240
@@ -148,8 +144,8 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     assert 0 < len(dumped) < 2 * 12  # caught in the middle
     for path in dumped:  # every dump under its own name is whole: its bytes match the fingerprints inside it
         cache_io.load_cache(path)
-    subprocess.run(snakemake_cmd(tmp_path, "--unlock"), check=True, capture_output=True)
-    rerun = subprocess.run(snakemake_cmd(tmp_path, "--cores", "1", "--rerun-incomplete",
+    subprocess.run(snakemake_command(tmp_path, "--unlock"), check=True, capture_output=True)
+    rerun = subprocess.run(snakemake_command(tmp_path, "--cores", "1", "--rerun-incomplete",
                                          str(manifest.relative_to(tmp_path))), capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M) == ["dump_caches"]

@@ -1,8 +1,6 @@
 """The example configs under config/ (real models on a GPU node) validate and plan; they cannot run here."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import yaml
 from snakemake.utils import validate
 
 from stagereplay.models.loading import resolve_source
+from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "config").glob("*.yaml"))
@@ -36,9 +35,7 @@ def test_example_validates_against_the_schema(path, tmp_path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_plans_one_job_per_shard_and_precision(path, tmp_path):
     cfg = yaml.safe_load(path.read_text())
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-                           str(tmp_path), "--configfile", str(path), "--dry-run", "--quiet", "rules"],
-                          capture_output=True, text=True)
+    proc = snakemake(tmp_path, "--dry-run", "--quiet", "rules", check=False, configfile=path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout, re.M))
     assert int(counts["reconstruct_prefixes"]) == cfg["shards"] * len(cfg["precisions"])

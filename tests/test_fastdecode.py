@@ -19,7 +19,7 @@ from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
 from stagereplay.decode.plans import BatchPlan, batch_plan, batches_of
 from stagereplay.decode.protocol import Decoder, RegimeError
 from stagereplay.decode.regimes import decoder_from_record, make_decoder
-from stagereplay.decode.static import StaticDecoder, StaticKV
+from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings

@@ -1,11 +1,10 @@
 """The SLURM profile: the cluster-specific part only, partition and account left to the user."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "profiles/slurm"
@@ -23,10 +22,8 @@ def test_profile_leaves_partition_and_account_to_the_user():
 @pytest.mark.slow
 def test_profile_plans_the_example_with_one_gpu_per_generation_job(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm")
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-                           str(tmp_path), "--profile", str(PROFILE), "--configfile",
-                           str(REPO / "config/r1-distill-qwen-1.5b-gsm8k.yaml"), "--dry-run"],
-                          capture_output=True, text=True)
+    proc = snakemake(tmp_path, "--profile", str(PROFILE), "--dry-run", check=False,
+                     configfile=REPO / "config/r1-distill-qwen-1.5b-gsm8k.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = proc.stdout.split("rule reconstruct_prefixes:")[1].split("rule ")[0]
     assert "gpu=1" in job and "mem_mb=16000" in job and "runtime=720" in job

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from stagereplay.io.parquet import read_provenance
-from test_workflow import snakemake, tiny_config
+from workflow_runner import snakemake, tiny_config
 
 
 def sha256(path):

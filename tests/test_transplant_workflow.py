@@ -9,7 +9,7 @@ from stagereplay.io import cache_dumps
 from stagereplay.io.parquet import read_provenance
 from stagereplay.stages.transplant import TRANSPLANT_SCHEMA
 
-from test_workflow import snakemake, tiny_config
+from workflow_runner import snakemake, tiny_config
 
 # The documented command that runs the transplant stage at the later revision (README, "Transplants").
 LATER = ["--config", "transplant={revisions: [primary, later]}"]

@@ -1,37 +1,14 @@
 """End to end: the Snakemake workflow on a tiny config in a temp directory, and the results contract."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from stagereplay.io.parquet import read_provenance
+from workflow_runner import snakemake, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
            "fig5_transplant", "fig6_accuracy"]
-
-
-def snakemake(workdir, *args, check=True):
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(workdir / "config.yaml"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
-def tiny_config(workdir, **overrides):
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    cfg.update(run="tiny", n_items=6, max_new_tokens=12, device="cpu",
-               dataset={"source": "synthetic", "size": 100, "seed": 0}, cache_differences={"n_items": 2})
-    cfg.update(overrides)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    return cfg
 
 
 @pytest.mark.slow
