@@ -83,5 +83,5 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     ok = prefixes[(prefixes["status"] == "ok") & (prefixes["precision"] == "bf16")]  # the transplant precision
     assert sorted(baseline["prefix_fingerprint"].unique()) == sorted(ok["prefix_fingerprint"])
     report = (res / "report/report.md").read_text()
-    assert "## Revision `later`" in report and "transplant of all K/V layers" in report.split("## Revision `later`")[1]
+    assert "## Revision `later`" in report and "### Transplants" in report.split("## Revision `later`")[1]
     assert not (res / "later/ledger.parquet").exists()  # no generation at the later revision

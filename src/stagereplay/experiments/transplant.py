@@ -4,9 +4,9 @@ A transplant continues the recipient construction's row in its own batch and lay
 written over a set of layers S of its boundary cache, at all cache positions or only the prompt's or the stage's.
 Donor and recipient are decoded in one layout (the same batch, padding and positions), so the donor's tensors land
 exactly where the recipient's were, and the transplanted cache's fingerprint is taken from the buffer the
-continuation reads. With DESIGN.md's boundary
-state both constructions share the pending token, so an all-layer, all-position K/V transplant hands the recipient
-the donor's whole state: the continuation must then equal the donor's own, and a miss is a finding.
+continuation reads. With the boundary state of docs/STUDY.md both constructions share the pending token, so an
+all-layer, all-position K/V transplant hands the recipient the donor's whole state: the continuation must then equal
+the donor's own (a consistency check of the construction and of layout parity; a miss is a defect).
 
 Outcome of one transplant: ``donor`` (suffix ids equal the donor's own continuation), ``recipient`` (equal the
 recipient's own), else ``neither``; where donor and recipient agree with each other (a non-divergent item) an

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from stagereplay import __version__
 from stagereplay.io.fingerprints import CACHE_FINGERPRINT_SCHEME, SCHEME_KEY
 from stagereplay.io.parquet import read_provenance
 
@@ -28,7 +29,6 @@ def software_versions() -> dict:
     import torch
     import transformers
 
-    from stagereplay import __version__
 
     return {
         "stagereplay": __version__,

@@ -43,7 +43,7 @@ def set_determinism(threads: int) -> dict:
     """Deterministic algorithms on, TF32 off, CPU threads pinned; returns the flags for provenance.
 
     On the GPU, replicas of a one-shot prefill were seen to differ without deterministic mode
-    (DESIGN.md, numerics rules). Filling uninitialised memory is an avoidable cost we switch off.
+    (docs/STUDY.md, numerics rules). Filling uninitialised memory is an avoidable cost we switch off.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
