@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import random
 
-from stagereplay.decode.greedy import RowResult, decode_rows, first_divergence
+from stagereplay.decode.greedy import RowResult, decode_rows
+from stagereplay.io.ids import first_divergence
 
 
 class StageOfLength:

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from stagereplay.decode.eager import EagerDecoder
-from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, first_divergence
+from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
+from stagereplay.io.ids import first_divergence
 from stagereplay.decode.plans import batch_plan
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.decode.fused import fuse_layer

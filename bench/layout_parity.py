@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batch_invariance import StageOfLength  # noqa: E402
 
-from stagereplay.decode.greedy import first_divergence  # noqa: E402
+from stagereplay.io.ids import first_divergence  # noqa: E402
 from stagereplay.decode.plans import Batch  # noqa: E402
 from stagereplay.decode.regimes import make_decoder  # noqa: E402
 from stagereplay.experiments.recipe import run  # noqa: E402

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from stagereplay.data.datasets import DatasetError, load_source, select_items
+from stagereplay.data.datasets import DatasetError, choose_items, load_source
 from stagereplay.data.toy import make_item, target_text
 
 
@@ -26,12 +26,12 @@ def test_synthetic_items_are_deterministic_and_consistent():
 
 def test_selection_is_seeded_and_in_source_order():
     rows = load_source({"source": "synthetic", "size": 100, "seed": 0})
-    s1, s2, s3 = select_items(rows, 10, 0), select_items(rows, 10, 0), select_items(rows, 10, 1)
+    s1, s2, s3 = choose_items(rows, 10, 0), choose_items(rows, 10, 0), choose_items(rows, 10, 1)
     assert s1.equals(s2) and not s1.equals(s3)
     assert list(s1["item_index"]) == list(range(10))
     assert list(s1["source_row"]) == sorted(s1["source_row"])
     with pytest.raises(DatasetError, match="only 100 items"):
-        select_items(rows, 101, 0)
+        choose_items(rows, 101, 0)
 
 
 def test_gsm8k_jsonl(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stagereplay.decode.eager import EagerDecoder
-from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, first_divergence
+from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
+from stagereplay.io.ids import first_divergence
 from stagereplay.decode.protocol import Decoder
 from stagereplay.experiments import constructions, recipe
 from stagereplay.experiments.rows import RunSettings

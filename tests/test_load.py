@@ -25,7 +25,7 @@ def test_no_tensor_outlives_its_item(loaded_bf16):
     decoder = EagerDecoder(loaded_bf16.model, (1,))
     prompter, matcher = Prompter(tokenizer), matcher_from_config({"token_id": 5}, tokenizer)
     settings = RunSettings("tiny", "bf16", max_stage_tokens=6, max_new_tokens=6)
-    rows = datasets.select_items(datasets.load_source({"source": "synthetic", "size": 50, "seed": 0}), 12, 0)
+    rows = datasets.choose_items(datasets.load_source({"source": "synthetic", "size": 50, "seed": 0}), 12, 0)
     items = rows.to_dict("records")
     kept, bridged = [], []
 

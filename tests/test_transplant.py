@@ -19,7 +19,7 @@ from stagereplay.experiments.transplant import (
     TransplantSpec,
     classify,
     enumerate_sweeps,
-    select_items,
+    choose_transplant_items,
     transplant_edit,
     transplant_row,
 )
@@ -240,20 +240,21 @@ def pairs_frame():
 
 
 def test_selection_is_decided_from_token_ids_only():
-    chosen = select_items(pairs_frame(), "divergent")
+    chosen = choose_transplant_items(pairs_frame(), "divergent")
     assert chosen["item_id"].tolist() == ["b", "d"]
     assert chosen["first_divergence"].tolist() == [1, 2]
     assert "suffix_a" not in chosen.columns
-    s1, s2 = select_items(pairs_frame(), "sample:3", seed=4), select_items(pairs_frame(), "sample:3", seed=4)
+    s1 = choose_transplant_items(pairs_frame(), "sample:3", seed=4)
+    s2 = choose_transplant_items(pairs_frame(), "sample:3", seed=4)
     assert s1.equals(s2) and len(s1) == 3 and s1["item_index"].is_monotonic_increasing
-    assert {tuple(select_items(pairs_frame(), "sample:3", seed=s)["item_id"]) for s in range(10)} != {tuple(s1["item_id"])}
-    assert select_items(pairs_frame(), ["e", "a"])["item_id"].tolist() == ["a", "e"]
+    assert {tuple(choose_transplant_items(pairs_frame(), "sample:3", seed=s)["item_id"]) for s in range(10)} != {tuple(s1["item_id"])}
+    assert choose_transplant_items(pairs_frame(), ["e", "a"])["item_id"].tolist() == ["a", "e"]
     with pytest.raises(ValueError, match="'zz'"):
-        select_items(pairs_frame(), ["a", "zz"])
+        choose_transplant_items(pairs_frame(), ["a", "zz"])
     with pytest.raises(ValueError, match="sample:9"):
-        select_items(pairs_frame(), "sample:9")
+        choose_transplant_items(pairs_frame(), "sample:9")
     with pytest.raises(ValueError, match="divergent"):
-        select_items(pairs_frame(), "largest_margin")
+        choose_transplant_items(pairs_frame(), "largest_margin")
 
 
 @pytest.mark.parametrize("fixture", ["loaded_bf16", "loaded_fp32"])

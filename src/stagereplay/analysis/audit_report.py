@@ -128,7 +128,7 @@ def audit_section(data: RevisionData) -> tuple[list[str], dict]:
         if extra:
             lines += ["", "Also: " + "; ".join(extra) + "."]
         check = verdict.get("audit_check")
-        lines += ["", f"audit_check.json (rule check_audit, written only when every row reproduced): "
+        lines += ["", "audit_check.json (rule check_audit, written only when every row reproduced): "
                   + (f"present, {check.get('reproduced')} reproduced of {check.get('ledger_rows')} ledger rows."
                      if check else "absent.")]
     bad = audit[~audit["reproduced"].fillna(False).astype(bool)]

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from stagereplay.analysis import stats
+from stagereplay.io.ids import first_divergence
 
 # (experiment, reference construction, other construction): the comparisons of the reference study.
 COMPARISONS = (
@@ -71,20 +72,6 @@ def check_unique(frame: pd.DataFrame | None, kind: str, key=None) -> None:
         f"{kind}: {len(counts)} key(s) occur on more than one row, key ({', '.join(columns)}): {shown}{more}. "
         "Every key must occur once; a row counted twice (a part gathered twice) or an invented row cannot be "
         "paired. Rebuild the file from its stage's parts")
-
-
-def first_divergence(a, b) -> int | None:
-    """Index of the first position where two suffixes differ (a length difference counts), or None.
-
-    The same rule as ``engine.first_divergence``, here so that the report's tables load without torch; a test
-    checks that the two agree.
-    """
-    a, b = np.asarray(a), np.asarray(b)
-    m = min(a.size, b.size)
-    differ = np.flatnonzero(a[:m] != b[:m])
-    if differ.size:
-        return int(differ[0])
-    return None if a.size == b.size else int(m)
 
 
 def sort_precisions(values) -> list[str]:

@@ -174,7 +174,7 @@ def load_source(dataset: dict, base_dir: str | Path = ".", numeric: bool = True,
     raise DatasetError(f"dataset.source {source!r} is not one of synthetic, jsonl, csv, parquet, hf")
 
 
-def select_items(rows: list[dict], n_items: int, seed: int) -> pd.DataFrame:
+def choose_items(rows: list[dict], n_items: int, seed: int) -> pd.DataFrame:
     """A seeded sample of ``n_items`` rows without replacement, kept in source order."""
     if n_items > len(rows):
         raise DatasetError(f"n_items is {n_items} but the dataset has only {len(rows)} items; lower n_items")

@@ -215,14 +215,6 @@ def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple
     return decoder.pad(batch, r), end, fingerprint_layers(layers), copy
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where two id lists differ (a length difference counts), or None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def matcher_from_config(boundary: dict, tokenizer) -> BoundaryMatcher:
     """The config's ``boundary`` block as a matcher: a token id, else a marker string matched on decoded text."""
     occurrence = int(boundary.get("occurrence", 1))

@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from stagereplay.decode.greedy import first_divergence
+from stagereplay.io.ids import first_divergence
 from stagereplay.experiments.rows import LAYOUT_COLUMNS, LEDGER_SCHEMA
 
 AUDIT_SCHEMA = pa.schema([

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import torch
 
-from stagereplay.decode.greedy import RowResult, first_divergence
+from stagereplay.decode.greedy import RowResult
+from stagereplay.io.ids import first_divergence
 from stagereplay.decode.plans import Batch
 from stagereplay.decode.protocol import Decoder, Layers
 from stagereplay.experiments.recipe import run
@@ -200,7 +200,7 @@ def transplant_row(decoder: Decoder, batch: Batch, prompts: list[list[int]], sta
 _SAMPLE = re.compile(r"^sample:([1-9][0-9]*)$")
 
 
-def select_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.DataFrame:
+def choose_transplant_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.DataFrame:
     """Outcome-blind selection of transplant items from ``pairs``.
 
     ``pairs`` has one row per candidate item (both constructions ok) with ``item_index``, ``item_id``,

@@ -11,7 +11,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from stagereplay.data.prompts import Prompter
-from stagereplay.decode.greedy import first_divergence, matcher_from_config
+from stagereplay.decode.greedy import matcher_from_config
+from stagereplay.io.ids import first_divergence
 from stagereplay.decode.plans import Batch, BatchPlan, batches_of
 from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, audit_batch, failures_message
 from stagereplay.experiments.bridge import BRIDGE_SCHEMA, choose_bridge_items

@@ -59,7 +59,7 @@ def check_run(config: dict, base_dir: str | Path = ".") -> dict:
     if config["offline"]:
         go_offline()
     rows = datasets.load_source(config["dataset"], base_dir, numeric=numeric, offline=config["offline"])
-    selected = datasets.select_items(rows, config["n_items"], config["seed"])
+    selected = datasets.choose_items(rows, config["n_items"], config["seed"])
     summary = {"n_items": len(selected), "revisions": {}}
     for revision in config["revisions"]:
         source = resolve_source(config["model"], revision, base_dir)

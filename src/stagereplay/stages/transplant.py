@@ -24,7 +24,7 @@ from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.matched import fixed_prefix
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import LEDGER_SCHEMA, ReplicaMismatchError
-from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, select_items, transplant_row
+from stagereplay.experiments.transplant import enumerate_sweeps, choose_transplant_items, rebuilt_as, transplant_row
 from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
@@ -192,7 +192,7 @@ def select_transplant_items(baseline_path: str, out_path: str, *, revision: str,
                             seed: int = 0, constructions=("live", "prefill")) -> pd.DataFrame:
     """Write the outcome-blind transplant selection (before any transplant runs), with its rule and seed."""
     pairs = baseline_rows(read_parquet(baseline_path), precision, _baseline_pair(baseline_path, constructions))
-    chosen = select_items(pairs[["item_index", "item_id", "suffix_a", "suffix_b"]], select, seed)
+    chosen = choose_transplant_items(pairs[["item_index", "item_id", "suffix_a", "suffix_b"]], select, seed)
     chosen["revision"] = revision
     chosen["precision"] = precision
     n_divergent = sum(a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"]))
