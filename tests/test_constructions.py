@@ -18,6 +18,7 @@ from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.models import compat
+from stagereplay.models.loading import ModelSource, load_model
 
 
 def rows(loaded, n, seed=0):
@@ -43,8 +44,12 @@ def test_registry_segments_cover_every_cached_id():
         constructions.get("paged")
 
 
-def test_decoders_implement_the_protocol(loaded_fp32):
+def test_decoders_implement_the_protocol(loaded_fp32, tiny_model_dir):
     assert isinstance(EagerDecoder(loaded_fp32.model), Decoder)
+    assert EagerDecoder(loaded_fp32.model).numerics == "default"
+    switched = load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu", numerics="invariant")
+    assert EagerDecoder(switched.model).numerics == "invariant"
+    assert make_decoder(switched.model, (), "static", max_len=32).numerics == "invariant"
     assert isinstance(make_decoder(loaded_fp32.model, (), "static", max_len=32), StaticDecoder)
     assert isinstance(make_decoder(loaded_fp32.model, (), "static", max_len=32), Decoder)
 

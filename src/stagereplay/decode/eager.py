@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from stagereplay.decode.protocol import Layers
-from stagereplay.models import compat
+from stagereplay.models import compat, invariant
 
 
 @dataclass
@@ -27,7 +27,7 @@ class EagerDecoder:
         self.cache_kw = compat.cache_keyword(model)
         self.device = next(model.parameters()).device
         self.n_layers = int(model.config.num_hidden_layers)
-        self._vocab = None
+        self.numerics = "invariant" if invariant.is_invariant(model) else "default"
 
     def record(self) -> dict:
         return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1}

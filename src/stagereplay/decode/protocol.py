@@ -28,6 +28,7 @@ class RegimeError(ValueError):
 class Decoder(Protocol):
     eos_ids: tuple[int, ...]
     n_layers: int
+    numerics: str  # default | invariant: the regime of the model the decoder drives
 
     def record(self) -> dict:
         """The regime as results record it (``decode_regime``, buffer length, rows, attention, ...)."""

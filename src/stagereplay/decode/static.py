@@ -130,6 +130,7 @@ class StaticDecoder:
         self.cache_kw = "static"
         self.fused = [fuse_layer(layer) for layer in model.model.layers]
         self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
+        self.numerics = "invariant" if self.kernels is not None else "default"
         if self.kernels is not None:
             self.block_size = int(describe_invariant(model)["attention_block_size"])
             with torch.no_grad():  # the regime's rotary table, gathered by position in the forward (no host sync)

@@ -29,7 +29,7 @@ class Job:
 
     @property
     def numerics(self) -> str:
-        return self.loaded.info["numerics_regime"]["numerics"]
+        return self.decoder.numerics
 
 
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
