@@ -23,7 +23,6 @@ from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.parquet import read_parquet, write_parquet, write_text_atomic
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, gather, load_as_recorded
-from stagereplay.stages.reconstruct import run_settings
 from stagereplay.stages.settings import BatchInvarianceSettings, ControlSettings
 
 log = logging.getLogger("stagereplay")
@@ -49,7 +48,7 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
     prompt_of = {int(r["item_index"]): [int(i) for i in r["prompt_ids"]] for r in prefixes.to_dict("records")}
     stage_of = {int(r["item_index"]): [int(i) for i in r["stage_ids"]] for r in prefixes.to_dict("records")}
     job = load_as_recorded(s, s.precision, reference_prefixes_path)
-    settings = run_settings(s, s.precision, job.numerics, job.decoder.record()["decode_regime"])
+    settings = job.run_settings(s, s.precision)
     rows = []
     for batch in tqdm(batches, desc=f"fixed_prefix {s.revision}/{s.precision} shard {s.shard}",
                       disable=not s.progress, mininterval=2):
@@ -94,7 +93,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
     tokenizer = job.loaded.tokenizer
     prompter = Prompter(tokenizer, **(s.prompt or {}))
     matcher = matcher_from_config(s.boundary, tokenizer)
-    settings = run_settings(s, s.precision, job.numerics, job.decoder.record()["decode_regime"])
+    settings = job.run_settings(s, s.precision)
     experiments = set(ledger["experiment"]) | {"matched", "fixed_prefix"}
     for batch in tqdm(batches, desc=f"audit {s.revision}/{s.precision} shard {s.shard}", disable=not s.progress,
                       mininterval=2):
@@ -211,7 +210,7 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
             tokenizer = job.loaded.tokenizer
             prompter = Prompter(tokenizer, **(s.prompt or {}))
             matcher = matcher_from_config(s.boundary, tokenizer)
-            settings = run_settings(s, precision, job.numerics, job.decoder.record()["decode_regime"])
+            settings = job.run_settings(s, precision)
             by_key = {(int(r["item_index"]), r["construction"]): r
                       for r in stored[stored["precision"] == precision].to_dict("records")}
             for item in tqdm(selection[selection["item_index"].isin(chosen)].to_dict("records"),

@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from stagereplay.decode.protocol import Decoder
 from stagereplay.decode.regimes import decoder_from_record
+from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu
@@ -30,6 +31,14 @@ class Job:
     @property
     def numerics(self) -> str:
         return self.decoder.numerics
+
+    def run_settings(self, s, precision: str) -> RunSettings:
+        """An experiment's settings: the stage's budgets and answer format, this job's decode and numerics regime
+        (stages that replay fixed prefixes have no stage budget; the transplants no answer format, their rows
+        carry no answers)."""
+        return RunSettings(s.revision, precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
+                           getattr(s, "answer_format", "last_number"), getattr(s, "stage_end", None),
+                           self.decoder.record()["decode_regime"], self.numerics, s.chunk_size)
 
 
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:

@@ -15,7 +15,7 @@ from stagereplay.decode.plans import batch_plan, batches_of
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments.bridge import BRIDGE_SCHEMA, bridge, bridge_rows_of, choose_bridge_items
 from stagereplay.experiments.matched import matched
-from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
+from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.models.loading import eos_token_ids
 from stagereplay.stages.jobs import config_of, gather, load
@@ -36,14 +36,6 @@ PREFIX_SCHEMA = pa.schema([
     ("gold_answer", pa.string()),
 ])
 SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]
-
-
-def run_settings(s, precision: str, numerics: str, decode_regime: str) -> RunSettings:
-    """An experiment's settings from a stage's (stages that replay fixed prefixes have no stage budget, and the
-    transplants no answer format: their rows carry no answers)."""
-    return RunSettings(s.revision, precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
-                       getattr(s, "answer_format", "last_number"), getattr(s, "stage_end", None), decode_regime,
-                       numerics, s.chunk_size)
 
 
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, bridge_path: str,
@@ -68,7 +60,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     tokenizer = job.loaded.tokenizer
     prompter = Prompter(tokenizer, **(s.prompt or {}))
     matcher = matcher_from_config(s.boundary, tokenizer)
-    settings = run_settings(s, s.precision, s.numerics, s.decode_regime)
+    settings = job.run_settings(s, s.precision)
     context = getattr(job.loaded.model.config, "max_position_embeddings", None)
     chosen = set(choose_bridge_items(selection["item_index"], int(s.bridge["n_rows"]), int(s.bridge["seed"]))
                  if s.bridge else [])

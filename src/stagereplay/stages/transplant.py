@@ -30,7 +30,6 @@ from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_id
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
-from stagereplay.stages.reconstruct import run_settings
 from stagereplay.stages.settings import DumpSettings, ReplaySettings, TransplantSettings
 
 log = logging.getLogger("stagereplay")
@@ -161,11 +160,6 @@ class Rebuild:
         return names, match
 
 
-def _load(settings, precision: str, regime_from: str):
-    job = load_as_recorded(settings, precision, regime_from)
-    return job, run_settings(settings, precision, job.numerics, job.decoder.record()["decode_regime"])
-
-
 def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s: ReplaySettings) -> None:
     """The baseline of a non-primary revision: the transplant pair (``live`` rebuilt as ``incremental``) on the
     primary revision's prefix ids at ``s.precision``, in the primary's batch plan, two replicas each."""
@@ -175,7 +169,8 @@ def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s:
     plan = BatchPlan.from_record(recorded_batch_plan(prefixes_path))
     batches = batches_of(selection.to_dict("records"), plan, source=prefixes_path)
     by_index = {int(r["item_index"]): r for r in prefixes.to_dict("records")}
-    job, settings = _load(s, s.precision, prefixes_path)
+    job = load_as_recorded(s, s.precision, prefixes_path)
+    settings = job.run_settings(s, s.precision)
     pair = tuple(rebuilt_as(c) for c in s.constructions)
     rows = []
     for batch in tqdm(batches, desc=f"baseline {s.revision}/{s.precision}", disable=not s.progress, mininterval=2):
@@ -246,7 +241,8 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
             pairs = pairs[[a != b for a, b in zip(pairs["suffix_a"], pairs["suffix_b"])]]
         if pairs.empty:
             continue
-        job, settings = _load(s, precision, baseline_path)
+        job = load_as_recorded(s, precision, baseline_path)
+        settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index))
         prov = job.provenance("dump_caches", config_of(s), batch_plan=None if plan is None else plan.record())
@@ -292,7 +288,8 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     if missing:
         raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
                          "selection")
-    job, settings = _load(s, s.precision, baseline_path)
+    job = load_as_recorded(s, s.precision, baseline_path)
+    settings = job.run_settings(s, s.precision)
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
     plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
