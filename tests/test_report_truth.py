@@ -308,7 +308,7 @@ def test_the_report_says_what_produced_the_run(tmp_path):
     ident = text.split("## What produced this run")[1].split("\n## ")[0]
     for expected in ("| model | `data/toy` |", "requested `primary`; source `data/toy/primary`",
                      "resolved: not recorded", "| dataset | source `synthetic`, seed 0, size 1000 |",
-                     "selected items (items.parquet content sha256): `", "source: not recorded",
+                     "selected items (items.parquet content sha256): `", "rows as read: not recorded",
                      "| items | 6 selected (config n_items); 6 in the ledger(s) |",
                      "max_stage_tokens 32; max_new_tokens 48", "marker `;`", "| precisions | `bf16`; `fp32` |",
                      "decode_regime `eager`", "stagereplay `0.1.0`, commit `abc123`", "torch `2.13.0`",
@@ -324,6 +324,20 @@ def test_identity_says_not_recorded_rather_than_inventing(tmp_path):
     ident = text.split("## What produced this run")[1].split("\n## ")[0]
     assert "| model | not recorded |" in ident and "| dataset | not recorded (no selection/items.parquet) |" in ident
     assert re.search(r"\| package \| stagereplay not recorded, commit not recorded \|", ident)
+
+
+def test_the_model_files_and_the_dataset_content_are_named(tmp_path):
+    prov = {"stage": "gather", "parts": [part_provenance("bf16", model_sha256="feed" * 16)]}
+    ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)
+    selection = write_with(pd.DataFrame({"item_index": range(4), "item_id": [f"item-{i}" for i in range(4)]}),
+                           tmp_path / "items.parquet",
+                           {"stage": "select_items", "seed": 0, "dataset_fingerprint": "ab" * 32, "dataset_rows": 9,
+                            "dataset_sha256": "cd" * 32,
+                            "config": {"dataset": {"source": "jsonl", "path": "d.jsonl"}, "n_items": 4}})
+    text, stats = run(tmp_path, ledger, selection=selection)
+    assert f"resolved: model files sha256 `{'feed' * 16}`" in text
+    assert f"rows as read: `{'ab' * 32}` (9 rows); dataset file sha256 `{'cd' * 32}`" in text
+    assert stats["identity"]["dataset_fingerprint"]["file"] == ["cd" * 32]
 
 
 def test_a_hub_commit_is_named(tmp_path):

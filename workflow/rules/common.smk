@@ -8,6 +8,8 @@ from snakemake.utils import validate
 import stagereplay
 from stagereplay.models.loading import revision_slug
 from stagereplay.stages.preflight import check_decode_settings
+from stagereplay.io.file_hashes import HashCache
+from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
 
 # ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
@@ -90,12 +92,35 @@ def dataset_config():
     return dataset
 
 
+# ---- The inputs by content: a changed dataset file or model file changes the params of the jobs that read it, so
+# Snakemake reruns them (a file only touched changes nothing). Digests are remembered by size and mtime.
+FILE_HASHES = HashCache()
+_MODEL_FINGERPRINTS = {}
+
+
+def dataset_file():
+    fingerprint = dataset_file_fingerprint(dataset_config(), cache=FILE_HASHES)
+    FILE_HASHES.save()
+    return fingerprint
+
+
+def model_files(revision_name):
+    """The fingerprint of one revision's model files, taken once per workflow run."""
+    if revision_name not in _MODEL_FINGERPRINTS:
+        _MODEL_FINGERPRINTS[revision_name] = model_fingerprint(
+            resolve_path(config["model"]), revision_name, cache=FILE_HASHES
+        )
+        FILE_HASHES.save()
+    return _MODEL_FINGERPRINTS[revision_name]
+
+
 # ---- Model settings: the params.kwargs of the stages that load a model -----------------------------------------------
 def generation_kwargs(revision):
     """The generation's settings at one revision, for every stage that runs the model as it did."""
     return dict(
         model=resolve_path(config["model"]),
         revision=REVISIONS[revision],
+        model_fingerprint=model_files(REVISIONS[revision]),
         boundary=config["boundary"],
         max_stage_tokens=config["max_stage_tokens"],
         max_new_tokens=config["max_new_tokens"],
@@ -157,6 +182,7 @@ def cache_difference_kwargs(wildcards):
     return dict(
         model=resolve_path(config["model"]),
         revision=REVISIONS[wildcards.revision],
+        model_fingerprint=model_files(REVISIONS[wildcards.revision]),
         revision_slug=wildcards.revision,
         precisions=settings["precisions"],
         prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
@@ -177,6 +203,7 @@ def replay_model_kwargs(wildcards):
     return dict(
         model=resolve_path(config["model"]),
         revision=ALL_REVISIONS[wildcards.revision],
+        model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         threads=config["threads"],

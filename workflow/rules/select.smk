@@ -9,6 +9,7 @@ rule select_items:
         "../../envs/stagereplay.yaml"
     params:
         dataset=dataset_config(),
+        dataset_file=dataset_file(),
         n_items=config["n_items"],
         seed=config["seed"],
         answer_format=config["answer_format"],

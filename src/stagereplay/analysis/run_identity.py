@@ -80,9 +80,10 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         requested = _values(records, "config", "revision")
         source = _values(records, "model_source")
         commit = _values(records, "model_commit")
-        sha = _values(records, "model_sha256") or _values(records, "weights_sha256")
-        resolved = (f"hub commit {_show(commit)}" if commit else f"file sha256 {_show(sha)}" if sha
-                    else f"{NOT_RECORDED} (no hub commit or file sha256 in the provenance)")
+        sha = _values(records, "model_sha256")
+        resolved = "; ".join(([f"hub commit {_show(commit)}"] if commit else [])
+                             + ([f"model files sha256 {_show(sha)}"] if sha else [])) or \
+            f"{NOT_RECORDED} (no hub commit or model files sha256 in the provenance)"
         text = (f"requested {_show(requested)}; source {_show(source)}; resolved: {resolved}"
                 if records else f"{NOT_RECORDED} (no provenance)")
         add(f"revision `{data.revision}`", f"revision:{data.revision}", text,
@@ -92,15 +93,18 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         {"model_type": _values(everything, "model_type"), "num_layers": _values(everything, "num_layers")})
     dataset = _values([sel_prov], "config", "dataset") if sel_prov else []
     add("dataset", "dataset", _show(dataset, f"{NOT_RECORDED} (no selection/items.parquet)"), dataset)
-    fingerprint = (_values([sel_prov], "dataset_fingerprint") or _values([sel_prov], "dataset_sha256")
-                   or _values([sel_prov], "source_sha256"))
+    fingerprint = _values([sel_prov], "dataset_fingerprint")
+    file_sha = _values([sel_prov], "dataset_sha256")
+    n_rows = _values([sel_prov], "dataset_rows")
     content = None
     if selection and Path(selection).is_file():
         raw = (pq.read_schema(selection).metadata or {}).get(CONTENT_KEY)
         content = raw.decode() if raw else None
     add("dataset content fingerprint", "dataset_fingerprint",
-        f"source: {_show(fingerprint)}; selected items (items.parquet content sha256): "
-        f"{'`' + content + '`' if content else NOT_RECORDED}", {"source": fingerprint, "selection": content})
+        f"rows as read: {_show(fingerprint)}" + (f" ({_show(n_rows)} rows)" if n_rows else "")
+        + (f"; dataset file sha256 {_show(file_sha)}" if file_sha else "")
+        + f"; selected items (items.parquet content sha256): {'`' + content + '`' if content else NOT_RECORDED}",
+        {"source": fingerprint, "file": file_sha, "rows": n_rows, "selection": content})
     n_items = _values([sel_prov], "config", "n_items") if sel_prov else []
     in_ledgers = sorted({int(i) for d in revision_data if d.has("ledger") for i in d.ledger["item_index"].unique()})
     add("items", "items", f"{_show(n_items)} selected (config n_items); {len(in_ledgers)} in the ledger(s)",

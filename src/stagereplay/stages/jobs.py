@@ -11,10 +11,12 @@ import pyarrow as pa
 from stagereplay.decode.protocol import Decoder
 from stagereplay.decode.regimes import decoder_from_record
 from stagereplay.experiments.rows import RunSettings
+from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu
 from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.stages.input_fingerprints import check_model_unchanged
 from stagereplay.stages.settings import ModelSettings
 
 
@@ -44,12 +46,17 @@ class Job:
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
     """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
     (``make_decoder(loaded)``)."""
+    check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir,
+                          HashCache())
     flags = set_determinism(settings.threads)
     gpu = claim_gpu(settings.device)  # held until the job ends
     loaded = load_model(resolve_source(settings.model, settings.revision, settings.base_dir), precision, gpu.device,
                         settings.attn_implementation, settings.trust_remote_code, settings.allow_pickle,
                         settings.offline, numerics=numerics)
     loaded.info["gpu_slot"] = gpu.record()
+    if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
+        loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
+        loaded.info["model_files"] = settings.model_fingerprint["files"]
     return Job(loaded, make_decoder(loaded), flags)
 
 
@@ -62,7 +69,7 @@ def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) 
 
 def config_of(settings) -> dict:
     """The settings as provenance records them."""
-    return {k: v for k, v in asdict(settings).items() if k not in ("progress", "base_dir")}
+    return {k: v for k, v in asdict(settings).items() if k not in ("progress", "base_dir", "model_fingerprint")}
 
 
 def gather(parts: list[str], out_path: str, schema: pa.Schema, sort_keys: list[str]) -> None:

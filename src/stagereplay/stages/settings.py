@@ -33,6 +33,9 @@ class ModelSettings:
     offline: bool = True
     base_dir: str = "."
     progress: bool = True
+    # {"source", "sha256", "files"} of the revision's model files, taken when the workflow planned the job
+    # (stagereplay.stages.input_fingerprints); None outside the workflow or for a hub model not cached yet.
+    model_fingerprint: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
