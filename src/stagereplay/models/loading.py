@@ -303,6 +303,52 @@ def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict,
     return tokenizer
 
 
+# How many tensor names an error lists before it gives only the count.
+NAMED_TENSORS = 6
+
+
+def _named(names: list[str]) -> str:
+    shown = ", ".join(names[:NAMED_TENSORS])
+    return shown + (f" and {len(names) - NAMED_TENSORS} more" if len(names) > NAMED_TENSORS else "")
+
+
+def check_weights_match_config(loading_info: dict, requested: ModelSource, config) -> None:
+    """Refuse a model whose weights are not exactly the tensors its config describes.
+
+    transformers initialises at random every tensor the config asks for and the weights lack (a config saying
+    6 layers over weights of 4), reinitialises a tensor of another shape, and drops tensors it has no place
+    for; each would give results from a model that is not the checkpoint. ``loading_info`` is what
+    ``from_pretrained(..., output_loading_info=True)`` returns: tied weights and buffers computed at load
+    (rotary ``inv_freq``) are not counted missing there.
+    """
+    missing = sorted(loading_info.get("missing_keys") or [])
+    unexpected = sorted(loading_info.get("unexpected_keys") or [])
+    mismatched = sorted(loading_info.get("mismatched_keys") or [])
+    errors = [str(e) for e in loading_info.get("error_msgs") or []]
+    if not (missing or unexpected or mismatched or errors):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors the config needs are missing from the weights "
+                        f"(they would be random): {_named(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors in the weights have no place in the config's model: "
+                        f"{_named(unexpected)}")
+    if mismatched:
+        shapes = [f"{name} {list(saved)} in the weights, {list(wanted)} in the config"
+                  for name, saved, wanted in mismatched]
+        problems.append(f"{len(mismatched)} tensors have another shape than the config gives: {_named(shapes)}")
+    if errors:
+        problems.append(f"errors: {_named(errors)}")
+    layers = getattr(config, "num_hidden_layers", None)
+    raise ModelLoadError(
+        f"the weights of {requested.describe()} do not match its model config (num_hidden_layers: {layers}, "
+        f"hidden_size: {getattr(config, 'hidden_size', None)}): " + "; ".join(problems) + ". The config and "
+        "the weights must come from the same checkpoint: restore the config.json saved with these weights, or "
+        "the weights it describes"
+    )
+
+
 def load_model(
     source: ModelSource,
     precision: str,
@@ -327,15 +373,19 @@ def load_model(
     requested = source
     source, resolved_commit, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
     model_type = config.model_type
-    kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation)
+    # Mismatched shapes are reported in the loading info (and refused below, naming them) instead of raising
+    # transformers' own error, which names no tensor; nothing reinitialised survives the check.
+    kwargs = dict(common, dtype=PRECISIONS[precision], attn_implementation=attn_implementation,
+                  output_loading_info=True, ignore_mismatched_sizes=True)
     if source.kind != "gguf" and not allow_pickle:
         kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model, loading_info = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
     except ImportError as exc:
         raise ModelLoadError(f"loading {requested.describe()} needs an optional package: {exc}") from exc
     except Exception as exc:
         raise ModelLoadError(f"cannot load {requested.describe()}: {exc}") from exc
+    check_weights_match_config(loading_info, requested, config)
     tokenizer = checked_tokenizer(source, requested, common, model.config.vocab_size)
     model.to(dev).eval()
     model.requires_grad_(False)
