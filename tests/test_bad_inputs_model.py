@@ -104,3 +104,83 @@ def test_tied_embeddings_saved_buffers_and_gguf_are_not_refused(tmp_path, four_l
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     load_model(ModelSource("gguf", str(tmp_path), gguf_file="tiny.gguf"), "fp32", "cpu")
+
+
+# --- the preflight: what it refuses before any job -----------------------------------------------------------
+
+def test_a_model_folder_without_tokenizer_files_is_refused_by_the_preflight(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(REPO / "data/toy/primary" / name, folder / name)
+    with pytest.raises(ModelLoadError, match=r"has no usable tokenizer: it turns '0123456789' into no tokens "
+                                             r"\(tokenizer files found: none\)"):
+        check_model(ModelSource("local", str(folder)))
+
+
+def test_cuda_asked_for_where_there_is_none_is_refused_by_the_preflight(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match=r"device 'cuda' was asked for but CUDA is not available on this "
+                                             r"machine .*; set device: cpu or auto"):
+        check_run(valid_config(device="cuda"))
+    # a cluster's submit host need not have the GPU its jobs get
+    assert check_run(valid_config(device="cuda"), jobs_run_here=False)["n_items"] == 4
+
+
+def truncate(path: Path, n_bytes: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - n_bytes])
+
+
+def test_truncated_weights_are_refused_by_the_preflight_from_the_header_alone(tmp_path):
+    folder = tmp_path / "cut"
+    shutil.copytree(REPO / "data/toy/primary", folder)
+    size = (folder / "model.safetensors").stat().st_size
+    truncate(folder / "model.safetensors", 1000)
+    with pytest.raises(ModelLoadError, match=rf"model.safetensors is truncated: it has {size - 1000} bytes, its "
+                                             rf"header describes {size} \(\d+ tensors\); copy or download it again"):
+        check_model(ModelSource("local", str(folder)))
+    truncate(folder / "model.safetensors", size - 1000 - 100)  # cut inside the header
+    with pytest.raises(ModelLoadError, match="is truncated or not a safetensors file: its header claims"):
+        check_model(ModelSource("local", str(folder)))
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_refused(tmp_path, four_layers):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(four_layers).save_pretrained(folder, max_shard_size="100KB")
+    shutil.copy(four_layers / "tokenizer.json", folder)
+    shutil.copy(four_layers / "tokenizer_config.json", folder)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    check_model(ModelSource("local", str(folder)))  # whole: accepted, every shard's header read
+    shards[-1].unlink()
+    with pytest.raises(ModelLoadError, match=rf"names weight files that are not in .*\['{shards[-1].name}'\]"):
+        check_model(ModelSource("local", str(folder)))
+
+
+def test_the_weights_check_reads_headers_only(tmp_path, monkeypatch):
+    """A 2 GB file whose header describes 2 GB of data is accepted in a few reads of its first bytes."""
+    from stagereplay.models.loading import check_safetensors_file
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2**29], "data_offsets": [0, 2**31]}}).encode()
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 2**31)  # sparse: no data written
+    start = time.perf_counter()
+    check_safetensors_file(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_prefix_precision_outside_precisions_is_refused():
+    from stagereplay.stages.preflight import check_prefix_precision
+
+    check_prefix_precision(None, ["bf16"])
+    check_prefix_precision("fp32", ["bf16", "fp32"])
+    with pytest.raises(ValueError, match=r"cache_differences.prefix_precision: 'fp16' is not one of precisions "
+                                         r"\['bf16', 'fp32'\]"):
+        check_prefix_precision("fp16", ["bf16", "fp32"])
+    with pytest.raises(ValueError, match="prefix_precision: 'fp32'"):
+        check_run(valid_config(precisions=["bf16"], cache_differences={"prefix_precision": "fp32"}))

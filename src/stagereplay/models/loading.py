@@ -7,8 +7,10 @@ unless the caller turns it on. This module knows nothing of caches, construction
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,8 +79,15 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; set device: cpu or auto")
-    return torch.device(device)
+        raise ModelLoadError(
+            f"device {device!r} was asked for but CUDA is not available on this machine (torch {torch.__version__}, "
+            f"{'no GPU visible' if torch.version.cuda else 'a build without CUDA'}); set device: cpu or auto"
+        )
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r} was asked for but this machine has {torch.cuda.device_count()} "
+                             "CUDA devices; name one of them, or set device: cuda or auto")
+    return dev
 
 
 def device_name(device: torch.device) -> str:
@@ -245,6 +254,53 @@ def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
         )
     if not has_safetensors and not has_pickle:
         raise ModelLoadError(f"{folder} holds no weights (*.safetensors); is this the right folder?")
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors_file(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a readable safetensors index ({exc}); copy it again") from exc
+        absent = sorted(s for s in shards if not (folder / s).is_file())
+        if absent:
+            raise ModelLoadError(f"{index} names weight files that are not in {folder}: {absent}; copy or "
+                                 "download them (every shard the index lists)")
+
+
+# A safetensors header is JSON of a few KB to a few MB; a larger length means the file is something else.
+MAX_SAFETENSORS_HEADER = 100 * 2**20
+
+
+def check_safetensors_file(path: str | Path) -> None:
+    """Refuse a safetensors file that is cut short or is not one, reading its header only (never the weights).
+
+    The file is an 8-byte little-endian header length, the JSON header, then the tensor data; every tensor's
+    ``data_offsets`` index into that data, so the file's size must be exactly 8 + header + the largest end.
+    A copy or download that stopped early is smaller.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    fix = "copy or download it again"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{path} is not a safetensors file (only {size} bytes); {fix}")
+        (n_header,) = struct.unpack("<Q", head)
+        if n_header > min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise ModelLoadError(f"{path} is truncated or not a safetensors file: its header claims {n_header} "
+                                 f"bytes of a {size}-byte file; {fix}")
+        try:
+            header = json.loads(f.read(n_header))
+            ends = [int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ModelLoadError(f"{path} has an unreadable safetensors header ({exc}); {fix}") from exc
+    expected = 8 + n_header + max(ends, default=0)
+    if size != expected:
+        raise ModelLoadError(
+            f"{path} is {'truncated' if size < expected else 'longer than its header says'}: it has {size} bytes, "
+            f"its header describes {expected} ({len(ends)} tensors); {fix}"
+        )
 
 
 def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -284,6 +340,10 @@ def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_p
     return source, resolved_commit, config, common
 
 
+# Text every tokenizer of a model that reasons about numbers turns into tokens.
+TOKENIZER_PROBE = "0123456789"
+
+
 def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict, vocab_size: int | None):
     """The tokenizer of resolved ``source``, refused when it has more tokens than the model's vocabulary.
 
@@ -295,6 +355,17 @@ def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict,
         tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
+    # A folder without tokenizer files still gives a tokenizer (transformers 5 builds an empty one), which turns
+    # every prompt into no tokens: the job would fail deep in the model ("cannot reshape tensor of 0 elements").
+    if not tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+        where = Path(source.path)
+        found = sorted(p.name for p in where.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges"))) \
+            if source.kind == "local" and where.is_dir() else []
+        raise ModelLoadError(
+            f"{requested.describe()} has no usable tokenizer: it turns {TOKENIZER_PROBE!r} into no tokens "
+            f"(tokenizer files found: {found or 'none'}); put the tokenizer saved with the model "
+            "(tokenizer.json and tokenizer_config.json, or vocab.json and merges.txt) in the model folder"
+        )
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise ModelLoadError(
             f"the tokenizer of {requested.describe()} has {len(tokenizer)} tokens but the model's vocabulary has "

@@ -21,6 +21,7 @@ from stagereplay.models.loading import (
     checked_config,
     checked_tokenizer,
     go_offline,
+    resolve_device,
     resolve_source,
 )
 
@@ -48,13 +49,40 @@ def check_decode_settings(batch_size: int, decode_regime: str, decode_attention:
     check_static_options(decode_regime, decode_attention, decode_prefill_group)
 
 
-def check_run(config: dict, base_dir: str | Path = ".") -> dict:
+def check_prefix_precision(prefix_precision: str | None, precisions: list[str]) -> None:
+    """Refuse a ``cache_differences.prefix_precision`` no generation runs at: its prefixes would never exist
+    (the workflow checks this at parse time, before any job)."""
+    if prefix_precision is not None and prefix_precision not in precisions:
+        raise ValueError(
+            f"cache_differences.prefix_precision: {prefix_precision!r} is not one of precisions {precisions}; the "
+            "cache differences take their prefix ids from that precision's generation: name one of those, or "
+            "null for the first"
+        )
+
+
+def check_output_folders(*folders: str | Path) -> None:
+    """Refuse output folders (``results/<run>`` and the like) of which the folder or a parent is a file."""
+    for folder in folders:
+        for path in (Path(folder), *Path(folder).parents):
+            if path.exists() and not path.is_dir():
+                raise ValueError(
+                    f"{path} is a file, but the run writes its outputs into the folder {folder}/: move or delete "
+                    f"{path}, or choose another run name (run: in the config)"
+                )
+
+
+def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True) -> dict:
     """Every check that needs no weights, over the whole validated config; returns a short summary.
 
     ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
+    ``jobs_run_here``: the jobs run on this machine, so the device they ask for must be here (a cluster's
+    submit host need not have the GPU its jobs get).
     """
     check_decode_settings(config.get("batch_size", 1), config.get("decode_regime", "eager"),
                           config.get("decode_attention", "masked"), config.get("decode_prefill_group"))
+    check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
+    if jobs_run_here:
+        resolve_device(config.get("device", "auto"))
     numeric = config["answer_format"] != "boxed"
     if config["offline"]:
         go_offline()
