@@ -30,10 +30,15 @@ def rows(loaded, n, seed=0):
 
 
 def test_registry_segments_cover_every_cached_id():
-    for name in ("incremental", "prefill", "chunked"):
+    for name in constructions.REGISTRY:
+        if not constructions.get(name).rebuildable:
+            continue
         for chunk in (1, 3, 64):
-            segments = constructions.get(name).cache_build(chunk).segments(7, 5)
-            assert sum(segments) == 12 and all(n >= 1 for n in segments)
+            for n_cached in (0, 5):
+                segments = constructions.get(name).cache_build(chunk).segments(7, n_cached)
+                assert sum(segments) == 7 + n_cached and all(n >= 1 for n in segments), (name, segments)
+    assert constructions.get("prefix_cached").cache_build().segments(7, 5) == [7, 5]
+    assert constructions.get("prefix_cached").cache_build().segments(7, 0) == [7]
     assert constructions.get("chunked").cache_build(3).segments(7, 5) == [3, 3, 3, 3]
     assert constructions.get("chunked").cache_build(64).segments(7, 5) == constructions.get("prefill").cache_build(
         64).segments(7, 5)
@@ -63,6 +68,30 @@ def by_hand(model, ids: list[int], sizes: list[int]) -> str:
               **{compat.cache_keyword(model): cache})
         start += n
     return fingerprint_layers(compat.cache_layers(cache))[0]
+
+
+def test_every_construction_is_offered_by_the_config_schema():
+    """A new construction is a registry entry: the schema must offer it where constructions are chosen."""
+    import yaml
+
+    from workflow_runner import REPO
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    rebuildable = {n for n, c in constructions.REGISTRY.items() if c.rebuildable}
+    assert set(schema["fixed_prefix"]["properties"]["constructions"]["items"]["enum"]) == rebuildable
+    assert set(schema["transplant"]["properties"]["constructions"]["items"]["enum"]) == set(constructions.REGISTRY)
+
+
+def test_prefix_cached_is_the_prompt_then_the_stage_in_one_forward(loaded_bf16):
+    (prompt,), (stage,) = rows(loaded_bf16, 1, seed=5)
+    settings = RunSettings("r", "bf16", None, 4)
+    res = run(EagerDecoder(loaded_bf16.model), "prefix_cached", [prompt], settings, stages=[stage], keep={0})[0]
+    assert res.fingerprints[0] == by_hand(loaded_bf16.model, prompt + stage[:-1], [len(prompt), len(stage) - 1])
+    # its prompt part is the cache every request over that prompt computes: incremental's, byte for byte
+    incremental = run(EagerDecoder(loaded_bf16.model), "incremental", [prompt], settings, stages=[stage],
+                      keep={0})[0]
+    prompt_part = [[(k[:, :, :len(prompt)], v[:, :, :len(prompt)]) for k, v in r.layers] for r in (res, incremental)]
+    assert fingerprint_layers(prompt_part[0]) == fingerprint_layers(prompt_part[1])
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])

@@ -134,7 +134,8 @@ def test_the_check_can_fail(loaded_fp32):
         rebuilt(decoder, "incremental", stage, 2).fingerprints[0]
 
 
-@pytest.mark.parametrize("construction,chunk_size", [("prefill", 16), ("incremental", 16), ("chunked", 3)])
+@pytest.mark.parametrize("construction,chunk_size", [("prefill", 16), ("incremental", 16), ("chunked", 3),
+                                                        ("prefix_cached", 16)])
 def test_rebuilt_replicas_are_bit_identical(loaded_bf16, construction, chunk_size):
     decoder = EagerDecoder(loaded_bf16.model, ())
     stage = free_run(decoder, 8)

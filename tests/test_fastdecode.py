@@ -287,7 +287,7 @@ class Lockstep:
 
 
 @pytest.mark.parametrize("regime", ["eager", "static"])
-@pytest.mark.parametrize("name", ["prefill", "chunked"])
+@pytest.mark.parametrize("name", ["prefill", "chunked", "prefix_cached"])
 def test_both_schedules_of_the_loop_agree_at_batch_one(models, regime, name):
     """The greedy loop's two schedules are one computation for a row: continuing from the built cache (rows at
     their own positions) and the live schedule with the built cache swapped in at the boundary give the same
@@ -302,7 +302,7 @@ def test_both_schedules_of_the_loop_agree_at_batch_one(models, regime, name):
     assert (own.pad, own.position) == (incremental.pad, incremental.position) == (0, len(PROMPT) + 6)
 
 
-@pytest.mark.parametrize("name", ["prefill", "chunked", "incremental"])
+@pytest.mark.parametrize("name", ["prefill", "chunked", "incremental", "prefix_cached"])
 def test_eager_rows_are_the_same_in_either_schedule(models, name):
     """The eager decoder computes rows apart, so a batch with rows of other stage lengths (one of a single token,
     one without a prefix) gives each row the same bytes in the lockstep schedule as at its own position."""

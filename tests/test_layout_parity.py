@@ -70,8 +70,8 @@ def test_the_old_layout_changes_bits_here(pair):
 def test_constructions_share_the_layout(batch):
     decoder, prompts, stages, settings = batch
     layouts = {name: [(r.pad, r.position) for r in run(decoder, name, prompts, settings, stages=stages)]
-               for name in ("incremental", "prefill", "chunked")}
-    assert layouts["incremental"] == layouts["prefill"] == layouts["chunked"]
+               for name in ("incremental", "prefill", "chunked", "prefix_cached")}
+    assert layouts["incremental"] == layouts["prefill"] == layouts["chunked"] == layouts["prefix_cached"]
     width = max(len(p) for p in prompts)
     assert layouts["prefill"] == [(None, None) if s is None else (width - len(p), width + len(s) - 1)
                                   for p, s in zip(prompts, stages)]

@@ -362,3 +362,21 @@ def test_transplant_section_calls_the_all_layer_transplant_a_check_and_leads_wit
     assert "| bf16 | incremental->prefill | 6 / 6 | 0 | 0 | 6 / 6 |" in text  # follows donor; cache = donor's
     assert numbers["all_layers"]["bf16"]["incremental->prefill"]["cache_equals_donor"] == {"k": 6, "n": 6}
     assert "Carrying it on some rows only" in text or "Carrying it on no row" in text
+
+
+# --- a fixed-prefix pair other than the study's ---------------------------------------------------------------------
+
+def test_a_fixed_prefix_pair_of_other_constructions_is_named_and_not_set_against_the_study(tmp_path):
+    ledger = synthetic_ledger("primary", n_items=6)
+    fixed = ledger["experiment"] == "fixed_prefix"
+    ledger.loc[fixed & (ledger["construction"] == "prefill"), "construction"] = "prefix_cached"
+    assert analysis.fixed_prefix_pair(ledger) == ("incremental", "prefix_cached")
+    text, stats = run(tmp_path, write(ledger, tmp_path / "ledger.parquet"))
+    section = text.split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+    assert "this run: incremental vs prefix_cached" in section and "(incremental − prefix_cached)" in section
+    assert "— (the study compared incremental vs prefill)" in section
+    assert study.fixed_prefix_text("fp32") not in section
+    assert stats["revisions"]["primary"]["fixed_prefix"]["fp32"]["constructions"] == ["incremental", "prefix_cached"]
+    assert not analysis.coinciding_comparisons(ledger)  # prefix_cached is not the matched prefill
+    pairs = analysis.all_pairs(ledger)
+    assert set(pairs.loc[pairs["experiment"] == "fixed_prefix", "construction_b"]) == {"prefix_cached"}

@@ -15,11 +15,13 @@ CAPTIONS = {
         "Suffix disagreement between constructions.",
         "For each precision and experiment (rows), the share of compared items whose greedy suffixes differ "
         "between the two constructions of an experiment: the matched experiment (retained live cache vs one-shot "
-        "prefill of the identical prefix ids; filled bars) and the fixed-prefix 2x2 (token-by-token incremental "
-        "cache vs one-shot prefill, prefix ids held fixed across precisions; hatched bars). Error bars: Wilson 95% "
+        "prefill of the identical prefix ids; filled bars) and the fixed-prefix 2x2 (two rebuilt caches over prefix "
+        "ids held fixed across precisions, as the legend names them: token-by-token incremental vs one-shot "
+        "prefill unless the run chose others; hatched bars). Error bars: Wilson 95% "
         "intervals. Right of "
         "each row: k/n of this run, and in parentheses the reference study's count where the study gives one "
-        "(matched bf16, fixed-prefix fp32), which the open diamond marks on the axis. One panel per revision. "
+        "(matched bf16; fixed-prefix fp32 when that compares incremental with prefill), which the open diamond "
+        "marks on the axis. One panel per revision. "
         "Items without a stage boundary or with non-finite logits are excluded (listed in the report).",
     ),
     "fig2_first_divergence": (
@@ -27,14 +29,14 @@ CAPTIONS = {
         "Empirical cumulative distribution of the first-divergence position (index of the first suffix token that "
         "differs between the two constructions; a length difference counts) among the items whose suffixes "
         "disagree. Colour: precision; line style and marker: experiment (solid, circles: matched live vs prefill; "
-        "dashed, squares: fixed-prefix incremental vs prefill). The x axis spans the whole suffix. n in the legend "
+        "dashed, squares: the fixed-prefix pair, incremental vs prefill unless the run chose others). The x axis spans the whole suffix. n in the legend "
         "is the number of disagreeing items. A fixed-prefix cell whose rows repeat the matched rows item for item "
         "is drawn once, as matched (the report names such cells). One panel per revision.",
     ),
     "fig3_margins": (
         "Are divergences near-ties?",
         "One point per disagreeing item: the reference construction's (live in the matched experiment, incremental "
-        "in the fixed-prefix one) top-2 logit margin at the first divergence (y) against the median of its margins "
+        "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence (y) against the median of its margins "
         "at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
         "linear near 0 so that exact ties stay visible. Points below the diagonal split where the greedy choice was "
         "closer to a tie than at the item's typical step; the report gives the exact sign test across items. "
@@ -64,7 +66,8 @@ CAPTIONS = {
     "fig6_accuracy": (
         "Paired accuracy difference between constructions.",
         "Accuracy of the reference construction (live in the matched experiment, incremental in the fixed-prefix "
-        "one) minus that of the one-shot prefill over the same items, in percentage points, with the seeded paired "
+        "one, or the first the report names there) minus that of the other (one-shot prefill unless the run chose "
+        "another) over the same items, in percentage points, with the seeded paired "
         "bootstrap 95% percentile interval (10,000 resamples of items), per revision, experiment and precision. "
         "Colour: precision; marker: experiment. Top row, open diamond: the reference study's value (matched, bf16, "
         "200 items). The exact McNemar test on the discordant pairs is in the report.",

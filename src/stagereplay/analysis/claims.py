@@ -95,11 +95,13 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                          "revision._", ""], {}
     pairs = data.pairs[data.pairs["experiment"] == "fixed_prefix"]
     rep_lines, rep = _replica_rows(data, "fixed_prefix")
+    a, b = analysis.fixed_prefix_pair(ledger)
+    study_pair = (a, b) == analysis.STUDY_FIXED_PREFIX
     out: dict = {}
     lines = header + [
-        "| precision | reference study: suffixes that differ | this run: incremental vs prefill, suffixes that "
-        "differ | Wilson 95% upper bound | labels that differ | accuracy incremental / prefill, difference "
-        "(incremental − prefill) | first divergence (median [IQR]) |",
+        f"| precision | reference study: suffixes that differ | this run: {a} vs {b}, suffixes that "
+        f"differ | Wilson 95% upper bound | labels that differ | accuracy {a} / {b}, difference "
+        f"({a} − {b}) | first divergence (median [IQR]) |",
         "| --- | --- | --- | --- | --- | --- | --- |"]
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
@@ -108,14 +110,15 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         fd = seeded(stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)
         nonfinite = fixed[(fixed["precision"] == precision) & (fixed["status"] == "nonfinite")]
         same = data.coinciding.get((data.revision, precision))
-        out[precision] = {"n_compared": n, "suffix_disagreements": dis, "label_flips": flips,
+        out[precision] = {"constructions": [a, b], "n_compared": n, "suffix_disagreements": dis, "label_flips": flips,
                           "accuracy_difference": acc, "first_divergence": fd, "replicas": rep.get(precision, {}),
                           "nonfinite_rows": int(len(nonfinite)),
                           "nonfinite_items": int(nonfinite["item_index"].nunique()),
                           "same_rows_as_matched": bool(same)}
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
-        lines.append(f"| {precision}{mark} | {study.fixed_prefix_text(precision)} | {format_proportion(dis)} | "
+        reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
+        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | "
                      f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} | "
                      f"{format_accuracy(acc) if acc else 'no compared items'} | {fd_text} |")
     shared = [p for p in out if out[p]["same_rows_as_matched"]]

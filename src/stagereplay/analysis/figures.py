@@ -69,10 +69,14 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
         return _placeholder(paths, "No data yet for figure 1: the ledger holds no compared items "
                             "(matched or fixed-prefix experiment with status ok on both constructions).")
     revisions = ordered_revisions(cells, revision_order)
-    experiments = [e for e, *_ in analysis.COMPARISONS if e in set(cells["experiment"])]
+    experiments = [e for e in analysis.EXPERIMENTS if e in set(cells["experiment"])]
     precisions = analysis.sort_precisions(cells["precision"])
+    fixed = cells[cells["experiment"] == "fixed_prefix"]
+    fixed_pair = tuple(fixed[["construction_a", "construction_b"]].iloc[0]) if len(fixed) else None
     reference = {("matched", p): c for p, c in study.MATCHED_DISAGREEMENTS.items() if c is not None}
-    reference.update({("fixed_prefix", p): c for p, c in study.FIXED_PREFIX_DISAGREEMENTS.items() if c is not None})
+    if fixed_pair == analysis.STUDY_FIXED_PREFIX:  # the study's count is of its own pair only
+        reference.update({("fixed_prefix", p): c for p, c in study.FIXED_PREFIX_DISAGREEMENTS.items()
+                          if c is not None})
     rows = [(p, e) for p in precisions for e in experiments]
     with plt.rc_context(STYLE):
         fig, axes = stacked_axes(len(revisions), 0.35 + 0.2 * len(rows), sharex=True)
@@ -106,7 +110,8 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
         axes[-1].set_xlabel("items whose suffixes differ (%)")
         handles = [Patch(facecolor="0.45", edgecolor="0.45", label="live vs prefill")]
         if "fixed_prefix" in experiments:
-            handles.append(Patch(facecolor="white", edgecolor="0.45", hatch="////", label="incremental vs prefill"))
+            handles.append(Patch(facecolor="white", edgecolor="0.45", hatch="////",
+                                 label=f"{fixed_pair[0]} vs {fixed_pair[1]}"))
         handles.append(Line2D([], [], color="0.15", lw=0.7, marker="|", ms=4, label="Wilson 95% CI"))
         handles.append(Line2D([], [], ls="", marker="D", mfc="white", mec="black", ms=4.5,
                               label="reference study"))
@@ -127,7 +132,7 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
         fig, axes = stacked_axes(len(revisions), 2.0)
         for ax, revision in zip(axes, revisions):
             sub = div[div["revision"] == revision]
-            for experiment in [e for e, *_ in analysis.COMPARISONS]:
+            for experiment in analysis.EXPERIMENTS:
                 for precision in analysis.sort_precisions(sub["precision"]):
                     g = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
                     if g.empty:
@@ -172,7 +177,7 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
         for ax, revision in zip(axes, revisions):
             sub = margins[margins["revision"] == revision]
             ax.plot([0, top], [0, top], color="0.6", lw=0.7, ls=":", zorder=0, label="equal margins")
-            for experiment in [e for e, *_ in analysis.COMPARISONS]:
+            for experiment in analysis.EXPERIMENTS:
                 for precision in analysis.sort_precisions(sub["precision"]):
                     g = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
                     if g.empty:
@@ -296,7 +301,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
     if differences is None or differences.empty:
         return _placeholder(paths, "No data yet for figure 6: no compared items with correctness labels "
                             "in the ledger.")
-    known = [c[0] for c in analysis.COMPARISONS]
+    known = list(analysis.EXPERIMENTS)
     precisions = analysis.sort_precisions(differences["precision"])
     rows = differences.assign(
         _r=differences["revision"].map(revision_key(revision_order)),

@@ -20,16 +20,11 @@ import pandas as pd
 from stagereplay.analysis import stats
 from stagereplay.io.ids import first_divergence
 
-# (experiment, reference construction, other construction): the comparisons of the reference study.
-COMPARISONS = (
-    ("matched", "live", "prefill"),
-    ("fixed_prefix", "incremental", "prefill"),
-)
-COMPARISON_LABELS = {
-    "matched": "matched: live vs prefill",
-    "fixed_prefix": "fixed prefix: incremental vs prefill",
-}
-SHORT_LABELS = {"matched": "matched live − prefill", "fixed_prefix": "fixed-prefix incremental − prefill"}
+# The experiments whose two constructions are compared item by item, in the report's order.
+EXPERIMENTS = ("matched", "fixed_prefix")
+MATCHED = ("matched", "live", "prefill")
+# The reference study's fixed-prefix pair; a run may compare any two constructions there (fixed_prefix.constructions).
+STUDY_FIXED_PREFIX = ("incremental", "prefill")
 PRECISION_ORDER = ("bf16", "fp16", "fp32")
 
 PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "construction_a", "construction_b",
@@ -79,6 +74,27 @@ def sort_precisions(values) -> list[str]:
     return sorted(set(values), key=lambda p: (order.get(p, len(order)), p))
 
 
+def fixed_prefix_pair(ledger: pd.DataFrame | None) -> tuple[str, str]:
+    """The two constructions of the ledger's fixed-prefix rows, the reference first: ``incremental`` (the live
+    schedule's own construction) where it is one of them, else ``prefill``, else the first by name. The study's
+    pair when the ledger has no fixed-prefix rows."""
+    if ledger is None or ledger.empty:
+        return STUDY_FIXED_PREFIX
+    names = set(ledger.loc[ledger["experiment"] == "fixed_prefix", "construction"])
+    if not names:
+        return STUDY_FIXED_PREFIX
+    if len(names) != 2:
+        raise ValueError(f"the ledger's fixed-prefix rows hold {len(names)} constructions {sorted(names)}; the 2x2 "
+                         "compares two: rebuild the ledger from one run's parts")
+    a, b = sorted(names, key=lambda n: (n != "incremental", n != "prefill", n))
+    return a, b
+
+
+def comparisons(ledger: pd.DataFrame | None) -> list[tuple[str, str, str]]:
+    """(experiment, reference construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
+    return [MATCHED, ("fixed_prefix", *fixed_prefix_pair(ledger))]
+
+
 def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.DataFrame:
     """One row per (item, revision, precision) with ``status == ok`` on both sides: replica 1 of ``a`` against ``b``.
 
@@ -114,8 +130,8 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
 
 
 def all_pairs(ledger: pd.DataFrame) -> pd.DataFrame:
-    """:func:`pair_table` for every comparison of :data:`COMPARISONS` the ledger holds."""
-    frames = [pair_table(ledger, *c) for c in COMPARISONS]
+    """:func:`pair_table` for every comparison of :func:`comparisons` the ledger holds."""
+    frames = [pair_table(ledger, *c) for c in comparisons(ledger)]
     frames = [f for f in frames if not f.empty]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PAIR_COLUMNS)
 
@@ -213,6 +229,8 @@ def coinciding_comparisons(ledger: pd.DataFrame) -> dict[tuple[str, str], str]:
         return found
     check_unique(ledger, "ledger")
     rows = ledger[ledger["replica"] == 1]
+    if fixed_prefix_pair(ledger) != STUDY_FIXED_PREFIX:
+        return found  # only incremental and prefill can repeat the matched live and prefill cells
 
     def side(frame, construction):
         sub = frame[(frame["construction"] == construction) & (frame["status"] == "ok")]
@@ -326,7 +344,7 @@ def exclusions(ledger: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=EXCLUSION_COLUMNS)
     check_unique(ledger, "ledger")
     rows = []
-    for experiment, a, b in COMPARISONS:
+    for experiment, a, b in comparisons(ledger):
         sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
         for (revision, precision), cell in sel.groupby(["revision", "precision"], sort=True):
             for item_index, item in cell.groupby("item_index", sort=True):

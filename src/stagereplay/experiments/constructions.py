@@ -28,6 +28,12 @@ def _chunked(prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
     return [min(chunk_size, total - start) for start in range(0, total, chunk_size)]
 
 
+def _prefix_cached(prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
+    # serving engines' automatic prefix caching: the prompt's cache from an earlier request (one forward over the
+    # prompt, as every request that shares it computed it), then the stage ids on top of it in one forward
+    return [prompt_len] + ([n_cached] if n_cached else [])
+
+
 @dataclass(frozen=True)
 class Construction:
     name: str
@@ -52,6 +58,7 @@ REGISTRY: dict[str, Construction] = {c.name: c for c in (
     Construction("incremental", "incremental (token by token)", _incremental, schedule=True),
     Construction("prefill", "one-shot prefill", _prefill),
     Construction("chunked", "chunked prefill", _chunked),
+    Construction("prefix_cached", "prefix-cached prefill", _prefix_cached),
 )}
 
 
