@@ -184,3 +184,45 @@ def test_prefix_precision_outside_precisions_is_refused():
         check_prefix_precision("fp16", ["bf16", "fp32"])
     with pytest.raises(ValueError, match="prefix_precision: 'fp32'"):
         check_run(valid_config(precisions=["bf16"], cache_differences={"prefix_precision": "fp32"}))
+
+
+def test_the_workflow_refuses_a_prefix_precision_outside_precisions_when_parsed(tmp_path):
+    tiny_config(tmp_path, precisions=["bf16"], cache_differences={"n_items": 2, "prefix_precision": "fp32"})
+    proc = snakemake(tmp_path, "-n", check=False)
+    assert proc.returncode != 0
+    assert "cache_differences.prefix_precision: 'fp32' is not one of precisions ['bf16']" in proc.stdout + proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+# --- the workflow: what Snakemake itself would get wrong -----------------------------------------------------
+
+def test_a_results_folder_that_is_a_file_is_named_before_any_work(tmp_path):
+    from stagereplay.stages.preflight import check_output_folders
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results/tiny").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"results/tiny is a file, but the run writes its outputs into the folder "
+                                         r".*results/tiny/: move or delete"):
+        check_output_folders(tmp_path / "results/tiny")
+    check_output_folders(tmp_path / "results/other", tmp_path / "logs/tiny")  # absent folders are fine
+
+    tiny_config(tmp_path)
+    proc = snakemake(tmp_path, "-n", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NotADirectoryError" not in output
+    assert "results/tiny is a file, but the run writes its outputs into the folder results/tiny/" in output
+    assert (tmp_path / "results/tiny").read_text() == "not a folder"
+
+
+def test_a_dry_run_runs_the_preflight_and_says_so(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(REPO / "data/toy/primary" / name, folder / name)
+    tiny_config(tmp_path, model=str(folder), revisions=["local"])
+    proc = snakemake(tmp_path, "-n", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Dry run: checking the inputs as a run does before its first job" in output
+    assert "has no usable tokenizer" in output
+    assert not (tmp_path / "results").exists()

@@ -7,7 +7,7 @@ from snakemake.utils import validate
 
 import stagereplay
 from stagereplay.models.loading import revision_slug
-from stagereplay.stages.preflight import check_decode_settings
+from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
 
@@ -46,6 +46,7 @@ if config["reference_precision"] not in config["precisions"]:
         f"reference_precision: {config['reference_precision']!r} is not one of precisions "
         f"{config['precisions']}; the fixed-prefix 2x2 takes its prefixes from that precision's generation"
     )
+check_prefix_precision(config["cache_differences"].get("prefix_precision"), config["precisions"])
 
 # Transplants run at each of transplant.revisions on the primary revision's prefix ids: the primary's constructions
 # and continuations come from its ledger, any other revision's from its own replay_baseline.parquet.
@@ -252,6 +253,21 @@ def revision_name(wildcards):
 
 
 # ---- Input functions -------------------------------------------------------------------------------------------------
+_checked_in_dry_run = False
+
+
+def preflight_in_dry_run(wildcards):
+    """No file: select_items's input function, so that a dry run runs the preflight (preflight.smk) too. onstart
+    runs in no dry run; input functions run while the DAG is built, dry runs included. Once per planning process:
+    a job's own process (a cluster job parses the workflow again) is never a dry run."""
+    global _checked_in_dry_run
+    if workflow.dryrun and not workflow.execution_settings.no_hooks and not _checked_in_dry_run:
+        _checked_in_dry_run = True
+        logger.info("Dry run: checking the inputs as a run does before its first job (--no-hooks skips this)")
+        preflight()
+    return []
+
+
 def shard_parts(wildcards, kind):
     """A revision's parts/<kind>_<precision>_<shard>.parquet, one per precision and shard of its generation."""
     return expand(
