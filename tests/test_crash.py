@@ -1,6 +1,7 @@
 """Crashes and interruptions: a run killed at any point (in a generation rule, in a dump) leaves no half-written
 file that a rerun would trust, and `snakemake --rerun-incomplete` recomputes only what was lost."""
 
+import hashlib
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from stagereplay.io import cache_dumps as cache_io
-from stagereplay.io.parquet import atomic_path, read_parquet, write_parquet
+from stagereplay.io.parquet import atomic_path, hash_record_path, read_hash_record, read_parquet, write_parquet
 from workflow_runner import snakemake_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,8 @@ def test_a_process_killed_while_writing_leaves_the_old_file(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert target.read_bytes() == before
     assert read_parquet(target)["x"].tolist() == [1, 2, 3]
-    leftovers = [p.name for p in tmp_path.iterdir() if p != target]
+    assert read_hash_record(target) == hashlib.sha256(before).hexdigest()  # the old file's record, still right
+    leftovers = [p.name for p in tmp_path.iterdir() if p not in (target, hash_record_path(target))]
     assert len(leftovers) == 1 and leftovers[0].startswith(".part.parquet.") and leftovers[0].endswith(".tmp")
 
 

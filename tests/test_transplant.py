@@ -266,7 +266,8 @@ def test_dump_reload_continues_bit_for_bit(fixture, request, tmp_path):
     cache = own(decoder, "incremental", stage, precision)
     written = cache_io.save_cache(tmp_path / "c.safetensors", cache.layers, {"item_id": "x", "pending_id": stage[-1]})
     assert written["bytes"] == (tmp_path / "c.safetensors").stat().st_size > 0
-    assert not [p for p in tmp_path.iterdir() if p.name != "c.safetensors"]  # no temp file left behind
+    # no temp file left behind, only the dump and its hash record
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c.safetensors.sha256", "c.safetensors"]
     dump = cache_io.load_cache(tmp_path / "c.safetensors")
     assert dump.meta["pending_id"] == stage[-1] and dump.meta["cache_fingerprint"] == cache.fingerprints[0]
     assert fingerprint_layers(dump.layers) == cache.fingerprints

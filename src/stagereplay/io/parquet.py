@@ -3,6 +3,10 @@
 Every Parquet file the pipeline writes carries a provenance record in its key-value metadata (key
 ``stagereplay``) and a content fingerprint, and is written atomically (temp file, fsync, rename), so a crash never
 leaves a half-written file that a rerun would trust, and a damaged file is refused when read.
+
+Every file written through :func:`atomic_path` (Parquet, text, figures, cache dumps) also gets the sha256 of its
+bytes recorded beside it, in ``.<name>.sha256`` (the ``sha256sum`` format, so ``sha256sum -c`` checks it too):
+:mod:`stagereplay.stages.integrity` compares a run's files with these records before Snakemake may delete anything.
 """
 
 from __future__ import annotations
@@ -44,14 +48,62 @@ class _AtomicPath:
             return False
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
+        digest = sha256_of_file(self.tmp)
+        # The old record goes first: a kill before the new one is written leaves a file without a record (not
+        # checked), never a good file beside a stale record (which would be reported as damaged).
+        record = hash_record_path(self.path)
+        record.unlink(missing_ok=True)
         os.replace(self.tmp, self.path)
-        # The rename itself reaches the disk only with its folder.
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_folder(self.path.parent)
+        write_hash_record(self.path, digest)
         return False
+
+
+def _fsync_folder(folder: Path) -> None:
+    """A rename reaches the disk only with its folder."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_record_path(path: str | Path) -> Path:
+    """Where the sha256 of ``path``'s bytes is recorded: ``.<name>.sha256`` beside it."""
+    path = Path(path)
+    return path.parent / f".{path.name}.sha256"
+
+
+def write_hash_record(path: str | Path, digest: str) -> None:
+    """Record ``digest`` as the sha256 of ``path`` (atomically; the record's mtime, never older than the file's,
+    says that the file has not been written since)."""
+    path = Path(path)
+    record = hash_record_path(path)
+    tmp = record.parent / f"{record.name}.{secrets.token_hex(8)}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{digest}  {path.name}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, record)
+    _fsync_folder(record.parent)
+
+
+def read_hash_record(path: str | Path) -> str | None:
+    """The sha256 recorded for ``path``, or None when there is no (readable) record."""
+    try:
+        text = hash_record_path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    digest = text.split(" ", 1)[0].strip()
+    return digest if len(digest) == 64 else None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -1,0 +1,125 @@
+"""Checks that a run's results still hold the bytes they were written with, before Snakemake may delete any.
+
+A damaged results file (truncated by a full disk or an interrupted copy, edited, bit-flipped) has a new
+modification time, so Snakemake reruns every job downstream of it: it deletes those jobs' outputs as each starts,
+and each then fails reading the damaged file, so good results are lost to a bad one. The workflow calls
+:func:`verify_results` before the first job and before a dry run plans; a damaged file stops the run naming the
+file and the fix, with nothing run and nothing deleted.
+
+Every file written through :func:`stagereplay.io.parquet.atomic_path` has the sha256 of its bytes recorded beside
+it. A file is hashed again only when it was written after its record (its mtime is newer), so a start costs a
+``stat`` per file, not a read of every cache dump. Files without a record (written before records existed, or a
+record lost to a kill between the file and its record) get a structural check only: a Parquet file must open
+(its footer), a safetensors dump must have the size its header declares. Knows nothing of Snakemake.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from safetensors import SafetensorError, safe_open
+
+from stagereplay.io.parquet import (
+    CorruptFileError,
+    hash_record_path,
+    read_hash_record,
+    sha256_of_file,
+    write_hash_record,
+)
+
+FIX = "Nothing was run and nothing deleted."
+
+
+class DamagedResultsError(CorruptFileError):
+    """Results files whose bytes are not those they were written with, or that no longer open."""
+
+
+@dataclass
+class Checked:
+    files: int = 0
+    hashed: list[str] = field(default_factory=list)  # written after their record: hashed again, matched
+    unrecorded: list[str] = field(default_factory=list)  # no record: structural check only
+    damaged: list[str] = field(default_factory=list)  # one message per damaged file
+
+
+def results_files(root: str | Path) -> list[Path]:
+    """The files under ``root``, without hidden ones (hash records, temp files of a writer) or hidden folders."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [Path(folder) / name for name in sorted(files) if not name.startswith(".")]
+    return found
+
+
+def check_file(path: Path, refresh: bool, checked: Checked) -> None:
+    recorded = read_hash_record(path)
+    if recorded is None:
+        checked.unrecorded.append(str(path))
+        problem = structural_problem(path)
+        if problem:
+            checked.damaged.append(f"{path} is damaged: {problem}; {fix(path)}")
+        return
+    if path.stat().st_mtime_ns <= hash_record_path(path).stat().st_mtime_ns:
+        return  # not written since its record
+    actual = sha256_of_file(path)
+    if actual != recorded:
+        checked.damaged.append(
+            f"{path} is damaged: its sha256 is {actual[:16]}…, not the {recorded[:16]}… recorded when it was "
+            f"written ({hash_record_path(path).name}); it was changed after it was written (truncated, edited "
+            f"or overwritten); {fix(path)}")
+        return
+    checked.hashed.append(str(path))
+    if refresh:  # same bytes, a newer mtime (touched, copied): the next check is a stat again
+        write_hash_record(path, actual)
+
+
+def fix(path: Path) -> str:
+    """What to do about a damaged file: delete it, so that the next run recomputes it and what depends on it, or
+    restore it. A cache dump is part of its folder's output: Snakemake sees a folder, so the folder goes."""
+    if path.parent.name == "caches":
+        return (f"delete the folder {path.parent} to recompute it (and what depends on it) with the next run, or "
+                "restore the file from a copy")
+    return "delete it to recompute it (and what depends on it) with the next run, or restore it from a copy"
+
+
+def structural_problem(path: Path) -> str | None:
+    """Why a file without a hash record cannot be what a stage wrote, as far as opening it tells; None if it opens."""
+    try:
+        if path.suffix == ".parquet":
+            pq.read_metadata(path)
+        elif path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                f.metadata()
+    except (OSError, pa.ArrowException, SafetensorError) as exc:
+        return f"it has no recorded sha256 and does not open ({exc})"
+    return None
+
+
+def verify_results(root: str | Path, refresh: bool = True) -> Checked:
+    """Check every file under ``root`` (a run's ``results/<run>``) against its recorded sha256; raise
+    :class:`DamagedResultsError` naming every damaged file and the fix. ``refresh``: rewrite the record of a file
+    that was only touched (same bytes, newer mtime), so the next check need not hash it; a dry run passes False
+    and writes nothing."""
+    checked = Checked()
+    if not Path(root).is_dir():
+        return checked
+    for path in results_files(root):
+        checked.files += 1
+        check_file(path, refresh, checked)
+    if checked.damaged:
+        raise DamagedResultsError("\n".join(checked.damaged) + f"\n{FIX}")
+    return checked
+
+
+def summary(root: str | Path, checked: Checked) -> str:
+    line = f"Results checked: {checked.files} files under {root}"
+    extra = []
+    if checked.hashed:
+        extra.append(f"{len(checked.hashed)} hashed again (written after their record, same bytes)")
+    if checked.unrecorded:
+        extra.append(f"{len(checked.unrecorded)} without a recorded sha256 (opened only)")
+    return line + (f" ({'; '.join(extra)})" if extra else "")
