@@ -83,6 +83,17 @@ class RowResult:
     layers: Layers | None = None  # a copy of that cache (rows in ``keep`` only)
 
 
+class _TokenCount:
+    """Tokens the greedy loop has chosen or fed (stage and suffix, every row) in this process: what progress
+    reports read as tokens/s. Never part of a result."""
+
+    def __init__(self):
+        self.total = 0
+
+
+TOKENS = _TokenCount()
+
+
 def greedy_choice(logits: torch.Tensor):
     """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host."""
     top = torch.topk(logits, 2, dim=-1)
@@ -165,6 +176,7 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                 continue
             token = row.forced[len(row.generated)] if teacher else int(choice[r])
             row.generated.append(token)
+            TOKENS.total += 1
             row.margins.append(float(margin[r]))
             if row.boundary_at is None:
                 if (teacher and len(row.generated) == len(row.forced)) or (not teacher and matcher.reached(row.generated)):

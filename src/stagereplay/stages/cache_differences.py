@@ -16,6 +16,7 @@ from stagereplay.experiments.transplant import rebuilt_as
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
+from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import CacheDifferenceSettings
 
 log = logging.getLogger("stagereplay")
@@ -61,7 +62,8 @@ def measure_cache_differences(prefixes_path: str, out_path: str, s: CacheDiffere
         settings = RunSettings(s.revision or "", precision, None, 1,
                                decode_regime=job.decoder.record()["decode_regime"], numerics=job.numerics,
                                chunk_size=s.chunk_size)
-        for batch in batches:
+        for batch in progress(batches, f"measure_cache_differences {s.revision_slug}/{precision}", enabled=s.progress,
+                              items=lambda b: sum(int(it["item_index"]) in wanted for it in b.items)):
             prompts = [[int(i) for i in it["prompt_ids"]] for it in batch.items]
             stages = [[int(i) for i in it["stage_ids"]] or None for it in batch.items]
             keep = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in wanted}

@@ -8,7 +8,6 @@ import logging
 
 import pandas as pd
 import pyarrow as pa
-from tqdm import tqdm
 
 from stagereplay.data.prompts import Prompter
 from stagereplay.decode.greedy import matcher_from_config
@@ -23,6 +22,7 @@ from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.parquet import read_parquet, write_parquet, write_text_atomic
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, gather, load_as_recorded
+from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import BatchInvarianceSettings, ControlSettings
 
 log = logging.getLogger("stagereplay")
@@ -50,8 +50,8 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
     job = load_as_recorded(s, s.precision, reference_prefixes_path)
     settings = job.run_settings(s, s.precision)
     rows = []
-    for batch in tqdm(batches, desc=f"fixed_prefix {s.revision}/{s.precision} shard {s.shard}",
-                      disable=not s.progress, mininterval=2):
+    for batch in progress(batches, f"generate_fixed_prefix {s.revision}/{s.precision} shard {s.shard}",
+                          enabled=s.progress):
         prompts = [prompt_of[int(item["item_index"])] for item in batch.items]
         rows += fixed_prefix(job.decoder, batch, prompts, _reference_stages(batch, stage_of), settings,
                              job.loaded.tokenizer, pair=tuple(s.fixed_prefix_constructions))
@@ -95,8 +95,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
     matcher = matcher_from_config(s.boundary, tokenizer)
     settings = job.run_settings(s, s.precision)
     experiments = set(ledger["experiment"]) | {"matched", "fixed_prefix"}
-    for batch in tqdm(batches, desc=f"audit {s.revision}/{s.precision} shard {s.shard}", disable=not s.progress,
-                      mininterval=2):
+    for batch in progress(batches, f"audit_ledger {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         prompts = [prompter(item["question"]) for item in batch.items]
         try:
             recomputed = matched(job.decoder, batch, prompts, settings, tokenizer, matcher, replicas=(1,)).rows
@@ -213,9 +212,9 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
             settings = job.run_settings(s, precision)
             by_key = {(int(r["item_index"]), r["construction"]): r
                       for r in stored[stored["precision"] == precision].to_dict("records")}
-            for item in tqdm(selection[selection["item_index"].isin(chosen)].to_dict("records"),
-                             desc=f"batch_invariance {s.revision}/{precision}", disable=not s.progress,
-                             mininterval=2):
+            for item in progress(selection[selection["item_index"].isin(chosen)].to_dict("records"),
+                                 f"check_batch_invariance {s.revision}/{precision}", enabled=s.progress,
+                                 items=lambda _: 1):
                 live = by_key.get((int(item["item_index"]), "live"))
                 if live is None:
                     raise KeyError(f"item {item['item_id']!r}: no matched live row at {precision} in {ledger_path}; "

@@ -7,7 +7,6 @@ import logging
 
 import pandas as pd
 import pyarrow as pa
-from tqdm import tqdm
 
 from stagereplay.data.prompts import Prompter, check_context
 from stagereplay.decode.greedy import matcher_from_config
@@ -20,6 +19,7 @@ from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.models.loading import eos_token_ids
 from stagereplay.stages.jobs import config_of, gather, load
 from stagereplay.stages.preflight import check_decode_settings
+from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import ReconstructSettings
 
 log = logging.getLogger("stagereplay")
@@ -65,8 +65,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     chosen = set(choose_bridge_items(selection["item_index"], int(s.bridge["n_rows"]), int(s.bridge["seed"]))
                  if s.bridge else [])
     rows, prefix_rows, bridge_rows = [], [], []
-    for batch in tqdm(batches, desc=f"matched {s.revision}/{s.precision} shard {s.shard}", disable=not s.progress,
-                      mininterval=2):
+    for batch in progress(batches, f"reconstruct_prefixes {s.revision}/{s.precision} shard {s.shard}",
+                          enabled=s.progress):
         prompts = [prompter(item["question"]) for item in batch.items]
         for item, prompt in zip(batch.items, prompts):
             check_context(item["item_id"], len(prompt), s.max_stage_tokens, s.max_new_tokens, context)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
-from tqdm import tqdm
 
 from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.matched import fixed_prefix
@@ -30,6 +29,7 @@ from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_id
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
+from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import DumpSettings, ReplaySettings, TransplantSettings
 
 log = logging.getLogger("stagereplay")
@@ -173,7 +173,7 @@ def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s:
     settings = job.run_settings(s, s.precision)
     pair = tuple(rebuilt_as(c) for c in s.constructions)
     rows = []
-    for batch in tqdm(batches, desc=f"baseline {s.revision}/{s.precision}", disable=not s.progress, mininterval=2):
+    for batch in progress(batches, f"replay_fixed_prefixes {s.revision}/{s.precision}", enabled=s.progress):
         refs = [by_index.get(int(item["item_index"])) for item in batch.items]
         prompts = [[int(i) for i in ref["prompt_ids"]] for ref in refs]
         stages = [[int(i) for i in ref["stage_ids"]] if ref["status"] == "ok" else None for ref in refs]
@@ -246,7 +246,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index))
         prov = job.provenance("dump_caches", config_of(s), batch_plan=None if plan is None else plan.record())
-        for batch in tqdm(batches, desc=f"dump {s.revision}/{precision}", disable=not s.progress):
+        for batch in progress(batches, f"dump_caches {s.revision}/{precision}", enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in by_index}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
             for r in sorted(wanted):
@@ -294,7 +294,7 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     chosen = {int(i) for i in selection["item_index"]}
     plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
     rows = []
-    for batch in tqdm(batches, desc=f"transplant {s.revision}/{s.precision}", disable=not s.progress):
+    for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision}", enabled=s.progress):
         wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
         rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
         for r in sorted(wanted):
