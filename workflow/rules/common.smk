@@ -248,6 +248,27 @@ def transplant_kwargs(wildcards):
     )
 
 
+def minimal_transplant_kwargs(wildcards):
+    return dict(
+        replay_model_kwargs(wildcards),
+        precision=TRANSPLANT_PRECISION,
+        max_new_tokens=config["max_new_tokens"],
+        budget=config["transplant"]["minimal"]["budget"],
+        chunk_size=config["chunk_size"],
+        constructions=list(config["transplant"]["constructions"]),
+    )
+
+
+def onset_kwargs(wildcards):
+    """Both transplant constructions of every divergent item, rebuilt in their batch (which continues them)."""
+    return dict(
+        replay_model_kwargs(wildcards),
+        max_new_tokens=config["max_new_tokens"],
+        chunk_size=config["chunk_size"],
+        constructions=list(config["transplant"]["constructions"]),
+    )
+
+
 def revision_name(wildcards):
     return ALL_REVISIONS[wildcards.revision]
 
@@ -321,7 +342,12 @@ def all_outputs():
         *expand(
             f"{RESULTS}/{{revision}}/{{name}}",
             revision=TRANSPLANT_REVISIONS,
-            name=["transplant.parquet", "caches.parquet"],
+            name=[
+                "transplant.parquet",
+                "caches.parquet",
+                "minimal_transplant.parquet",
+                "divergence_onset.parquet",
+            ],
         ),
         f"{RESULTS}/report/report.md",
         f"{RESULTS}/report/stats.json",
@@ -338,6 +364,8 @@ FIGURE_NAMES = [
     "fig4_cache_differences",
     "fig5_transplant",
     "fig6_accuracy",
+    "fig7_minimal_transplant",
+    "fig8_divergence_onset",
 ]
 
 
@@ -347,6 +375,8 @@ def report_revisions():
     return {
         "ledger": generated,
         "transplant": list(TRANSPLANT_REVISIONS),
+        "minimal_transplant": list(TRANSPLANT_REVISIONS),
+        "divergence_onset": list(TRANSPLANT_REVISIONS),
         "bridge": generated,
         "audit": generated,
         "batch_invariance": generated,

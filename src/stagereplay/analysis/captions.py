@@ -72,6 +72,28 @@ CAPTIONS = {
         "Colour: precision; marker: experiment. Top row, open diamond: the reference study's value (matched, bf16, "
         "200 items). The exact McNemar test on the discordant pairs is in the report.",
     ),
+    "fig7_minimal_transplant": (
+        "Where the minimal sufficient transplants lie.",
+        "For each divergent selected item and direction, a greedy bisection within a budget of transplant runs "
+        "(config transplant.minimal.budget) finds a band of layers x a span of cache positions x K, V or both whose "
+        "transplant alone still carries the donor's continuation: a part none of whose halves suffices, not a "
+        "global minimum. Each cell gives the share of these minimal sets that include that layer (rows) and cache "
+        "position (columns, counted from the first stage token: left of the dotted line, the prompt), among the "
+        "items whose cache reaches that position; K (upper) and V (lower panel of each pair); both directions "
+        "pooled. White: no cache reaches the position. One pair of panels per revision and precision. The sets, "
+        "runs used and whether the budget ran out are in minimal_transplant.parquet and the report.",
+    ),
+    "fig8_divergence_onset": (
+        "How the cache difference of divergent items grows with depth, and the margin where they split.",
+        "For every item whose two transplant constructions (live and prefill unless the run chose others) continue "
+        "differently, both boundary caches are rebuilt from the identical prefix ids and compared layer by layer. "
+        "Top: the RMS of the difference per layer (the larger of K and V), one thin line per item and the median "
+        "over items as a thick line with circles, on a symmetric-log axis, linear near 0. Bottom: one open circle "
+        "per item, the first construction's top-2 logit margin at the first divergent suffix token (y) against "
+        "the max absolute difference of the caches at the last layer (x, symmetric-log). Colour: precision. One "
+        "column per revision. Items are chosen by divergence; the onset layer and position and the rank "
+        "correlation are in divergence_onset.parquet and the report.",
+    ),
 }
 
 

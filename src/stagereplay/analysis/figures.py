@@ -1,12 +1,14 @@
 """The paper figures, as PDF and PNG, from the tidy tables of :mod:`stagereplay.analysis.tables`.
 
-Six figures: (1) suffix disagreement per construction x precision cell, (2) first-divergence positions, (3) top-2
+Eight figures: (1) suffix disagreement per construction x precision cell, (2) first-divergence positions, (3) top-2
 margins at the first divergence against the same item's other steps, (4) per-layer differences between
-constructions' boundary caches, (5) the transplant outcome matrix, (6) paired accuracy differences with their CIs.
+constructions' boundary caches, (5) the transplant outcome matrix, (6) paired accuracy differences with their CIs,
+(7) how often each part of the cache is in a minimal sufficient transplant, (8) the growth of the cache difference
+with depth in divergent items and the margin at the divergence against the last layer's difference.
 A figure whose input is absent or empty is still written, saying which input it waits for, so the pipeline never
 stops on a stage that has not run.
 
-Style, one for all six (:mod:`stagereplay.analysis.figure_style`): a single column's width (3.4 in), 7-pt type,
+Style, one for all (:mod:`stagereplay.analysis.figure_style`): a single column's width (3.4 in), 7-pt type,
 the Okabe-Ito colours (one per precision) with a marker and line style per experiment or component so that series
 stay apart in greyscale and where they coincide, every mark in a legend, fonts embedded in the PDF as TrueType
 (``pdf.fonttype`` 42), no title or figure number drawn into the image: the captions
@@ -32,6 +34,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from stagereplay.analysis import captions, study  # noqa: E402
 from stagereplay.analysis import tables as analysis  # noqa: E402
+from stagereplay.analysis.divergence_location import minimal_coverage, onset_items  # noqa: E402
 from stagereplay.analysis.figure_style import (COLORS, COMPONENT_STYLE, EXPERIMENT_NAMES,  # noqa: E402
                                                EXPERIMENT_STYLE, STYLE, WIDTH, drop_coinciding, error_lengths,
                                                ordered_revisions, panel_keys, panel_title, revision_key,
@@ -333,6 +336,88 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
         _save(fig, paths)
 
 
+def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
+    """Figure 7: per layer (rows) and cache position relative to the first stage token (columns), the share of
+    minimal sufficient transplants that include that part, K and V apart; one pair of panels per revision and
+    precision, both directions pooled."""
+    if coverage is None or coverage.empty:
+        return _placeholder(paths, "No data yet for figure 7: minimal_transplant.parquet is absent, empty or holds "
+                            "no minimal set (rule find_minimal_transplants; transplant.minimal.budget 0 is off).")
+    panels = [(r, p, c) for r, p in panel_keys(coverage, revision_order) for c in ("k", "v")]
+    num_layers = int(coverage["layer"].max()) + 1
+    with plt.rc_context(STYLE):
+        fig, axes = stacked_axes(len(panels), 0.45 + 0.16 * num_layers, sharex=True)
+        lo, hi = int(coverage["offset"].min()), int(coverage["offset"].max())
+        image = None
+        for ax, (revision, precision, component) in zip(axes, panels):
+            sub = coverage[(coverage["revision"] == revision) & (coverage["precision"] == precision)
+                           & (coverage["component"] == component)]
+            grid = np.full((num_layers, hi - lo + 1), np.nan)  # (layers, offsets); NaN: no cache reaches there
+            for r in sub.itertuples(index=False):
+                grid[int(r.layer), int(r.offset) - lo] = r.share
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto", origin="lower",
+                              extent=(lo - 0.5, hi + 0.5, -0.5, num_layers - 0.5), interpolation="nearest")
+            ax.axvline(-0.5, color=COLORS["reference"], lw=0.8, ls=":")
+            ax.set_yticks(range(num_layers))
+            ax.set_ylabel(f"{component.upper()} · layer")
+            n = int(sub.groupby(["layer", "offset"])["n"].max().max())
+            many = len(panels) > 2
+            ax.set_title((f"revision {revision}, {precision} · " if many else "") + f"{component.upper()} cache "
+                         f"(n = {n} minimal sets)", loc="left", pad=3)
+            ax.spines[:].set_visible(False)
+        axes[-1].set_xlabel("cache position − prompt length (< 0: prompt; ≥ 0: stage)")
+        fig.colorbar(image, ax=axes, label="share of minimal sets including the part", shrink=0.8, aspect=25,
+                     pad=0.02)
+        _save(fig, paths)
+
+
+def plot_divergence_onset(items: pd.DataFrame, paths: dict[str, str], revision_order=(), onset=None, **_) -> None:
+    """Figure 8: top, per divergent item, the RMS difference between the two constructions' caches per layer (the
+    larger of K and V; median over items as a thick line); bottom, the margin at the first divergence against the
+    max-abs difference at the last layer. Colour: precision; one column per revision."""
+    if items is None or items.empty or onset is None:
+        return _placeholder(paths, "No data yet for figure 8: divergence_onset.parquet is absent or empty "
+                            "(rule measure_divergence_onset; needs divergent items).")
+    revisions = ordered_revisions(items, revision_order)
+    precisions = analysis.sort_precisions(items["precision"])
+    per_layer = onset.groupby(["revision", "precision", "item_index", "layer"], as_index=False)["rms"].max()
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(2, len(revisions), figsize=(WIDTH, 4.2), squeeze=False)
+        for col, revision in enumerate(revisions):
+            upper, lower = axes[0][col], axes[1][col]
+            for precision in precisions:
+                color = COLORS.get(precision, "0.3")
+                lines = per_layer[(per_layer["revision"] == revision) & (per_layer["precision"] == precision)]
+                for _, g in lines.groupby("item_index"):
+                    upper.plot(g["layer"], g["rms"], color=color, lw=0.5, alpha=0.35)
+                if len(lines):
+                    median = lines.groupby("layer")["rms"].median()
+                    upper.plot(median.index, median.to_numpy(), color=color, lw=1.8, marker="o", ms=3,
+                               label=f"{precision}: median (n={lines['item_index'].nunique()})")
+                pts = items[(items["revision"] == revision) & (items["precision"] == precision)
+                            & items["margin_a"].notna()]
+                lower.scatter(pts["last_max_abs"], pts["margin_a"], s=14, facecolors="none", edgecolors=color,
+                              linewidths=0.8, clip_on=False, label=f"{precision} (n={len(pts)})")
+            values = per_layer.loc[per_layer["revision"] == revision, "rms"].to_numpy(dtype=float)
+            if np.any(values > 0):
+                upper.set_yscale("symlog", linthresh=symlog_threshold(values), linscale=0.5)
+            upper.set_ylim(bottom=0)
+            upper.set_xlabel("layer")
+            upper.xaxis.get_major_locator().set_params(integer=True)
+            x = items.loc[items["revision"] == revision, "last_max_abs"].to_numpy(dtype=float)
+            if np.any(x > 0):
+                lower.set_xscale("symlog", linthresh=symlog_threshold(x), linscale=0.5)
+            lower.set_xlim(left=0)
+            lower.set_ylim(bottom=0)
+            lower.set_xlabel("max |Δ| at the last layer")
+            panel_title(upper, f"revision {revision}", len(revisions) > 1)
+        axes[0][0].set_ylabel("RMS |Δ| of the caches")
+        axes[1][0].set_ylabel("top-2 margin at the first divergence")
+        axes[0][0].legend(loc="upper left", handlelength=1.6)
+        axes[1][0].legend(loc="upper right", handletextpad=0.3)
+        _save(fig, paths)
+
+
 def _read_all(paths: dict[str, str] | None) -> pd.DataFrame | None:
     """Concatenate the existing files of one kind (revision -> path, in the config's order); None when none exists."""
     frames = [read_parquet(p) for p in (paths or {}).values() if p and Path(p).is_file()]
@@ -349,6 +434,7 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
     skip = {(revision, "fixed_prefix", precision) for revision, precision in coinciding}
     differences = _read_all(inputs.get("cache_differences"))
     transplant = _read_all(inputs.get("transplant"))
+    onset = _read_all(inputs.get("divergence_onset"))
     return {
         "fig1_disagreement": analysis.disagreement_cells(pairs) if pairs is not None else None,
         "fig2_first_divergence": pairs,
@@ -356,6 +442,9 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
         "fig4_cache_differences": analysis.cache_difference_profile(differences),
         "fig5_transplant": analysis.transplant_matrix(transplant),
         "fig6_accuracy": analysis.accuracy_differences(pairs, seed=seed) if pairs is not None else None,
+        "fig7_minimal_transplant": minimal_coverage(_read_all(inputs.get("minimal_transplant"))),
+        "fig8_divergence_onset": onset_items(onset),
+        "onset": onset,
         "coinciding": coinciding,
     }
 
@@ -367,6 +456,8 @@ PLOTTERS = {
     "fig4_cache_differences": plot_cache_differences,
     "fig5_transplant": plot_transplant,
     "fig6_accuracy": plot_accuracy,
+    "fig7_minimal_transplant": plot_minimal_transplant,
+    "fig8_divergence_onset": plot_divergence_onset,
 }
 
 
@@ -385,6 +476,7 @@ def plot_figures(inputs: dict[str, dict[str, str]], outputs: dict[str, dict[str,
     data = tables(inputs, seed)
     written = []
     for name, paths in outputs.items():
-        PLOTTERS[name](data[name], paths, revision_order=list(dict.fromkeys(order)), coinciding=data["coinciding"])
+        PLOTTERS[name](data[name], paths, revision_order=list(dict.fromkeys(order)), coinciding=data["coinciding"],
+                       onset=data["onset"])
         written += paths.values()
     return written

@@ -20,6 +20,8 @@ FILES = {
     "batch_invariance": "batch_invariance.parquet",
     "transplant": "transplant.parquet",
     "cache_differences": "cache_differences.parquet",
+    "minimal_transplant": "minimal_transplant.parquet",
+    "divergence_onset": "divergence_onset.parquet",
 }
 # Folders of results/<run>/ that are not revisions.
 NOT_REVISIONS = {"selection", "report"}

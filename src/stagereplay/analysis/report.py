@@ -4,7 +4,8 @@ Every sentence of the report is built from the run's own files: the audit's verd
 first thing the report says), then what produced the run (model, dataset, budgets, boundary, seed, regimes, code
 and software, from the provenance the files record; "not recorded" where they record nothing), then per revision
 one table per claim of the reference study with the study's figure beside this run's, then what the study did not
-measure (margins at the divergence, per-layer cache differences, the transplant localisation, batch invariance),
+measure (margins at the divergence, per-layer cache differences, the transplant localisation, the minimal sufficient
+transplants and the onset of the cache difference in divergent items, batch invariance),
 the items excluded and why, and the figures with their captions. The reference study's numbers come from
 :mod:`stagereplay.analysis.study` alone and are labelled as the study's wherever they appear. Every number of the
 run is in ``stats.json`` with its n, method and seed.
@@ -16,9 +17,9 @@ at that revision (a revision with transplant results only has no ledger) is left
 
 The sections live in modules by what they report: :mod:`~stagereplay.analysis.claims` (matched, fixed-prefix 2x2,
 bridge, exclusions), :mod:`~stagereplay.analysis.audit_report` (the audit's verdict, banner and section),
-:mod:`~stagereplay.analysis.transplant_report`, :mod:`~stagereplay.analysis.beyond_study` (margins, cache
-differences, batch invariance) and :mod:`~stagereplay.analysis.run_identity` (what produced the run); the
-revision's files are read through :class:`~stagereplay.analysis.revision_data.RevisionData` and numbers are
+:mod:`~stagereplay.analysis.transplant_report`, :mod:`~stagereplay.analysis.divergence_location` (minimal
+transplants, onset), :mod:`~stagereplay.analysis.beyond_study` (margins, cache differences, batch invariance) and
+:mod:`~stagereplay.analysis.run_identity` (what produced the run); the revision's files are read through :class:`~stagereplay.analysis.revision_data.RevisionData` and numbers are
 written by :mod:`~stagereplay.analysis.report_format`. This module assembles the page and ``stats.json``.
 
 This module imports no engine code: it reads Parquet and JSON files through :mod:`stagereplay.io` only.
@@ -38,6 +39,7 @@ from stagereplay.analysis import captions, study
 from stagereplay.analysis.audit_report import audit_banner, audit_section, audit_verdict, verdicts_json
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section
 from stagereplay.analysis.claims import bridge_section, exclusions_section, fixed_prefix_section, matched_section
+from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
 from stagereplay.analysis.revision_data import PRODUCERS, RevisionData
@@ -61,6 +63,10 @@ SECTIONS: list[Section] = [
     Section("bridge", "### Bridge", ("bridge",), bridge_section),
     Section("audit", "### Saved-ledger audit", ("audit",), audit_section),
     Section("transplant", "### Transplants", ("transplant",), transplant_section),
+    Section("minimal_transplant", "### Minimal sufficient transplants (beyond the study)", ("minimal_transplant",),
+            minimal_transplant_section),
+    Section("divergence_onset", "### Where the caches of divergent items first differ (beyond the study)",
+            ("divergence_onset",), divergence_onset_section),
     Section("margins", "### Margins at the first divergence (beyond the study)", ("ledger",), margins_section),
     Section("cache_differences", "### Per-layer cache differences (beyond the study)", ("cache_differences",),
             cache_differences_section),

@@ -20,6 +20,8 @@ PRODUCERS = {
     "transplant": "transplant.parquet (the transplant stage)",
     "cache_differences": "cache_differences.parquet (rule measure_cache_differences)",
     "batch_invariance": "batch_invariance.parquet (rule check_batch_invariance)",
+    "minimal_transplant": "minimal_transplant.parquet (rule find_minimal_transplants)",
+    "divergence_onset": "divergence_onset.parquet (rule measure_divergence_onset)",
 }
 
 

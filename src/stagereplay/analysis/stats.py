@@ -1,5 +1,5 @@
 """Statistics for the report: interval bounds on rates, paired accuracy comparisons, transplant follow rates,
-the margin test at first divergences.
+the margin test at first divergences, rank correlations across items.
 
 Every function takes plain Python values (counts, per-item booleans, outcome strings, positions) and returns a
 JSON-serialisable dict of Python ints, floats and None that can go straight into ``stats.json``. Each dict names its
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import numpy as np
-from scipy.stats import binomtest, wilcoxon
+from scipy.stats import binomtest, rankdata, spearmanr, wilcoxon
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
@@ -181,4 +181,53 @@ def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha
         result["sign_test_p_less"] = float(binomtest(below, below + above, 0.5, alternative="greater").pvalue)
     if np.any(d != m):
         result["wilcoxon_p_less"] = float(wilcoxon(d, m, alternative="less", zero_method="wilcox").pvalue)
+    return result
+
+
+def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Spearman's rho of each row pair of (replicates, n) arrays; NaN where a row is constant."""
+    rx = rankdata(x, axis=1)
+    ry = rankdata(y, axis=1)
+    rx -= rx.mean(axis=1, keepdims=True)
+    ry -= ry.mean(axis=1, keepdims=True)
+    denominator = np.sqrt((rx ** 2).sum(axis=1) * (ry ** 2).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator > 0, (rx * ry).sum(axis=1) / denominator, np.nan)
+
+
+def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000, seed: int = 0,
+                     alpha: float = 0.05) -> dict:
+    """Spearman's rank correlation of paired values (one pair per item), its two-sided p-value
+    (scipy.stats.spearmanr) and a seeded percentile bootstrap interval that resamples items (each keeps its pair).
+
+    Pairs with a missing value are dropped and counted. Resamples in which a side is constant have no rank
+    correlation; they are left out of the interval and counted (``n_boot_undefined``). Below 3 pairs, or with a
+    constant side, everything is None.
+    """
+    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
+    if len(x) != len(y):
+        raise ValueError(f"x and y must be paired by item, got lengths {len(x)} and {len(y)}")
+    pairs = [(float(a), float(b)) for a, b in zip(x, y)
+             if a is not None and b is not None and not (math.isnan(float(a)) or math.isnan(float(b)))]
+    result = {"n": len(pairs), "n_missing": len(x) - len(pairs), "rho": None, "p_value": None,
+              "bootstrap_low": None, "bootstrap_high": None, "n_boot": n_boot, "n_boot_undefined": None,
+              "seed": seed, "alpha": alpha,
+              "method": "spearman rank correlation (scipy.stats.spearmanr, two-sided p); percentile bootstrap over "
+                        "items, resamples with a constant side left out"}
+    a, b = (np.asarray(v) for v in zip(*pairs)) if pairs else (np.empty(0), np.empty(0))
+    if len(pairs) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return result
+    test = spearmanr(a, b)
+    rng = np.random.default_rng(seed)
+    n = len(pairs)
+    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // n)
+    boot = np.empty(n_boot)
+    for start in range(0, n_boot, chunk):
+        indices = rng.integers(0, n, size=(min(chunk, n_boot - start), n))  # (replicates, items)
+        boot[start:start + len(indices)] = _spearman_rows(a[indices], b[indices])
+    defined = boot[np.isfinite(boot)]
+    low, high = np.quantile(defined, [alpha / 2, 1 - alpha / 2]) if defined.size else (None, None)
+    result.update(rho=float(test.statistic), p_value=float(test.pvalue),
+                  bootstrap_low=None if low is None else float(low), bootstrap_high=None if high is None else float(high),
+                  n_boot_undefined=int(n_boot - defined.size))
     return result

@@ -41,6 +41,8 @@ KEYS = {
     "transplant": ("item_index", "revision", "precision", "direction", "layer_set", "component", "positions"),
     "cache_differences": ("item_index", "revision", "precision", "construction_a", "construction_b", "layer",
                           "component"),
+    "minimal_transplant": ("item_index", "revision", "precision", "direction"),
+    "divergence_onset": ("item_index", "revision", "precision", "layer", "component"),
 }
 
 

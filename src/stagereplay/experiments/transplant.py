@@ -1,7 +1,8 @@
 """K/V transplantation between boundary caches, the sweeps that localise the carrier, and outcome-blind selection.
 
 A transplant continues the recipient construction's row in its own batch and layout, with the donor's K and/or V
-written over a set of layers S of its boundary cache, at all cache positions or only the prompt's or the stage's.
+written over a set of layers S of its boundary cache, at all cache positions, only the prompt's or the stage's, or
+an explicit span [lo, hi) of cache positions (the minimal-transplant search, :mod:`.minimal_transplant`).
 Donor and recipient are decoded in one layout (the same batch, padding and positions), so the donor's tensors land
 exactly where the recipient's were, and the transplanted cache's fingerprint is taken from the buffer the
 continuation reads. With the boundary state of docs/STUDY.md both constructions share the pending token, so an
@@ -41,12 +42,13 @@ POSITIONS = ("all", "prompt", "stage")
 
 @dataclass(frozen=True)
 class TransplantSpec:
-    """One transplant of a sweep: which layers, which of K/V, which cache positions."""
+    """One transplant of a sweep: which layers, which of K/V, which cache positions (a name of :data:`POSITIONS`
+    or an explicit span ``(lo, hi)`` of cache positions)."""
 
     sweep: str
     layers: tuple[int, ...]
     component: str = "kv"
-    positions: str = "all"
+    positions: str | tuple[int, int] = "all"
 
     def layer_set(self, num_layers: int) -> str:
         return layer_set_name(self.layers, num_layers)
@@ -108,8 +110,14 @@ def enumerate_sweeps(sweeps, num_layers: int) -> list[TransplantSpec]:
     return unique
 
 
-def position_range(positions: str, prompt_len: int, cache_len: int) -> tuple[int, int]:
-    """Cache positions [lo, hi) of ``all``, ``prompt`` (the prompt ids) or ``stage`` (the cached stage ids)."""
+def position_range(positions: str | tuple[int, int], prompt_len: int, cache_len: int) -> tuple[int, int]:
+    """Cache positions [lo, hi) of ``all``, ``prompt`` (the prompt ids), ``stage`` (the cached stage ids) or of an
+    explicit span ``(lo, hi)``, which must lie in the cache and hold a position."""
+    if isinstance(positions, tuple):
+        lo, hi = (int(x) for x in positions)
+        if not 0 <= lo < hi <= cache_len:
+            raise ValueError(f"position span [{lo}, {hi}) is not a non-empty span of the cache's {cache_len} positions")
+        return lo, hi
     if positions == "all":
         return 0, cache_len
     if positions == "prompt":
@@ -166,24 +174,37 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
     return Outcome(outcome, fd_donor, fd_recipient)
 
 
+def transplant_once(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
+                    settings: RunSettings, own: dict[str, list[RowResult]], row: int, donor: str, recipient: str,
+                    spec: TransplantSpec) -> tuple[RowResult, Outcome]:
+    """One transplant: the recipient's whole batch decoded again (the one recipe, the batch's own layout) with row
+    ``row``'s boundary cache edited by ``spec`` from the donor's; its result and outcome."""
+    edit = transplant_edit(row, spec, own[donor][row].layers, len(prompts[row]))
+    res = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)[row]
+    return res, classify(res.suffix_ids, own[donor][row].suffix_ids, own[recipient][row].suffix_ids)
+
+
+def directions(own: dict) -> list[tuple[str, str]]:
+    """(donor, recipient) both ways between the two constructions of ``own``."""
+    names = list(own)
+    if len(names) != 2:
+        raise ValueError(f"a bidirectional transplant needs exactly two constructions, got {names}")
+    return [(names[0], names[1]), (names[1], names[0])]
+
+
 def transplant_row(decoder: Decoder, batch: Batch, prompts: list[list[int]], stages: list[list[int] | None],
                    settings: RunSettings, own: dict[str, list[RowResult]], row: int,
                    specs: list[TransplantSpec]) -> list[dict]:
     """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,
     the row's cache kept) for row ``row``: each transplant is the recipient's whole batch decoded again with the
     row's boundary cache edited. Returns plain row dicts."""
-    names = list(own)
-    if len(names) != 2:
-        raise ValueError(f"a bidirectional transplant needs exactly two constructions, got {names}")
-    num_layers = len(own[names[0]][row].layers)
-    suffixes = {name: own[name][row].suffix_ids for name in names}
-    divergent = first_divergence(suffixes[names[0]], suffixes[names[1]]) is not None
+    pair = directions(own)
+    num_layers = len(own[pair[0][0]][row].layers)
+    divergent = first_divergence(own[pair[0][0]][row].suffix_ids, own[pair[0][1]][row].suffix_ids) is not None
     out = []
-    for donor, recipient in ((names[0], names[1]), (names[1], names[0])):
+    for donor, recipient in pair:
         for spec in specs:
-            edit = transplant_edit(row, spec, own[donor][row].layers, len(prompts[row]))
-            res = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)[row]
-            result = classify(res.suffix_ids, suffixes[donor], suffixes[recipient])
+            res, result = transplant_once(decoder, prompts, stages, settings, own, row, donor, recipient, spec)
             out.append({
                 "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",
                 "sweep": spec.sweep, "layer_set": spec.layer_set(num_layers), "layers": list(spec.layers),

@@ -122,3 +122,23 @@ class TransplantSettings(ModelSettings):
     sweeps: tuple[str, ...] = ("all",)
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("live", "prefill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinimalTransplantSettings(ModelSettings):
+    """The minimal sufficient transplant search: ``budget`` transplant runs per item and direction (0: off)."""
+
+    precision: str
+    max_new_tokens: int
+    budget: int = 24
+    chunk_size: int = 16
+    constructions: tuple[str, ...] = ("live", "prefill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnsetSettings(ModelSettings):
+    """The divergence onset: both transplant constructions' boundary caches of every divergent item, compared."""
+
+    max_new_tokens: int
+    chunk_size: int = 16
+    constructions: tuple[str, ...] = ("live", "prefill")

@@ -1,0 +1,143 @@
+"""Stage ``find_minimal_transplants``: per divergent selected item and direction, the minimal sufficient transplant
+(:mod:`stagereplay.experiments.minimal_transplant`), each run in the item's recorded batch and layout through the one
+recipe, as the transplant stage runs its sweeps.
+
+Items come from the transplant selection (outcome-blind, written before any transplant runs); selected items whose
+two constructions continue alike are left out, since following the donor cannot be told from following the
+recipient there. The caches are rebuilt and checked against the baseline as in the transplant stage
+(:class:`~stagereplay.stages.transplant.Rebuild`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pandas as pd
+import pyarrow as pa
+
+from stagereplay.experiments.minimal_transplant import search, span_shares
+from stagereplay.experiments.transplant import directions, layer_set_name, transplant_once
+from stagereplay.io.fingerprints import check_fingerprint_scheme
+from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
+from stagereplay.io.provenance import software_versions
+from stagereplay.stages.jobs import config_of, load_as_recorded
+from stagereplay.stages.progress import progress
+from stagereplay.stages.settings import MinimalTransplantSettings
+from stagereplay.stages.transplant import Rebuild, _baseline_pair, _batches_with, baseline_rows
+
+log = logging.getLogger("stagereplay")
+
+MINIMAL_TRANSPLANT_SCHEMA = pa.schema([
+    ("item_index", pa.int32()),
+    ("item_id", pa.string()),
+    ("revision", pa.string()),
+    ("precision", pa.string()),
+    ("donor", pa.string()),
+    ("recipient", pa.string()),
+    ("direction", pa.string()),  # "<donor>-><recipient>"
+    ("budget", pa.int32()),  # transplant runs allowed for this item and direction
+    ("runs", pa.int32()),  # transplant runs used, the whole-cache one included
+    ("full_sufficient", pa.bool_()),  # the whole-cache transplant followed the donor (the search's start)
+    ("budget_exhausted", pa.bool_()),  # the search wanted a run the budget did not allow
+    ("locally_minimal", pa.bool_()),  # no half along layers or positions, nor K or V alone, sufficed
+    # the minimal set found (null where the whole cache did not suffice)
+    ("layer_lo", pa.int32()),
+    ("layer_hi", pa.int32()),  # exclusive
+    ("layer_set", pa.string()),  # "all", "L7", "0-11"
+    ("num_layers", pa.int32()),
+    ("component", pa.string()),  # kv | k | v
+    ("position_lo", pa.int32()),  # cache positions [position_lo, position_hi)
+    ("position_hi", pa.int32()),
+    ("cache_length", pa.int32()),  # boundary-cache positions (the prefix but its last token)
+    ("prompt_length", pa.int32()),
+    ("share_of_layers", pa.float64()),
+    ("share_of_cache", pa.float64()),  # of the cache's positions
+    ("share_of_prompt", pa.float64()),  # of the prompt's positions (null: no prompt position cached)
+    ("share_of_stage", pa.float64()),  # of the cached stage ids' positions (null: none cached)
+    ("share_of_state", pa.float64()),  # of the cache's K and V entries: layers x positions x (1 for KV, 1/2 for K or V)
+    ("trials", pa.list_(pa.string())),  # every box tried, in order
+    ("trial_outcomes", pa.list_(pa.string())),  # donor | recipient | neither, per trial
+    ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
+])
+
+
+def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, prompt_length, match) -> dict:
+    box = result.box
+    row = {"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": s.revision,
+           "precision": s.precision, "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",
+           "budget": s.budget, "runs": result.runs, "full_sufficient": result.full_sufficient,
+           "budget_exhausted": result.budget_exhausted, "locally_minimal": result.locally_minimal,
+           "num_layers": num_layers, "cache_length": cache_length, "prompt_length": prompt_length,
+           "trials": [b.label(num_layers) for b, _ in result.trials], "trial_outcomes": outcomes,
+           "live_fingerprint_match": match}
+    if box is not None:
+        share_layers = (box.layer_hi - box.layer_lo) / num_layers
+        shares = span_shares(box.position_lo, box.position_hi, prompt_length, cache_length)
+        row.update(layer_lo=box.layer_lo, layer_hi=box.layer_hi, layer_set=layer_set_name(box.layers, num_layers),
+                   component=box.component, position_lo=box.position_lo, position_hi=box.position_hi,
+                   share_of_layers=share_layers, **shares,
+                   share_of_state=share_layers * shares["share_of_cache"] * (1.0 if box.component == "kv" else 0.5))
+    return row
+
+
+def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: str,
+                             s: MinimalTransplantSettings) -> pd.DataFrame:
+    """Search every divergent selected item in both directions (``s.budget`` runs each; 0 writes an empty table
+    and loads no model)."""
+    if s.budget < 0:
+        raise ValueError(f"transplant.minimal.budget must be >= 0, got {s.budget}")
+    selection = read_parquet(selection_path)
+    chosen = {int(i) for i in selection.loc[selection["divergent"].astype(bool), "item_index"]} if s.budget else set()
+    rows, job, plan = [], None, None
+    if chosen:
+        baseline = read_parquet(baseline_path)
+        check_fingerprint_scheme(baseline_path)
+        pair = _baseline_pair(baseline_path, s.constructions)
+        by_index = {int(p["item_index"]): p for p in baseline_rows(baseline, s.precision, pair).to_dict("records")}
+        missing = sorted(chosen - set(by_index))
+        if missing:
+            raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
+                             "selection")
+        job = load_as_recorded(s, s.precision, baseline_path)
+        settings = job.run_settings(s, s.precision)
+        plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
+        for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision}", enabled=s.progress):
+            wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
+            rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
+            for r in sorted(wanted):
+                own = {rebuild.names[r][name]: rebuild.own[name] for name in pair}
+                layers = next(iter(own.values()))[r].layers
+                num_layers, cache_length = len(layers), int(layers[0][0].shape[2])  # (1, kv_heads, seq, head_dim)
+                suffix_a, suffix_b = (results[r].suffix_ids for results in own.values())
+                if suffix_a == suffix_b:
+                    raise ValueError(f"item {batch.items[r]['item_id']!r} is divergent in the selection but its "
+                                     "rebuilt constructions continue alike; rerun the selection")
+                for donor, recipient in directions(own):
+                    outcomes: list[str] = []
+
+                    def sufficient(box, r=r, donor=donor, recipient=recipient, outcomes=outcomes) -> bool:
+                        _, outcome = transplant_once(job.decoder, rebuild.prompts, rebuild.stages, settings, own, r,
+                                                     donor, recipient, box.spec())
+                        outcomes.append(outcome.outcome)
+                        return outcome.outcome == "donor"
+
+                    result = search(sufficient, num_layers, cache_length, s.budget)
+                    rows.append(_row(batch.items[r], s, donor, recipient, result, outcomes, num_layers,
+                                     cache_length, len(rebuild.prompts[r]), rebuild.match[r]))
+    df = pd.DataFrame(rows, columns=MINIMAL_TRANSPLANT_SCHEMA.names).astype(
+        {c: "object" for c in ("layer_lo", "layer_hi", "position_lo", "position_hi", "share_of_prompt",
+                               "share_of_stage", "live_fingerprint_match")})
+    df = df.sort_values(["item_index", "direction"], kind="stable").reset_index(drop=True)
+    found = df[df["full_sufficient"]]
+    log.info("minimal transplants %s/%s: %d rows (budget %d); whole cache sufficient %d; budget ran out %d; "
+             "runs used %d", s.revision, s.precision, len(df), s.budget, len(found),
+             int(df["budget_exhausted"].sum()), int(df["runs"].sum()))
+    base = (job.provenance("find_minimal_transplants", config_of(s)) if job else
+            {**software_versions(), "stage": "find_minimal_transplants", "config": config_of(s)})
+    prov = {**base, "selection": read_provenance(selection_path).get("selection"),
+            "search": {"budget": s.budget, "method": "greedy bisection: component (K, then V), layers and positions "
+                       "(lower half first), in passes until none narrows; sufficient = follows the donor; minimal "
+                       "against halving, not a global minimum"},
+            "batch_plan": None if plan is None else plan.record()}
+    write_parquet(df, out_path, prov, MINIMAL_TRANSPLANT_SCHEMA)
+    return df

@@ -1,0 +1,161 @@
+"""Where the divergence lives: the minimal-transplant search (with a fake runner and on the toy), explicit position
+spans, the divergence onset, their report sections and figures."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from stagereplay.experiments.minimal_transplant import Box, candidates, search, span_shares
+from stagereplay.experiments.transplant import TransplantSpec, position_range, transplant_edit
+
+REPO = Path(__file__).resolve().parents[1]
+N_NEW = 12
+# Items of the default selection (200 of the synthetic set, seed 0) whose live and prefill continuations differ at
+# bf16 on the embedded toy within N_NEW tokens (found by the default run), and one whose do not.
+DIVERGENT, AGREEING = (63, 99), 0
+
+
+def planted(layers=None, component=None, positions=None):
+    """A fake runner: a box suffices when it holds every planted layer, component and position."""
+    calls = []
+
+    def sufficient(box: Box) -> bool:
+        calls.append(box)
+        return ((layers is None or set(layers) <= set(box.layers))
+                and (component is None or box.component in ("kv", component))
+                and (positions is None or set(positions) <= set(range(box.position_lo, box.position_hi))))
+
+    return sufficient, calls
+
+
+def test_bisection_finds_a_planted_part_and_proves_its_halves_insufficient():
+    sufficient, calls = planted(layers=[2], component="k", positions=[15])
+    result = search(sufficient, num_layers=4, cache_length=23, budget=40)
+    assert result.full_sufficient and result.locally_minimal and not result.budget_exhausted
+    assert result.box == Box(2, 3, "k", 15, 16)  # exactly the planted part: the halvings reach it
+    assert result.runs == len(calls) == len(set(calls)) == len(result.trials)  # each box run once
+    tried = dict(result.trials)
+    assert tried[result.box] and all(not tried[c] for axis in ("component", "layers", "positions")
+                                     for c in candidates(result.box, axis))
+    assert search(planted(layers=[2], component="k", positions=[15])[0], 4, 23, 40) == result  # deterministic
+
+
+def test_bisection_is_minimal_against_halving_not_globally():
+    # the part that suffices straddles the midpoint of the positions: no half suffices, so the search keeps all 8
+    result = search(planted(component="v", positions=[3, 4])[0], num_layers=1, cache_length=8, budget=40)
+    assert result.locally_minimal and result.box == Box(0, 1, "v", 0, 8)
+
+
+def test_budget_and_whole_cache_failures_are_reported():
+    sufficient, calls = planted(layers=[2], component="v", positions=[5])
+    result = search(sufficient, num_layers=4, cache_length=23, budget=4)
+    assert result.budget_exhausted and not result.locally_minimal and result.runs == len(calls) == 4
+    assert dict(result.trials)[result.box]  # what it returns was run and sufficed
+    never = search(lambda box: False, num_layers=4, cache_length=23, budget=4)
+    assert never.box is None and not never.full_sufficient and never.runs == 1
+    with pytest.raises(ValueError, match="budget of at least one"):
+        search(sufficient, 4, 23, 0)
+
+
+def test_span_shares():
+    assert span_shares(10, 15, prompt_length=12, cache_length=20) == {
+        "share_of_cache": 5 / 20, "share_of_prompt": 2 / 12, "share_of_stage": 3 / 8}
+    assert span_shares(0, 4, prompt_length=4, cache_length=4)["share_of_stage"] is None
+
+
+def test_explicit_position_spans_write_only_their_positions():
+    assert position_range((3, 7), prompt_len=5, cache_len=9) == (3, 7)
+    assert position_range((0, 5), 5, 9) == position_range("prompt", 5, 9)
+    for bad in ((4, 4), (-1, 3), (2, 10)):
+        with pytest.raises(ValueError, match="position span"):
+            position_range(bad, 5, 9)
+    donor = [(torch.ones(1, 2, 9, 4), torch.ones(1, 2, 9, 4) * 2) for _ in range(3)]  # (1, kv_heads, seq, head_dim)
+    layers = [(torch.zeros(1, 2, 9, 4), torch.zeros(1, 2, 9, 4)) for _ in range(3)]
+    transplant_edit(0, TransplantSpec("minimal", (1,), "v", (3, 7)), donor, prompt_len=5)(0, layers)
+    for i, (k, v) in enumerate(layers):
+        assert not k.any()
+        expected = torch.zeros(9)
+        if i == 1:
+            expected[3:7] = 2
+        assert torch.equal(v[0, 0, :, 0], expected)
+
+
+# ---- on the embedded toy: the stages, through the one recipe ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def divergent_ledger(tmp_path_factory):
+    """A bf16 ledger of two items whose constructions diverge and one whose do not, as the workflow makes it."""
+    from stagereplay.io.parquet import read_parquet, write_parquet
+    from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
+    from stagereplay.stages.select import select_items
+    from stagereplay.stages.settings import ReconstructSettings, from_params
+
+    folder = tmp_path_factory.mktemp("divergent_ledger")
+    model = dict(model=str(REPO / "data/toy"), revision="primary", device="cpu", progress=False)
+    select_items({"source": "synthetic", "size": 5000, "seed": 0}, 200, 0, str(folder / "all.parquet"))
+    items = read_parquet(folder / "all.parquet")
+    items = items[items["item_index"].isin([*DIVERGENT, AGREEING])].reset_index(drop=True)
+    write_parquet(items, folder / "items.parquet", {"stage": "test: three items of the default selection"})
+    reconstruct_prefixes(str(folder / "items.parquet"), str(folder / "part.parquet"), str(folder / "prefixes.parquet"),
+                         str(folder / "bridge.parquet"), from_params(ReconstructSettings, dict(
+                             model, precision="bf16", boundary={"marker": ";"}, max_stage_tokens=32,
+                             max_new_tokens=N_NEW)))
+    gather_ledger([str(folder / "part.parquet")], str(folder / "ledger.parquet"))
+    return folder, model
+
+
+@pytest.mark.slow
+def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
+    from stagereplay.analysis.divergence_location import (divergence_onset_section, minimal_coverage,
+                                                          minimal_transplant_section, onset_items)
+    from stagereplay.analysis.revision_data import RevisionData
+    from stagereplay.experiments.minimal_transplant import Box
+    from stagereplay.stages.divergence_onset import ONSET_SCHEMA, measure_divergence_onset
+    from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA, find_minimal_transplants
+    from stagereplay.stages.settings import MinimalTransplantSettings, OnsetSettings, from_params
+    from stagereplay.stages.transplant import select_transplant_items
+
+    folder, model = divergent_ledger
+    ledger = str(folder / "ledger.parquet")
+    selection = select_transplant_items(ledger, str(tmp_path / "selection.parquet"), revision="primary",
+                                        precision="bf16", select="sample:3", seed=0)
+    assert set(selection.loc[selection["divergent"], "item_index"]) == set(DIVERGENT), "the toy changed: update ids"
+    out = tmp_path / "minimal_transplant.parquet"
+    df = find_minimal_transplants(str(tmp_path / "selection.parquet"), ledger, str(out), from_params(
+        MinimalTransplantSettings, dict(model, precision="bf16", max_new_tokens=N_NEW, budget=24)))
+    assert list(pd.read_parquet(out).columns) == MINIMAL_TRANSPLANT_SCHEMA.names
+    assert len(df) == 2 * 2 and set(df["item_index"]) == set(DIVERGENT)  # the agreeing item is not searched
+    assert df["full_sufficient"].all() and (df["runs"] <= 24).all() and (df["runs"] == df["trials"].map(len)).all()
+    for r in df.itertuples():
+        assert r.trial_outcomes[0] == "donor" and r.trials[0].startswith("layers all · KV")
+        assert r.locally_minimal != r.budget_exhausted
+        # the set found was run and carried the donor (the last trial that did is the set)
+        box = Box(r.layer_lo, r.layer_hi, r.component, r.position_lo, r.position_hi)
+        assert box.label(r.num_layers) in [t for t, o in zip(r.trials, r.trial_outcomes) if o == "donor"]
+        assert 0 < r.share_of_state <= 1
+    off = find_minimal_transplants(str(tmp_path / "selection.parquet"), ledger, str(tmp_path / "off.parquet"),
+                                   from_params(MinimalTransplantSettings, dict(model, precision="bf16",
+                                                                               max_new_tokens=N_NEW, budget=0)))
+    assert off.empty
+
+    onset_path = tmp_path / "divergence_onset.parquet"
+    onset = measure_divergence_onset(ledger, str(onset_path), from_params(OnsetSettings, dict(
+        model, max_new_tokens=N_NEW)))
+    assert list(pd.read_parquet(onset_path).columns) == ONSET_SCHEMA.names
+    assert set(onset["item_index"]) == set(DIVERGENT) and set(onset["precision"]) == {"bf16"}
+    items = onset_items(onset)
+    assert len(items) == 2 and items["margin_a"].notna().all() and items["first_divergence"].notna().all()
+    for r in items.itertuples():  # the onset is the first layer and position whose bytes differ
+        rows = onset[(onset["item_index"] == r.item_index) & ~onset["bit_equal"]]
+        assert r.onset_layer == rows["layer"].min()
+        assert r.onset_position == rows.loc[rows["layer"] == r.onset_layer, "first_position_differs"].min()
+
+    coverage = minimal_coverage(df)
+    assert (coverage["included"] <= coverage["n"]).all() and coverage["included"].sum() > 0
+    data = RevisionData("primary", {"minimal_transplant": str(out), "divergence_onset": str(onset_path)})
+    lines, numbers = minimal_transplant_section(data)
+    assert numbers["budget"] == 24 and numbers["cells"]["bf16"]["live->prefill"]["n"] == 2
+    assert "not a global minimum" in "\n".join(lines)
+    lines, numbers = divergence_onset_section(data)
+    assert numbers["bf16"]["n"] == 2 and "Spearman" in "\n".join(lines)

@@ -1,0 +1,51 @@
+# Where the divergence lives, at every revision of transplant.revisions on the primary revision's prefix ids: the
+# minimal sufficient transplant of each divergent selected item (a budgeted bisection over K/V, layers and
+# positions) and the onset of the difference between the two constructions' boundary caches. Their settings live
+# only in these rules' params, so changing them reruns these rules (and the report), never generation or transplants.
+
+
+rule find_minimal_transplants:
+    input:
+        selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
+        baseline=transplant_baseline,
+    output:
+        minimal=f"{RESULTS}/{{revision}}/minimal_transplant.parquet",
+    log:
+        f"{LOGS}/{{revision}}/find_minimal_transplants.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/find_minimal_transplants.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
+    params:
+        kwargs=minimal_transplant_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/find_minimal_transplants.py"
+
+
+rule measure_divergence_onset:
+    input:
+        baseline=transplant_baseline,
+    output:
+        onset=f"{RESULTS}/{{revision}}/divergence_onset.parquet",
+    log:
+        f"{LOGS}/{{revision}}/measure_divergence_onset.log",
+    benchmark:
+        f"{BENCH}/{{revision}}/measure_divergence_onset.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    threads: config["threads"]
+    resources:
+        gpu=config["gpus_per_job"],
+        mem_mb=config["mem_mb_per_job"],
+        runtime=config["runtime_per_job"],
+    params:
+        kwargs=onset_kwargs,
+        version=CODE_VERSION,
+    script:
+        "../scripts/measure_divergence_onset.py"
