@@ -110,6 +110,49 @@ def synthetic_cache_differences(revision="primary", n_items=5, layers=4) -> pd.D
     return pd.DataFrame(rows)
 
 
+def synthetic_minimal_transplant(revision="primary", n_items=5, layers=4) -> pd.DataFrame:
+    """Minimal sets of divergent items, both directions; the last item's search ran out of budget."""
+    rows = []
+    for item in range(n_items):
+        for direction in ("live->prefill", "prefill->live"):
+            prompt, cache = 10 + item, 18 + item
+            lo, hi = (item % layers, item % layers + 1) if item % 2 else (0, layers)
+            rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision, "precision": "bf16",
+                         "donor": direction.split("->")[0], "recipient": direction.split("->")[1],
+                         "direction": direction, "budget": 24, "runs": 10 + item,
+                         "full_sufficient": True, "budget_exhausted": item == n_items - 1,
+                         "locally_minimal": item != n_items - 1, "layer_lo": lo, "layer_hi": hi,
+                         "layer_set": "all" if hi - lo == layers else f"L{lo}", "num_layers": layers,
+                         "component": ("kv", "k", "v")[item % 3], "position_lo": prompt, "position_hi": cache,
+                         "cache_length": cache, "prompt_length": prompt, "share_of_layers": (hi - lo) / layers,
+                         "share_of_cache": (cache - prompt) / cache, "share_of_prompt": 0.0, "share_of_stage": 1.0,
+                         "share_of_state": (hi - lo) / layers * (cache - prompt) / cache,
+                         "trials": ["layers all · KV · positions [0, 18)"], "trial_outcomes": ["donor"],
+                         "live_fingerprint_match": True})
+    return pd.DataFrame(rows)
+
+
+def synthetic_onset(revision="primary", n_items=6, layers=4) -> pd.DataFrame:
+    """Per-layer differences of divergent items growing with depth, onset at layer 1 (item 0: at layer 0)."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for item in range(n_items):
+        onset = 0 if item == 0 else 1
+        margin = float(rng.uniform(0, 0.5))
+        for layer in range(layers):
+            for component in ("k", "v"):
+                equal = layer < onset
+                m = 0.0 if equal else float(1e-2 * 2 ** layer * rng.uniform(0.5, 1.5))
+                rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision,
+                             "precision": "bf16", "construction_a": "live", "construction_b": "prefill",
+                             "layer": layer, "component": component, "bit_equal": equal, "max_abs": m,
+                             "rms": m / 5, "first_position_differs": None if equal else 4 + item, "n_positions": 20,
+                             "prompt_length": 10, "onset_layer": onset, "onset_position": 4 + item,
+                             "first_divergence": 3, "margin_a": margin, "margin_b": margin / 2,
+                             "live_fingerprint_match": True})
+    return pd.DataFrame(rows)
+
+
 def synthetic_bridge(revision="primary", n=12, not_exact=()) -> pd.DataFrame:
     return pd.DataFrame([{"item_index": i, "item_id": f"item-{i}", "revision": revision, "precision": "bf16",
                           "bit_exact": i not in not_exact, "first_layer_differs": 2 if i in not_exact else None,

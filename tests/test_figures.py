@@ -9,7 +9,8 @@ import matplotlib.text
 import pandas as pd
 import pytest
 
-from report_data import synthetic_cache_differences, synthetic_ledger, synthetic_transplant, write
+from report_data import (synthetic_cache_differences, synthetic_ledger, synthetic_minimal_transplant, synthetic_onset,
+                         synthetic_transplant, write)
 from stagereplay.analysis import captions, figures, study
 from stagereplay.analysis import tables as analysis
 
@@ -29,7 +30,8 @@ def assert_figure_files(paths):
 def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("results")
     kinds = {"ledger": synthetic_ledger, "transplant": synthetic_transplant,
-             "cache_differences": synthetic_cache_differences}
+             "cache_differences": synthetic_cache_differences, "minimal_transplant": synthetic_minimal_transplant,
+             "divergence_onset": synthetic_onset}
     return {kind: {rev: write(make(rev), d / f"{rev}_{kind}.parquet") for rev in ("primary", "later")}
             for kind, make in kinds.items()}
 
@@ -201,3 +203,13 @@ def test_figure_1_labels_each_reference_marker_and_names_it_in_the_legend(tables
 def test_rst_captions_are_the_reports_captions(name):
     assert (REPO / "workflow/report" / f"{name}.rst").read_text() == captions.rst_text(name)
     assert "Figure" not in captions.CAPTIONS[name][0]
+
+
+def test_figure_7_counts_each_part_of_the_minimal_sets(tables):
+    coverage = tables["fig7_minimal_transplant"]
+    primary = coverage[(coverage["revision"] == "primary")]
+    # synthetic sets span the stage positions only (offset >= 0), all layers on even items, one layer on odd ones
+    assert (primary.loc[primary["offset"] < 0, "included"] == 0).all()
+    k0 = primary[(primary["component"] == "k") & (primary["layer"] == 0) & (primary["offset"] == 0)].iloc[0]
+    # items 0, 2, 4 hold all layers; their components kv, v, k: K is in the sets of items 0 and 4, both directions
+    assert (k0["n"], k0["included"]) == (10, 4)

@@ -159,3 +159,35 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     assert "not a global minimum" in "\n".join(lines)
     lines, numbers = divergence_onset_section(data)
     assert numbers["bf16"]["n"] == 2 and "Spearman" in "\n".join(lines)
+
+
+# ---- the report's sections on synthetic tables ------------------------------------------------------------------------
+def test_sections_count_per_direction_and_say_when_the_search_is_off(tmp_path):
+    from report_data import synthetic_minimal_transplant, synthetic_onset, write, write_with
+
+    from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
+    from stagereplay.analysis.revision_data import RevisionData
+    from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA
+
+    minimal = synthetic_minimal_transplant()
+    data = RevisionData("primary", {
+        "minimal_transplant": write_with(minimal, tmp_path / "m.parquet", {"config": {"budget": 24}}),
+        "divergence_onset": write(synthetic_onset(), tmp_path / "o.parquet")})
+    lines, numbers = minimal_transplant_section(data)
+    cell = numbers["cells"]["bf16"]["live->prefill"]
+    assert cell["n"] == 5 and cell["budget_exhausted"]["k"] == 1 and cell["locally_minimal"]["k"] == 4
+    assert cell["k_or_v_alone"]["k"] == 3 and cell["components"] == {"kv": 2, "k": 2, "v": 1}
+    assert cell["single_layer"]["k"] == 2 and cell["stage_positions_only"]["k"] == 5
+    assert cell["k_or_v_alone"]["wilson_low"] is not None and cell["layer_included"]["0"]["k"] == 3
+    assert "not a global minimum" in "\n".join(lines)
+    lines, numbers = divergence_onset_section(data)
+    onset = numbers["bf16"]
+    assert onset["n"] == 6 and onset["onset_layer_counts"] == {"0": 1, "1": 5}
+    assert onset["onset_at_layer_0"]["k"] == 1 and onset["rms_grows_to_last_layer"]["k"] == 6
+    assert onset["margin_vs_last_layer_max_abs"]["n"] == 6
+
+    empty = pd.DataFrame(columns=MINIMAL_TRANSPLANT_SCHEMA.names)
+    off = RevisionData("primary", {"minimal_transplant": write_with(empty, tmp_path / "off.parquet",
+                                                                    {"config": {"budget": 0}})})
+    lines, numbers = minimal_transplant_section(off)
+    assert numbers["status"] == "off" and "budget` is 0" in lines[0]

@@ -13,6 +13,7 @@ from stagereplay.analysis.stats import (
     divergence_margin_test,
     paired_accuracy_difference,
     proportion,
+    rank_correlation,
 )
 
 
@@ -178,3 +179,18 @@ def test_divergence_margin_test_without_divergences():
     result = divergence_margin_test([])
     assert result["n"] == 0 and result["median_divergence"] is None and result["sign_test_p_less"] is None
     assert divergence_margin_test([(None, [1.0]), (float("nan"), [1.0])])["n"] == 0
+
+
+def test_rank_correlation_with_a_seeded_bootstrap_interval():
+    monotone = rank_correlation([1, 2, 3, 4, 5], [0.1, 0.4, 0.5, 2.0, 9.0], n_boot=500, seed=3)
+    # scipy computes rho in floating point: 1 to within a few ulps
+    assert monotone["rho"] == pytest.approx(1.0, abs=1e-12) and monotone["p_value"] < 0.05 and monotone["n"] == 5
+    # resamples of one repeated item have no rank correlation: left out of the interval and counted
+    assert monotone["bootstrap_high"] == pytest.approx(1.0, abs=1e-12) and monotone["n_boot_undefined"] > 0
+    assert rank_correlation([1, 2, 3, 4, 5], [5, 4, 3, 2, 1], n_boot=500, seed=3)["rho"] == pytest.approx(-1.0)
+    noisy = [0.3, 0.1, 0.8, 0.5, 0.9, 0.2, 0.7], [2.0, 1.0, 3.5, 1.5, 2.5, 0.5, 4.0]
+    assert rank_correlation(*noisy, seed=1) == rank_correlation(*noisy, seed=1)  # reproducible
+    short = rank_correlation([1.0, None, 2.0], [3.0, 1.0, float("nan")])
+    assert short["n"] == 1 and short["n_missing"] == 2 and short["rho"] is None
+    with pytest.raises(ValueError, match="paired"):
+        rank_correlation([1, 2, 3], [1, 2])

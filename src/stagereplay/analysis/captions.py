@@ -80,8 +80,9 @@ CAPTIONS = {
         "global minimum. Each cell gives the share of these minimal sets that include that layer (rows) and cache "
         "position (columns, counted from the first stage token: left of the dotted line, the prompt), among the "
         "items whose cache reaches that position; K (upper) and V (lower panel of each pair); both directions "
-        "pooled. White: no cache reaches the position. One pair of panels per revision and precision. The sets, "
-        "runs used and whether the budget ran out are in minimal_transplant.parquet and the report.",
+        "pooled; n: the minimal sets a panel counts. White: no cache reaches the position. One pair of panels per "
+        "revision and precision. The sets, runs used and whether the budget ran out are in "
+        "minimal_transplant.parquet and the report.",
     ),
     "fig8_divergence_onset": (
         "How the cache difference of divergent items grows with depth, and the margin where they split.",

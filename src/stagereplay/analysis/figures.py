@@ -362,8 +362,8 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
             ax.set_ylabel(f"{component.upper()} · layer")
             n = int(sub.groupby(["layer", "offset"])["n"].max().max())
             many = len(panels) > 2
-            ax.set_title((f"revision {revision}, {precision} · " if many else "") + f"{component.upper()} cache "
-                         f"(n = {n} minimal sets)", loc="left", pad=3)
+            ax.set_title(f"{component.upper()} cache" + (f" · revision {revision}, {precision}" if many else "")
+                         + f" · n = {n}", loc="left", pad=3)
             ax.spines[:].set_visible(False)
         axes[-1].set_xlabel("cache position − prompt length (< 0: prompt; ≥ 0: stage)")
         fig.colorbar(image, ax=axes, label="share of minimal sets including the part", shrink=0.8, aspect=25,
@@ -371,11 +371,12 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
         _save(fig, paths)
 
 
-def plot_divergence_onset(items: pd.DataFrame, paths: dict[str, str], revision_order=(), onset=None, **_) -> None:
-    """Figure 8: top, per divergent item, the RMS difference between the two constructions' caches per layer (the
-    larger of K and V; median over items as a thick line); bottom, the margin at the first divergence against the
-    max-abs difference at the last layer. Colour: precision; one column per revision."""
-    if items is None or items.empty or onset is None:
+def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
+    """Figure 8, from the onset table: top, per divergent item, the RMS difference between the two constructions'
+    caches per layer (the larger of K and V; median over items as a thick line); bottom, the margin at the first
+    divergence against the max-abs difference at the last layer. Colour: precision; one column per revision."""
+    items = onset_items(onset)
+    if items.empty:
         return _placeholder(paths, "No data yet for figure 8: divergence_onset.parquet is absent or empty "
                             "(rule measure_divergence_onset; needs divergent items).")
     revisions = ordered_revisions(items, revision_order)
@@ -414,7 +415,7 @@ def plot_divergence_onset(items: pd.DataFrame, paths: dict[str, str], revision_o
         axes[0][0].set_ylabel("RMS |Δ| of the caches")
         axes[1][0].set_ylabel("top-2 margin at the first divergence")
         axes[0][0].legend(loc="upper left", handlelength=1.6)
-        axes[1][0].legend(loc="upper right", handletextpad=0.3)
+        axes[1][0].legend(loc="best", handletextpad=0.3)
         _save(fig, paths)
 
 
@@ -434,7 +435,6 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
     skip = {(revision, "fixed_prefix", precision) for revision, precision in coinciding}
     differences = _read_all(inputs.get("cache_differences"))
     transplant = _read_all(inputs.get("transplant"))
-    onset = _read_all(inputs.get("divergence_onset"))
     return {
         "fig1_disagreement": analysis.disagreement_cells(pairs) if pairs is not None else None,
         "fig2_first_divergence": pairs,
@@ -443,8 +443,7 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
         "fig5_transplant": analysis.transplant_matrix(transplant),
         "fig6_accuracy": analysis.accuracy_differences(pairs, seed=seed) if pairs is not None else None,
         "fig7_minimal_transplant": minimal_coverage(_read_all(inputs.get("minimal_transplant"))),
-        "fig8_divergence_onset": onset_items(onset),
-        "onset": onset,
+        "fig8_divergence_onset": _read_all(inputs.get("divergence_onset")),
         "coinciding": coinciding,
     }
 
@@ -476,7 +475,6 @@ def plot_figures(inputs: dict[str, dict[str, str]], outputs: dict[str, dict[str,
     data = tables(inputs, seed)
     written = []
     for name, paths in outputs.items():
-        PLOTTERS[name](data[name], paths, revision_order=list(dict.fromkeys(order)), coinciding=data["coinciding"],
-                       onset=data["onset"])
+        PLOTTERS[name](data[name], paths, revision_order=list(dict.fromkeys(order)), coinciding=data["coinciding"])
         written += paths.values()
     return written

@@ -228,6 +228,7 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
     defined = boot[np.isfinite(boot)]
     low, high = np.quantile(defined, [alpha / 2, 1 - alpha / 2]) if defined.size else (None, None)
     result.update(rho=float(test.statistic), p_value=float(test.pvalue),
-                  bootstrap_low=None if low is None else float(low), bootstrap_high=None if high is None else float(high),
+                  bootstrap_low=None if low is None else float(low),
+                  bootstrap_high=None if high is None else float(high),
                   n_boot_undefined=int(n_boot - defined.size))
     return result
