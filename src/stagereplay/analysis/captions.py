@@ -91,8 +91,8 @@ CAPTIONS = {
         "Top: the RMS of the difference per layer (the larger of K and V), one thin line per item and the median "
         "over items as a thick line with circles, on a symmetric-log axis, linear near 0. Bottom: one open circle "
         "per item, the first construction's top-2 logit margin at the first divergent suffix token (y) against "
-        "the max absolute difference of the caches at the last layer (x, symmetric-log). Colour: precision. One "
-        "column per revision. Items are chosen by divergence; the onset layer and position and the rank "
+        "the max absolute difference of the caches at the last layer (x, symmetric-log); ×k beside a circle: k "
+        "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the onset layer and position and the rank "
         "correlation are in divergence_onset.parquet and the report.",
     ),
 }

@@ -399,6 +399,11 @@ def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_o
                             & items["margin_a"].notna()]
                 lower.scatter(pts["last_max_abs"], pts["margin_a"], s=14, facecolors="none", edgecolors=color,
                               linewidths=0.8, clip_on=False, label=f"{precision} (n={len(pts)})")
+                # bf16 values are coarse, so items often coincide: say how many lie on one point
+                for (x, y), n in pts.groupby(["last_max_abs", "margin_a"]).size().items():
+                    if n > 1:
+                        lower.annotate(f"×{n}", (x, y), xytext=(4, 3), textcoords="offset points", fontsize=5.5,
+                                       color=color)
             values = per_layer.loc[per_layer["revision"] == revision, "rms"].to_numpy(dtype=float)
             if np.any(values > 0):
                 upper.set_yscale("symlog", linthresh=symlog_threshold(values), linscale=0.5)
@@ -408,7 +413,7 @@ def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_o
             x = items.loc[items["revision"] == revision, "last_max_abs"].to_numpy(dtype=float)
             if np.any(x > 0):
                 lower.set_xscale("symlog", linthresh=symlog_threshold(x), linscale=0.5)
-            lower.set_xlim(left=0)
+            lower.set_xlim(0, 2 * float(np.max(x)) if np.any(x > 0) else 1.0)
             lower.set_ylim(bottom=0)
             lower.set_xlabel("max |Δ| at the last layer")
             panel_title(upper, f"revision {revision}", len(revisions) > 1)
