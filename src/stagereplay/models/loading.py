@@ -406,7 +406,7 @@ def check_weights_match_config(loading_info: dict, requested: ModelSource, confi
         problems.append(f"{len(unexpected)} tensors in the weights have no place in the config's model: "
                         f"{_named(unexpected)}")
     if mismatched:
-        shapes = [f"{name} {list(saved)} in the weights, {list(wanted)} in the config"
+        shapes = [f"{name} ({list(saved)} in the weights, {list(wanted)} by the config)"
                   for name, saved, wanted in mismatched]
         problems.append(f"{len(mismatched)} tensors have another shape than the config gives: {_named(shapes)}")
     if errors:
