@@ -264,7 +264,14 @@ def preflight_in_dry_run(wildcards):
     if workflow.dryrun and not workflow.execution_settings.no_hooks and not _checked_in_dry_run:
         _checked_in_dry_run = True
         logger.info("Dry run: checking the inputs as a run does before its first job (--no-hooks skips this)")
-        preflight()
+        try:
+            check_results(dry_run=True)
+            preflight()
+        except Exception as exc:
+            # Snakemake drops an input function's exception when the rule's output exists already (it needs no
+            # producer then), so the dry run would plan on as if nothing were wrong: say it and stop here instead.
+            logger.error(f"{type(exc).__name__}: {exc}")
+            raise SystemExit(1) from exc
     return []
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stagereplay.data import datasets
-from stagereplay.data.prompts import Prompter, check_context
+from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.models.loading import (
     ModelLoadError,
@@ -102,8 +102,9 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
             )
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
         context = getattr(model_config, "max_position_embeddings", None)
-        longest = 0
+        longest, alone = 0, {}
         for item_id, question in zip(selected["item_id"], selected["question"]):
+            check_characters(item_id, question, tokenizer, source.describe(), alone)
             n_prompt = len(prompter(question))
             check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
             longest = max(longest, n_prompt)
