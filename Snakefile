@@ -4,7 +4,11 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
-configfile: "config.yaml"
+# The embedded default experiment, only when no --configfile is given: a user's config is complete by itself, every
+# key it leaves out taking the schema's default, never the toy's value.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"

@@ -1,18 +1,31 @@
 # Config validation and checks, the constants derived from the config, the model settings and input functions shared
 # by the rules, and the workflow's targets: all defined here, so no stage's .smk depends on the order of the includes.
+import copy
 import os
 from pathlib import Path
 
-from snakemake.utils import validate
+import yaml
+from snakemake.utils import update_config, validate
 
 import stagereplay
+from stagereplay.config import check_boundary, typed_command_line_values
+from stagereplay.data.prompts import check_template
 from stagereplay.models.loading import revision_slug
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
 
 # ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
+# Snakemake leaves the scalars of a nested --config value strings (bridge={n_rows: 2}): typed by the schema first.
+SCHEMA = yaml.safe_load((Path(workflow.basedir) / "workflow/schemas/config.schema.yaml").read_text())
+_command_line = typed_command_line_values(dict(workflow.config_settings.config), SCHEMA)
+update_config(config, _command_line)
+# The values the user gave (--configfile, --config): once defaults are filled in, a key set cannot be told apart.
+_given = copy.deepcopy(dict(workflow.config_settings.overwrite_config))
+update_config(_given, _command_line)
+check_boundary(_given.get("boundary"))
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
+check_template(config["prompt"].get("template"))
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -34,13 +47,9 @@ check_decode_settings(
     config["decode_attention"],
     config["decode_prefill_group"],
 )
-if (
-    config["boundary"].get("token_id") is not None
-    and config["boundary"].get("marker") == "</think>"
-):
-    config["boundary"][
-        "marker"
-    ] = None  # the token id was given: the schema's default marker does not apply
+if config["boundary"].get("token_id") is not None:
+    # The user gave no marker with it (check_boundary): the default's marker does not apply.
+    config["boundary"]["marker"] = None
 if config["reference_precision"] not in config["precisions"]:
     raise ValueError(
         f"reference_precision: {config['reference_precision']!r} is not one of precisions "
