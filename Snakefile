@@ -13,6 +13,7 @@ if not workflow.overwrite_configfiles:
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/select.smk"
+include: "workflow/rules/prepare.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/controls.smk"

@@ -11,6 +11,7 @@ import stagereplay
 from stagereplay.config import check_boundary, typed_command_line_values
 from stagereplay.data.prompts import check_template
 from stagereplay.models.loading import revision_slug
+from stagereplay.models.snapshot import software_versions as snapshot_software
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
@@ -131,6 +132,7 @@ def generation_kwargs(revision):
         model=resolve_path(config["model"]),
         revision=REVISIONS[revision],
         model_fingerprint=model_files(REVISIONS[revision]),
+        prepared_models=prepared_folder(revision),
         boundary=config["boundary"],
         max_stage_tokens=config["max_stage_tokens"],
         max_new_tokens=config["max_new_tokens"],
@@ -193,6 +195,7 @@ def cache_difference_kwargs(wildcards):
         model=resolve_path(config["model"]),
         revision=REVISIONS[wildcards.revision],
         model_fingerprint=model_files(REVISIONS[wildcards.revision]),
+        prepared_models=prepared_folder(wildcards.revision),
         revision_slug=wildcards.revision,
         precisions=settings["precisions"],
         prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
@@ -214,6 +217,7 @@ def replay_model_kwargs(wildcards):
         model=resolve_path(config["model"]),
         revision=ALL_REVISIONS[wildcards.revision],
         model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+        prepared_models=prepared_folder(wildcards.revision),
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         threads=config["threads"],
@@ -259,6 +263,59 @@ def transplant_kwargs(wildcards):
 
 def revision_name(wildcards):
     return ALL_REVISIONS[wildcards.revision]
+
+
+# ---- Prepared models: each revision's model source as a snapshot per precision (prepare.smk); a model-loading job
+# takes the ones it loads as input and finds them under its params.kwargs.prepared_models.
+PREPARE_SOFTWARE = snapshot_software()
+
+
+def prepared_folder(revision):
+    return f"{RESULTS}/models/{revision}"
+
+
+def prepare_kwargs(wildcards):
+    return dict(
+        model=resolve_path(config["model"]),
+        revision=ALL_REVISIONS[wildcards.revision],
+        model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+        precision=wildcards.precision,
+        threads=config["threads"],
+        trust_remote_code=config["trust_remote_code"],
+        allow_pickle=config["allow_pickle"],
+        offline=config["offline"],
+    )
+
+
+def prepared(revision, precisions):
+    return [f"{prepared_folder(revision)}/{precision}" for precision in precisions]
+
+
+def prepared_at_precision(wildcards):
+    """The generation, the fixed-prefix 2x2 and the audit: the job's own precision."""
+    return prepared(wildcards.revision, [wildcards.precision])
+
+
+def prepared_at_all_precisions(wildcards):
+    """Batch invariance: every precision of the generation."""
+    return prepared(wildcards.revision, config["precisions"])
+
+
+def prepared_for_dumps(wildcards):
+    """Every precision of the baseline: the primary's ledger holds all, a replayed baseline the transplant's."""
+    if config["dump"]["items"] == "none":
+        return []
+    precisions = config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
+    return prepared(wildcards.revision, precisions)
+
+
+def prepared_at_transplant_precision(wildcards):
+    return prepared(wildcards.revision, [TRANSPLANT_PRECISION])
+
+
+def prepared_for_cache_differences(wildcards):
+    settings = config["cache_differences"]
+    return prepared(wildcards.revision, settings["precisions"] if settings["n_items"] > 0 else [])
 
 
 # ---- Input functions -------------------------------------------------------------------------------------------------
