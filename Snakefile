@@ -4,11 +4,16 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
-configfile: "config.yaml"
+# The embedded default experiment, only when no --configfile is given: a user's config is complete by itself, every
+# key it leaves out taking the schema's default, never the toy's value.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/select.smk"
+include: "workflow/rules/prepare.smk"
 include: "workflow/rules/reconstruct.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/divergence_location.smk"
@@ -16,6 +21,7 @@ include: "workflow/rules/controls.smk"
 include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
+include: "workflow/rules/integrity.smk"
 include: "workflow/rules/preflight.smk"
 
 

@@ -78,7 +78,7 @@ def test_a_config_with_fewer_layers_or_other_sizes_is_refused_naming_the_tensors
     with pytest.raises(ModelLoadError) as err:
         load_local(narrower)
     assert "12 tensors have another shape than the config gives" in str(err.value)
-    assert "model.layers.0.mlp.down_proj.weight [64, 128] in the weights, [64, 96] in the config" in str(err.value)
+    assert "model.layers.0.mlp.down_proj.weight ([64, 128] in the weights, [64, 96] by the config)" in str(err.value)
 
 
 def test_tied_embeddings_saved_buffers_and_gguf_are_not_refused(tmp_path, four_layers):

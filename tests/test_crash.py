@@ -46,7 +46,7 @@ def test_a_process_killed_while_writing_leaves_the_old_file(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert target.read_bytes() == before
     assert read_parquet(target)["x"].tolist() == [1, 2, 3]
-    assert read_hash_record(target) == hashlib.sha256(before).hexdigest()  # the old file's record, still right
+    assert read_hash_record(target).sha256 == hashlib.sha256(before).hexdigest()  # the old file's, still right
     leftovers = [p.name for p in tmp_path.iterdir() if p not in (target, hash_record_path(target))]
     assert len(leftovers) == 1 and leftovers[0].startswith(".part.parquet.") and leftovers[0].endswith(".tmp")
 

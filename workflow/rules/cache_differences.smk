@@ -1,6 +1,7 @@
 # Per-layer differences between the incremental and prefill boundary caches over identical prefix ids (figure 4).
 rule measure_cache_differences:
     input:
+        models=prepared_for_cache_differences,
         prefixes=f"{RESULTS}/{{revision}}/prefixes.parquet",
     output:
         differences=f"{RESULTS}/{{revision}}/cache_differences.parquet",

@@ -1,18 +1,32 @@
 # Config validation and checks, the constants derived from the config, the model settings and input functions shared
 # by the rules, and the workflow's targets: all defined here, so no stage's .smk depends on the order of the includes.
+import copy
 import os
 from pathlib import Path
 
-from snakemake.utils import validate
+import yaml
+from snakemake.utils import update_config, validate
 
 import stagereplay
+from stagereplay.config import check_boundary, typed_command_line_values
+from stagereplay.data.prompts import check_template
 from stagereplay.models.loading import revision_slug
+from stagereplay.models.snapshot import software_versions as snapshot_software
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
 
 # ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
+# Snakemake leaves the scalars of a nested --config value strings (bridge={n_rows: 2}): typed by the schema first.
+SCHEMA = yaml.safe_load((Path(workflow.basedir) / "workflow/schemas/config.schema.yaml").read_text())
+_command_line = typed_command_line_values(dict(workflow.config_settings.config), SCHEMA)
+update_config(config, _command_line)
+# The values the user gave (--configfile, --config): once defaults are filled in, a key set cannot be told apart.
+_given = copy.deepcopy(dict(workflow.config_settings.overwrite_config))
+update_config(_given, _command_line)
+check_boundary(_given.get("boundary"))
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
+check_template(config["prompt"].get("template"))
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -34,13 +48,9 @@ check_decode_settings(
     config["decode_attention"],
     config["decode_prefill_group"],
 )
-if (
-    config["boundary"].get("token_id") is not None
-    and config["boundary"].get("marker") == "</think>"
-):
-    config["boundary"][
-        "marker"
-    ] = None  # the token id was given: the schema's default marker does not apply
+if config["boundary"].get("token_id") is not None:
+    # The user gave no marker with it (check_boundary): the default's marker does not apply.
+    config["boundary"]["marker"] = None
 if config["reference_precision"] not in config["precisions"]:
     raise ValueError(
         f"reference_precision: {config['reference_precision']!r} is not one of precisions "
@@ -122,6 +132,7 @@ def generation_kwargs(revision):
         model=resolve_path(config["model"]),
         revision=REVISIONS[revision],
         model_fingerprint=model_files(REVISIONS[revision]),
+        prepared_models=prepared_folder(revision),
         boundary=config["boundary"],
         max_stage_tokens=config["max_stage_tokens"],
         max_new_tokens=config["max_new_tokens"],
@@ -184,6 +195,7 @@ def cache_difference_kwargs(wildcards):
         model=resolve_path(config["model"]),
         revision=REVISIONS[wildcards.revision],
         model_fingerprint=model_files(REVISIONS[wildcards.revision]),
+        prepared_models=prepared_folder(wildcards.revision),
         revision_slug=wildcards.revision,
         precisions=settings["precisions"],
         prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
@@ -205,6 +217,7 @@ def replay_model_kwargs(wildcards):
         model=resolve_path(config["model"]),
         revision=ALL_REVISIONS[wildcards.revision],
         model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+        prepared_models=prepared_folder(wildcards.revision),
         device=config["device"],
         attn_implementation=config["attn_implementation"],
         threads=config["threads"],
@@ -273,6 +286,59 @@ def revision_name(wildcards):
     return ALL_REVISIONS[wildcards.revision]
 
 
+# ---- Prepared models: each revision's model source as a snapshot per precision (prepare.smk); a model-loading job
+# takes the ones it loads as input and finds them under its params.kwargs.prepared_models.
+PREPARE_SOFTWARE = snapshot_software()
+
+
+def prepared_folder(revision):
+    return f"{RESULTS}/models/{revision}"
+
+
+def prepare_kwargs(wildcards):
+    return dict(
+        model=resolve_path(config["model"]),
+        revision=ALL_REVISIONS[wildcards.revision],
+        model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+        precision=wildcards.precision,
+        threads=config["threads"],
+        trust_remote_code=config["trust_remote_code"],
+        allow_pickle=config["allow_pickle"],
+        offline=config["offline"],
+    )
+
+
+def prepared(revision, precisions):
+    return [f"{prepared_folder(revision)}/{precision}" for precision in precisions]
+
+
+def prepared_at_precision(wildcards):
+    """The generation, the fixed-prefix 2x2 and the audit: the job's own precision."""
+    return prepared(wildcards.revision, [wildcards.precision])
+
+
+def prepared_at_all_precisions(wildcards):
+    """Batch invariance: every precision of the generation."""
+    return prepared(wildcards.revision, config["precisions"])
+
+
+def prepared_for_dumps(wildcards):
+    """Every precision of the baseline: the primary's ledger holds all, a replayed baseline the transplant's."""
+    if config["dump"]["items"] == "none":
+        return []
+    precisions = config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
+    return prepared(wildcards.revision, precisions)
+
+
+def prepared_at_transplant_precision(wildcards):
+    return prepared(wildcards.revision, [TRANSPLANT_PRECISION])
+
+
+def prepared_for_cache_differences(wildcards):
+    settings = config["cache_differences"]
+    return prepared(wildcards.revision, settings["precisions"] if settings["n_items"] > 0 else [])
+
+
 # ---- Input functions -------------------------------------------------------------------------------------------------
 _checked_in_dry_run = False
 
@@ -285,7 +351,14 @@ def preflight_in_dry_run(wildcards):
     if workflow.dryrun and not workflow.execution_settings.no_hooks and not _checked_in_dry_run:
         _checked_in_dry_run = True
         logger.info("Dry run: checking the inputs as a run does before its first job (--no-hooks skips this)")
-        preflight()
+        try:
+            check_results(dry_run=True)
+            preflight()
+        except Exception as exc:
+            # Snakemake drops an input function's exception when the rule's output exists already (it needs no
+            # producer then), so the dry run would plan on as if nothing were wrong: say it and stop here instead.
+            logger.error(f"{type(exc).__name__}: {exc}")
+            raise SystemExit(1) from exc
     return []
 
 

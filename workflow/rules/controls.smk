@@ -2,6 +2,7 @@
 # from the matched experiment's parts, where the live cache exists), the saved-ledger audit and batch invariance.
 rule generate_fixed_prefix:
     input:
+        models=prepared_at_precision,
         selection=f"{RESULTS}/selection/items.parquet",
         prefixes=f"{RESULTS}/{{revision}}/parts/prefixes_{config['reference_precision']}_{{shard}}.parquet",
     output:
@@ -42,6 +43,7 @@ rule gather_bridge:
 # Always succeeds when the recomputation ran: its findings are its output (check_audit is what fails).
 rule audit_ledger:
     input:
+        models=prepared_at_precision,
         selection=f"{RESULTS}/selection/items.parquet",
         ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
     output:
@@ -100,6 +102,7 @@ rule check_audit:
 # at batch_size 1 its table is empty and says why.
 rule check_batch_invariance:
     input:
+        models=prepared_at_all_precisions,
         selection=f"{RESULTS}/selection/items.parquet",
         ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
     output:

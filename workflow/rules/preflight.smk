@@ -26,4 +26,5 @@ def preflight():
 
 
 onstart:
+    check_results()
     preflight()

@@ -1,5 +1,6 @@
 rule reconstruct_prefixes:
     input:
+        models=prepared_at_precision,
         selection=f"{RESULTS}/selection/items.parquet",
     output:
         ledger=f"{RESULTS}/{{revision}}/parts/matched_{{precision}}_{{shard}}.parquet",

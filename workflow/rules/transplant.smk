@@ -5,6 +5,7 @@
 
 rule replay_fixed_prefixes:
     input:
+        models=prepared_at_transplant_precision,
         prefixes=f"{RESULTS}/{PRIMARY}/prefixes.parquet",
         selection=f"{RESULTS}/selection/items.parquet",
     output:
@@ -49,6 +50,7 @@ rule select_transplant_items:
 
 rule dump_caches:
     input:
+        models=prepared_for_dumps,
         baseline=transplant_baseline,
     output:
         caches=directory(f"{RESULTS}/{{revision}}/caches"),
@@ -73,6 +75,7 @@ rule dump_caches:
 
 rule transplant_caches:
     input:
+        models=prepared_at_transplant_precision,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
         baseline=transplant_baseline,
     output:

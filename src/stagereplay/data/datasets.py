@@ -9,6 +9,8 @@ naming the file and the row, duplicate item ids are refused. Knows nothing of mo
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import random
@@ -24,6 +26,45 @@ ITEM_COLUMNS = ["item_index", "item_id", "question", "gold_answer", "source_row"
 
 class DatasetError(ValueError):
     """A dataset that cannot be used as it is, with the file, the row and what to fix."""
+
+
+# How pandas, spreadsheets and databases write a missing value: a question or answer of one of them is a hole in
+# the data, not text.
+MISSING_VALUES = frozenset(["#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                            "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"])
+
+
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise DatasetError(f"dataset.path {str(path)!r} is a directory, not a file; point dataset.path at the "
+                           "dataset file inside it")
+    if not path.is_file():
+        raise DatasetError(f"dataset.path {str(path)!r} does not exist")
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, which must be UTF-8 (a byte-order mark is dropped); else an error naming line and byte."""
+    data = path.read_bytes()
+
+    def fix(encoding: str = "<its encoding>") -> str:
+        return (f"save it as UTF-8 (for example iconv -f {encoding} -t utf-8 {path.name} > new{path.suffix}) and "
+                "point dataset.path at that")
+
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DatasetError(f"{path}: the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; "
+                           f"{fix('utf-16')}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DatasetError(f"{path}: line {line} (byte offset {exc.start}) is not UTF-8 (byte 0x{data[exc.start]:02x})"
+                           f"; {fix()}") from None
+    if "\x00" in text:
+        at = data.index(b"\x00")
+        line = data.count(b"\n", 0, at) + 1
+        raise DatasetError(f"{path}: line {line} (byte offset {at}) holds a NUL byte: the "
+                           f"file looks like UTF-16 or binary, not UTF-8 text; {fix()}")
+    return text.removeprefix("\ufeff")
 
 
 def _check_rows(rows: list[dict], where: str) -> list[dict]:
@@ -47,6 +88,14 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
     question = raw.get(fields["question"])
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{at} has no question (field {fields['question']!r}); fix or remove it")
+    if question.strip() in MISSING_VALUES:
+        raise DatasetError(f"{at} has the question {question!r} (field {fields['question']!r}), which is how a "
+                           "missing value is written, not a question; fix or remove it")
+    for key in ("gold", "answer"):
+        value = raw.get(fields[key]) if fields.get(key) else None
+        if value is not None and str(value).strip() in MISSING_VALUES:
+            raise DatasetError(f"{at} has the gold answer {str(value)!r} (field {fields[key]!r}), which is how a "
+                               "missing value is written, not an answer; fix or remove it")
     if fields.get("gold") and raw.get(fields["gold"]) not in (None, ""):
         gold = normalize_answer(str(raw[fields["gold"]]))
     else:
@@ -80,26 +129,41 @@ def eval_fraction(s: str) -> float:
 
 def load_jsonl(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset.path {str(path)!r} does not exist")
+    _check_file(path)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}: line {line_no} is not valid JSON ({exc.msg}); fix or remove it") from None
-            rows.append(_row(raw, line_no, str(path), fields, numeric))
+    for line_no, line in enumerate(io.StringIO(_read_text(path), newline=None), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: line {line_no} is not valid JSON ({exc.msg}); fix or remove it") from None
+        rows.append(_row(raw, line_no, str(path), fields, numeric))
     return _check_rows(rows, str(path))
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """Every cell a string, an empty cell ``""`` (never a NaN); a line with more fields than the header is refused
+    by its line number (pandas would shift the first fields into an index, each value into the wrong column)."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    header = next(reader, [])
+    records = []
+    for record in reader:
+        if not record:
+            continue
+        if len(record) > len(header):
+            raise DatasetError(
+                f"{path}: line {reader.line_num} has {len(record)} fields but the header has {len(header)} "
+                f"({','.join(header)}), so its values would land in the wrong columns; quote a field that holds a "
+                'comma ("...") or fix the line')
+        records.append(record + [""] * (len(header) - len(record)))
+    return pd.DataFrame(records, columns=header, dtype=str)
 
 
 def load_table(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset.path {str(path)!r} does not exist")
-    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path, dtype=str, keep_default_na=False)
+    _check_file(path)
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else _read_csv(path)
     missing = [fields[k] for k in ("question",) if fields[k] not in df.columns]
     if missing:
         raise DatasetError(f"{path}: no column {missing[0]!r}; set dataset.fields to the file's column names "

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 
 class PromptTooLongError(ValueError):
     """A prompt that leaves no room for the stage and suffix within the model's context."""
+
+
+class UnknownCharactersError(ValueError):
+    """A question holding characters the tokenizer cannot encode, which it would drop or turn into its unknown token."""
+
+
+def check_template(template: str | None) -> None:
+    """Refuse a raw prompt template that is not text with exactly the placeholder ``{question}``.
+
+    Without ``{question}`` every item would get the same prompt; any other placeholder has no value to fill it.
+    """
+    if template is None:
+        return
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError as exc:  # a lone { or }
+        raise ValueError(f"prompt.template {template!r} cannot be filled in ({exc}); write {{{{ and }}}} for a "
+                         "literal brace and {question} where the question goes") from None
+    others = sorted({f"{{{field}}}" for field in fields if field != "question"})
+    if others:
+        raise ValueError(f"prompt.template {template!r} has the placeholder {', '.join(others)}, but the only one "
+                         "filled in is {question}: rename it to {question}, or write {{ and }} for a literal brace")
+    if "question" not in fields:
+        raise ValueError(f"prompt.template {template!r} has no {{question}}, so every item would get the same "
+                         "prompt: put {question} where the question goes")
 
 
 @dataclass
@@ -17,6 +43,9 @@ class Prompter:
     system: str | None = None
     instruction: str | None = None
     template: str | None = None  # raw text with {question}; bypasses the chat template
+
+    def __post_init__(self):
+        check_template(self.template)
 
     def __call__(self, question: str) -> list[int]:
         content = f"{self.instruction}\n\n{question}" if self.instruction else question
@@ -40,3 +69,46 @@ def check_context(item_id: str, n_prompt: int, max_stage_tokens: int, max_new_to
             f"max_new_tokens {max_new_tokens} exceeds the model's context of {context_limit}; lower the budgets "
             "or drop the item"
         )
+
+
+def unknown_characters(tokenizer, text: str, alone: dict | None = None) -> list[str]:
+    """The characters of ``text`` that reach the model as nothing: the tokenizer drops them, or reads them as its
+    unknown token (``alone`` caches, across calls, whether a character alone encodes to nothing but that token).
+
+    A character is unknown when removing it from ``text`` leaves the ids the model sees (unknown tokens aside)
+    unchanged. Only the characters that alone encode to nothing are tried so (a space alone does, for some
+    tokenizers that attach it to the next word), so a tokenizer that covers every byte costs one encoding each.
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    alone = {} if alone is None else alone
+
+    def seen(t: str) -> list[int]:
+        return [i for i in tokenizer(t, add_special_tokens=False)["input_ids"] if i != unk]
+
+    for c in set(text) - alone.keys():
+        alone[c] = not seen(c)
+    suspects = sorted(c for c in set(text) if alone[c])
+    if not suspects:
+        return []
+    ids = seen(text)
+    return [c for c in suspects if seen(text.replace(c, "")) == ids]
+
+
+def check_characters(item_id: str, question: str, tokenizer, model: str, alone: dict | None = None) -> None:
+    """Raise :class:`UnknownCharactersError` naming the item and the characters its tokenizer cannot encode.
+
+    A character-level tokenizer such as the toy's drops every other character: "Natalia sold clips to 48
+    friends" would reach the model as ``48``. ``alone`` is :func:`unknown_characters`' cache.
+    """
+    unknown = unknown_characters(tokenizer, question, alone)
+    if not unknown:
+        return
+    vocab = tokenizer.get_vocab()
+    # A small vocabulary (the toy's 21 tokens) can be listed: it says what the model reads.
+    accepted = (f"; it knows only the characters {''.join(sorted(t for t in vocab if len(t) == 1))!r} (the embedded "
+                "toy model reads arithmetic chains such as 37+45-12, not word problems)" if len(vocab) <= 256 else "")
+    raise UnknownCharactersError(
+        f"item {item_id!r}: the question {question[:60]!r} has characters the tokenizer of {model} does not know "
+        f"({', '.join(map(repr, unknown))}), which the model would never see (dropped, or read as the unknown "
+        f"token){accepted}. Fix or remove the item, or use a model whose tokenizer covers it"
+    )

@@ -56,6 +56,13 @@ class HashCache:
         self.changed = True
         return digest
 
+    def remember(self, path: str | Path, digest: str) -> None:
+        """Record ``digest`` for a file whose bytes the caller hashed as it wrote them (no second read)."""
+        resolved = Path(path).resolve()
+        stat = resolved.stat()
+        self.entries[str(resolved)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self.changed = True
+
     def save(self) -> None:
         """Write the cache if it gained entries (atomically: concurrent jobs lose at most an entry, never the file)."""
         if self.path is None or not self.changed:

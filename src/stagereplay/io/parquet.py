@@ -5,7 +5,8 @@ Every Parquet file the pipeline writes carries a provenance record in its key-va
 leaves a half-written file that a rerun would trust, and a damaged file is refused when read.
 
 Every file written through :func:`atomic_path` (Parquet, text, figures, cache dumps) also gets the sha256 of its
-bytes recorded beside it, in ``.<name>.sha256`` (the ``sha256sum`` format, so ``sha256sum -c`` checks it too):
+bytes recorded beside it, in ``.<name>.sha256`` (the ``sha256sum`` format, so ``sha256sum -c`` checks it too; a
+comment line adds the size and inode it was written with):
 :mod:`stagereplay.stages.integrity` compares a run's files with these records before Snakemake may delete anything.
 """
 
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -83,27 +85,41 @@ def hash_record_path(path: str | Path) -> Path:
 
 
 def write_hash_record(path: str | Path, digest: str) -> None:
-    """Record ``digest`` as the sha256 of ``path`` (atomically; the record's mtime, never older than the file's,
-    says that the file has not been written since)."""
+    """Record ``digest`` as the sha256 of ``path``, with the size and inode the file has now (atomically)."""
     path = Path(path)
+    stat = path.stat()
     record = hash_record_path(path)
     tmp = record.parent / f"{record.name}.{secrets.token_hex(8)}.tmp"
     with open(tmp, "w") as f:
-        f.write(f"{digest}  {path.name}\n")
+        f.write(f"{digest}  {path.name}\n# size={stat.st_size} inode={stat.st_ino}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, record)
     _fsync_folder(record.parent)
 
 
-def read_hash_record(path: str | Path) -> str | None:
-    """The sha256 recorded for ``path``, or None when there is no (readable) record."""
+@dataclass(frozen=True)
+class HashRecord:
+    sha256: str
+    size: int | None  # None: a record without the comment line (written by hand, sha256sum)
+    inode: int | None
+
+
+def read_hash_record(path: str | Path) -> HashRecord | None:
+    """What was recorded for ``path``, or None when there is no (readable) record."""
     try:
-        text = hash_record_path(path).read_text()
+        lines = hash_record_path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
-    digest = text.split(" ", 1)[0].strip()
-    return digest if len(digest) == 64 else None
+    digest = lines[0].split(" ", 1)[0] if lines else ""
+    if len(digest) != 64:
+        return None
+    key = dict(part.split("=", 1) for line in lines[1:] if line.startswith("# ") for part in line[2:].split()
+               if "=" in part)
+    try:
+        return HashRecord(digest, int(key["size"]), int(key["inode"]))
+    except (KeyError, ValueError):
+        return HashRecord(digest, None, None)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -344,15 +344,20 @@ def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_p
 TOKENIZER_PROBE = "0123456789"
 
 
-def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict, vocab_size: int | None):
+def checked_tokenizer(source: ModelSource, requested: ModelSource, common: dict, vocab_size: int | None,
+                      load_tokenizer=None):
     """The tokenizer of resolved ``source``, refused when it has more tokens than the model's vocabulary.
 
     ``requested`` is what the user named (for messages); ``common`` the ``from_pretrained`` keywords from
-    :func:`checked_config`. Shared by :func:`load_model` and the preflight check."""
+    :func:`checked_config`; ``load_tokenizer(folder)``, when given, loads it instead of ``AutoTokenizer`` (a
+    prepared snapshot's, :mod:`stagereplay.models.snapshot`). Shared by :func:`load_model` and the preflight check."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
+        if load_tokenizer is not None:
+            tokenizer = load_tokenizer(source.path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {requested.describe()}: {exc}") from exc
     # A folder without tokenizer files still gives a tokenizer (transformers 5 builds an empty one), which turns
@@ -406,7 +411,7 @@ def check_weights_match_config(loading_info: dict, requested: ModelSource, confi
         problems.append(f"{len(unexpected)} tensors in the weights have no place in the config's model: "
                         f"{_named(unexpected)}")
     if mismatched:
-        shapes = [f"{name} {list(saved)} in the weights, {list(wanted)} in the config"
+        shapes = [f"{name} ({list(saved)} in the weights, {list(wanted)} by the config)"
                   for name, saved, wanted in mismatched]
         problems.append(f"{len(mismatched)} tensors have another shape than the config gives: {_named(shapes)}")
     if errors:
@@ -429,6 +434,7 @@ def load_model(
     allow_pickle: bool = False,
     offline: bool = True,
     numerics: str = "default",
+    load_tokenizer=None,
 ) -> LoadedModel:
     """Load ``source`` at ``precision`` on ``device``, in eval mode, greedy generation defaults neutralised.
 
@@ -457,7 +463,7 @@ def load_model(
     except Exception as exc:
         raise ModelLoadError(f"cannot load {requested.describe()}: {exc}") from exc
     check_weights_match_config(loading_info, requested, config)
-    tokenizer = checked_tokenizer(source, requested, common, model.config.vocab_size)
+    tokenizer = checked_tokenizer(source, requested, common, model.config.vocab_size, load_tokenizer)
     model.to(dev).eval()
     model.requires_grad_(False)
     regime = {"numerics": "default"}

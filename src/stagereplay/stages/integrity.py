@@ -7,10 +7,13 @@ and each then fails reading the damaged file, so good results are lost to a bad 
 file and the fix, with nothing run and nothing deleted.
 
 Every file written through :func:`stagereplay.io.parquet.atomic_path` has the sha256 of its bytes recorded beside
-it. A file is hashed again only when it was written after its record (its mtime is newer), so a start costs a
-``stat`` per file, not a read of every cache dump. Files without a record (written before records existed, or a
-record lost to a kill between the file and its record) get a structural check only: a Parquet file must open
-(its footer), a safetensors dump must have the size its header declares. Knows nothing of Snakemake.
+it, with the size and inode it was written with. A file is hashed again only when its size or inode differ from
+those (truncated, replaced, copied elsewhere), so a start costs a ``stat`` per file, not a read of every cache dump.
+The mtime cannot be the key: Snakemake touches every output after its job, after the record was written. Not seen
+before a job: an edit in place that keeps the size; a stage reading the file still refuses it (the content
+fingerprint of a Parquet file, the per-layer sha256 of a dump). Files without a record (written before records
+existed, or a record lost to a kill between the file and its record) get a structural check only: a Parquet file
+must open (its footer), a safetensors dump must have the size its header declares. Knows nothing of Snakemake.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class DamagedResultsError(CorruptFileError):
 @dataclass
 class Checked:
     files: int = 0
-    hashed: list[str] = field(default_factory=list)  # written after their record: hashed again, matched
+    hashed: list[str] = field(default_factory=list)  # another size or inode than recorded: hashed, matched
     unrecorded: list[str] = field(default_factory=list)  # no record: structural check only
     damaged: list[str] = field(default_factory=list)  # one message per damaged file
 
@@ -63,17 +66,18 @@ def check_file(path: Path, refresh: bool, checked: Checked) -> None:
         if problem:
             checked.damaged.append(f"{path} is damaged: {problem}; {fix(path)}")
         return
-    if path.stat().st_mtime_ns <= hash_record_path(path).stat().st_mtime_ns:
-        return  # not written since its record
+    stat = path.stat()
+    if (stat.st_size, stat.st_ino) == (recorded.size, recorded.inode):
+        return  # the file it was written as
     actual = sha256_of_file(path)
-    if actual != recorded:
+    if actual != recorded.sha256:
         checked.damaged.append(
-            f"{path} is damaged: its sha256 is {actual[:16]}…, not the {recorded[:16]}… recorded when it was "
-            f"written ({hash_record_path(path).name}); it was changed after it was written (truncated, edited "
+            f"{path} is damaged: its sha256 is {actual[:16]}…, not the {recorded.sha256[:16]}… recorded when it "
+            f"was written ({hash_record_path(path).name}); it was changed after it was written (truncated, edited "
             f"or overwritten); {fix(path)}")
         return
     checked.hashed.append(str(path))
-    if refresh:  # same bytes, a newer mtime (touched, copied): the next check is a stat again
+    if refresh:  # same bytes in another inode (a copy): the next check is a stat again
         write_hash_record(path, actual)
 
 
@@ -102,8 +106,8 @@ def structural_problem(path: Path) -> str | None:
 def verify_results(root: str | Path, refresh: bool = True) -> Checked:
     """Check every file under ``root`` (a run's ``results/<run>``) against its recorded sha256; raise
     :class:`DamagedResultsError` naming every damaged file and the fix. ``refresh``: rewrite the record of a file
-    that was only touched (same bytes, newer mtime), so the next check need not hash it; a dry run passes False
-    and writes nothing."""
+    with the same bytes in another inode (a copy), so the next check need not hash it; a dry run passes False and
+    writes nothing."""
     checked = Checked()
     if not Path(root).is_dir():
         return checked
@@ -119,7 +123,7 @@ def summary(root: str | Path, checked: Checked) -> str:
     line = f"Results checked: {checked.files} files under {root}"
     extra = []
     if checked.hashed:
-        extra.append(f"{len(checked.hashed)} hashed again (written after their record, same bytes)")
+        extra.append(f"{len(checked.hashed)} hashed again (copied since written, same bytes)")
     if checked.unrecorded:
         extra.append(f"{len(checked.unrecorded)} without a recorded sha256 (opened only)")
     return line + (f" ({'; '.join(extra)})" if extra else "")

@@ -4,6 +4,7 @@ per-shard parts."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -16,6 +17,7 @@ from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu
 from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.models.snapshot import load_prepared
 from stagereplay.stages.input_fingerprints import check_model_unchanged
 from stagereplay.stages.settings import ModelSettings
 
@@ -45,14 +47,20 @@ class Job:
 
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
     """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
-    (``make_decoder(loaded)``)."""
-    check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir,
-                          HashCache())
+    (``make_decoder(loaded)``); from the revision's prepared snapshot where the workflow made one."""
+    hashes = HashCache()
+    check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir, hashes)
     flags = set_determinism(settings.threads)
     gpu = claim_gpu(settings.device)  # held until the job ends
-    loaded = load_model(resolve_source(settings.model, settings.revision, settings.base_dir), precision, gpu.device,
-                        settings.attn_implementation, settings.trust_remote_code, settings.allow_pickle,
-                        settings.offline, numerics=numerics)
+    source = resolve_source(settings.model, settings.revision, settings.base_dir)
+    if settings.prepared_models:
+        loaded = load_prepared(Path(settings.prepared_models) / precision, source, precision, gpu.device,
+                               settings.attn_implementation, numerics, settings.model_fingerprint,
+                               settings.trust_remote_code, hashes)
+        hashes.save()
+    else:
+        loaded = load_model(source, precision, gpu.device, settings.attn_implementation, settings.trust_remote_code,
+                            settings.allow_pickle, settings.offline, numerics=numerics)
     loaded.info["gpu_slot"] = gpu.record()
     if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
         loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
@@ -67,9 +75,14 @@ def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) 
                 make_decoder=lambda loaded: decoder_from_record(loaded.model, eos_token_ids(loaded), record))
 
 
+# Settings that say where inputs are or how to show progress, not what was computed: provenance records the model
+# files' fingerprints and the snapshot loaded in the model's info instead.
+NOT_CONFIG = ("progress", "base_dir", "model_fingerprint", "prepared_models")
+
+
 def config_of(settings) -> dict:
     """The settings as provenance records them."""
-    return {k: v for k, v in asdict(settings).items() if k not in ("progress", "base_dir", "model_fingerprint")}
+    return {k: v for k, v in asdict(settings).items() if k not in NOT_CONFIG}
 
 
 def gather(parts: list[str], out_path: str, schema: pa.Schema, sort_keys: list[str]) -> None:

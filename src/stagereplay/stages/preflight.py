@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stagereplay.data import datasets
-from stagereplay.data.prompts import Prompter, check_context
+from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.models.loading import (
     ModelLoadError,
@@ -47,6 +47,22 @@ def check_decode_settings(batch_size: int, decode_regime: str, decode_attention:
     """Refuse decode settings that the decode regime cannot run (the workflow checks them at parse time too)."""
     check_batching(batch_size, decode_regime)
     check_static_options(decode_regime, decode_attention, decode_prefill_group)
+
+
+def check_transplant_select(select, item_ids: list[str]) -> None:
+    """Refuse a ``transplant.select`` that cannot be met by the selected items (ids that are not among them,
+    ``sample:N`` above their count) before its job deletes the last selection and fails."""
+    if isinstance(select, (list, tuple)):
+        known = set(item_ids)
+        unknown = [i for i in select if i not in known]
+        if unknown:
+            raise ValueError(
+                f"transplant.select: item ids {unknown} are not among the {len(item_ids)} selected items (e.g. "
+                f"{item_ids[:3]}); name ids from results/<run>/selection/items.parquet, or select 'divergent' or "
+                "'sample:N'")
+    elif isinstance(select, str) and select.startswith("sample:") and int(select[7:]) > len(item_ids):
+        raise ValueError(f"transplant.select: {select} asks for more items than the {len(item_ids)} selected; "
+                         "lower N or raise n_items")
 
 
 def check_prefix_precision(prefix_precision: str | None, precisions: list[str]) -> None:
@@ -88,6 +104,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         go_offline()
     rows = datasets.load_source(config["dataset"], base_dir, numeric=numeric, offline=config["offline"])
     selected = datasets.choose_items(rows, config["n_items"], config["seed"])
+    check_transplant_select((config.get("transplant") or {}).get("select", "divergent"), list(selected["item_id"]))
     summary = {"n_items": len(selected), "revisions": {}}
     for revision in config["revisions"]:
         source = resolve_source(config["model"], revision, base_dir)
@@ -102,8 +119,9 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
             )
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
         context = getattr(model_config, "max_position_embeddings", None)
-        longest = 0
+        longest, alone = 0, {}
         for item_id, question in zip(selected["item_id"], selected["question"]):
+            check_characters(item_id, question, tokenizer, source.describe(), alone)
             n_prompt = len(prompter(question))
             check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
             longest = max(longest, n_prompt)

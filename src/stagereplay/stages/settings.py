@@ -36,6 +36,16 @@ class ModelSettings:
     # {"source", "sha256", "files"} of the revision's model files, taken when the workflow planned the job
     # (stagereplay.stages.input_fingerprints); None outside the workflow or for a hub model not cached yet.
     model_fingerprint: dict | None = None
+    # The folder of the revision's prepared snapshots, one subfolder per precision (rule prepare_model,
+    # stagereplay.models.snapshot); None: the job loads the model source itself.
+    prepared_models: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareSettings(ModelSettings):
+    """The model source at one precision, written once as the snapshot every later job loads."""
+
+    precision: str
 
 
 @dataclass(frozen=True, kw_only=True)

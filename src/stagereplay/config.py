@@ -1,0 +1,89 @@
+"""The workflow's config before schema validation: the values a user gave, typed, and the checks that need them.
+
+Two things the schema cannot do by itself. Snakemake reads a nested ``--config`` value (``bridge={n_rows: 2}``)
+with YAML's base loader, which leaves every scalar inside it a string; :func:`typed_command_line_values` types those
+strings by the schema before validation. And validation with defaults fills in every key a config leaves out, after
+which a key the user set cannot be told from its default; :func:`check_boundary` runs on the values the user gave.
+
+Knows nothing of Snakemake's objects: the workflow passes plain dicts.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+# The spellings YAML reads as null; a string of one of them, where the schema allows null, means null.
+_NULLS = ("null", "Null", "NULL", "~")
+_PYTHON_TYPES = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def _alternatives(schema: dict) -> list[dict]:
+    """A schema node and the alternatives of its ``oneOf``/``anyOf``."""
+    return [schema, *schema.get("oneOf", []), *schema.get("anyOf", [])]
+
+
+def _types(schema: dict) -> set[str]:
+    types = set()
+    for alternative in _alternatives(schema):
+        declared = alternative.get("type", [])
+        types.update([declared] if isinstance(declared, str) else declared)
+    return types
+
+
+def _subschema(schema: dict, kind: str) -> dict:
+    """The alternative of ``schema`` that describes an ``object`` or an ``array``."""
+    for alternative in _alternatives(schema):
+        declared = alternative.get("type", [])
+        if kind in ([declared] if isinstance(declared, str) else declared):
+            return alternative
+    return {}
+
+
+def typed_command_line_values(values, schema: dict):
+    """``values`` (from ``snakemake --config``) with each string typed as the schema's node for it expects.
+
+    A string stays a string where the schema allows one (an item id ``'12'`` in ``transplant.select`` stays
+    ``'12'``), except a YAML null spelling where null is allowed too. Elsewhere it is read as YAML and kept if it
+    then has a type the schema allows: ``'2'`` becomes 2 for an integer, ``'true'`` True for a boolean. Anything
+    else is left as it is, for the schema to refuse by name.
+    """
+    if isinstance(values, dict):
+        properties = _subschema(schema, "object").get("properties", {})
+        return {key: typed_command_line_values(value, properties.get(key, {})) for key, value in values.items()}
+    if isinstance(values, list):
+        items = _subschema(schema, "array").get("items", {})
+        return [typed_command_line_values(value, items) for value in values]
+    if not isinstance(values, str):
+        return values
+    types = _types(schema)
+    if "null" in types and values in _NULLS:
+        return None
+    if not types or "string" in types:
+        return values
+    try:
+        parsed = yaml.safe_load(values)
+    except yaml.YAMLError:
+        return values
+    return parsed if any(_PYTHON_TYPES[t](parsed) for t in types if t in _PYTHON_TYPES) else values
+
+
+def check_boundary(boundary: dict | None) -> None:
+    """Refuse a boundary given both as a marker string and as a token id, of which only one could apply.
+
+    ``boundary`` is the block as the user gave it (config files and ``--config``), before defaults are filled in.
+    """
+    boundary = boundary or {}
+    if boundary.get("marker") is not None and boundary.get("token_id") is not None:
+        raise ValueError(
+            f"boundary.marker {boundary['marker']!r} and boundary.token_id {boundary['token_id']} are both set, "
+            "but the boundary is one or the other (the token id would win and the marker be ignored): remove one "
+            "of them (or set it to null)"
+        )

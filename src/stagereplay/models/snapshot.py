@@ -1,0 +1,396 @@
+"""A revision's model source prepared once: a local safetensors snapshot of it at one precision.
+
+Every model-loading job used to load the run's model source again: a GGUF file is dequantised tensor by tensor
+in numpy at every load, a checkpoint stored in another dtype is cast at every load. A prepared snapshot holds what
+:func:`~stagereplay.models.loading.load_model` makes of the source at a precision, written once: the weights in
+that dtype as safetensors (memory-mapped when loaded), the config, generation config and tokenizer files, and a
+manifest (:data:`MANIFEST`) with the source's fingerprint, the snapshot's, and the sha256 of every tensor as
+loaded.
+
+Preparing proves the snapshot before it is kept: it is loaded back through ``load_model`` and every tensor and
+buffer (bytes, dtype, shape), the weight tying, the model and generation configs and the tokenizer (its whole
+pipeline, special tokens, chat template and probe encodings) must equal what loading the source gave, or the
+preparation fails naming what differs (:func:`compare_signatures`). A local or hub safetensors checkpoint whose
+floating-point tensors are already in the precision's dtype is linked instead (:func:`can_link`): loading the
+links reads the very bytes loading the source reads, so there is nothing to convert or to prove.
+
+Knows nothing of Snakemake, stages or the ledger.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
+from stagereplay.io.parquet import write_hash_record, write_text_atomic
+from stagereplay.models.loading import (
+    PRECISIONS,
+    LoadedModel,
+    ModelLoadError,
+    ModelSource,
+    eos_token_ids,
+    fetch_hub_snapshot,
+    load_model,
+)
+
+MANIFEST = "stagereplay_snapshot.json"
+MANIFEST_FORMAT = 1
+# Weight files of a source that a snapshot replaces with its own safetensors (and their shard indexes).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Config keys that say where a model was loaded from and how, not what it computes: ``_name_or_path`` (the
+# folder), ``quantization_config`` (the GGUF marker transformers leaves on a model whose tensors it fully
+# dequantised at load), ``architectures`` (save_pretrained names the class; loading picks it from model_type).
+IGNORED_CONFIG_KEYS = ("_name_or_path", "quantization_config", "architectures", "transformers_version")
+# Texts the tokenizers must encode alike: special tokens inside text, digits, a decomposed accent (a
+# normaliser changes it), whitespace runs and a newline.
+PROBE_TEXTS = ("Q: 12+7=? A: <think>12+7=19;</think> 19", "e\u0301t\u00e9  x\n\ty", "<|im_end|><|endoftext|>")
+
+
+class SnapshotError(ModelLoadError):
+    """A snapshot that does not reproduce its source, or is not the one a job was planned with."""
+
+
+def software_versions() -> dict:
+    """The packages a snapshot's bytes depend on (a new version of any may convert the source differently), read
+    from their installed metadata: the workflow takes them when it plans, without importing them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("torch", "transformers", "safetensors", "tokenizers", "gguf"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+# ---- What a loaded model is, as bytes and settings -------------------------------------------------------------------
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 over a tensor's dtype, shape and raw bytes."""
+    t = t.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter and buffer (persistent or computed at load, as rotary ``inv_freq``) by name."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update({f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False)})
+    return {name: tensor_digest(t) for name, t in sorted(named.items())}
+
+
+def weights_sha256(digests: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()
+
+
+def _plain(value):
+    """A JSON-comparable copy (enums, dtypes and other objects as their strings)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def tokenizer_signature(tokenizer) -> dict:
+    """What decides the ids a tokenizer gives and the text it decodes, as JSON-comparable values."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    messages = [{"role": "user", "content": PROBE_TEXTS[0]}]
+    template = getattr(tokenizer, "chat_template", None)
+    signature = {
+        "pipeline": json.loads(backend.to_str()) if backend is not None else None,
+        "vocab": tokenizer.get_vocab(),
+        "length": len(tokenizer),
+        "special_tokens": _plain(tokenizer.special_tokens_map),
+        "special_ids": sorted(int(i) for i in tokenizer.all_special_ids),
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "chat_template": template,
+        "model_input_names": list(tokenizer.model_input_names),
+        "padding_side": tokenizer.padding_side,
+        "probes": [{key: list(value) for key, value in tokenizer(text).items()} for text in PROBE_TEXTS],
+        "probes_plain": [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROBE_TEXTS],
+        "decoded": [tokenizer.decode(tokenizer(text)["input_ids"]) for text in PROBE_TEXTS],
+    }
+    if template:
+        signature["chat_prompt"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return signature
+
+
+def model_signature(loaded: LoadedModel) -> dict:
+    """Everything a job computes with, from a loaded model: tensors, tying, configs, tokenizer, end-of-text ids."""
+    model = loaded.model
+    config = {k: v for k, v in model.config.to_dict().items() if k not in IGNORED_CONFIG_KEYS}
+    generation = getattr(model, "generation_config", None)
+    generation = {k: v for k, v in (generation.to_dict() if generation is not None else {}).items()
+                  if k != "transformers_version"}
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    return {
+        "tensors": tensor_digests(model),
+        "tied_embeddings": outputs is not None and outputs.weight is inputs.weight,
+        "class": type(model).__name__,
+        "config": _plain(config),
+        "generation_config": _plain(generation),
+        "tokenizer": tokenizer_signature(loaded.tokenizer),
+        "eos_token_ids": eos_token_ids(loaded),
+        "info": {k: loaded.info[k] for k in ("model_type", "num_layers", "dtype", "attn_implementation")},
+    }
+
+
+def compare_signatures(source: dict, snapshot: dict) -> list[str]:
+    """What differs between a source's and a snapshot's :func:`model_signature`, one line each (empty: equal)."""
+    problems = []
+    a, b = source["tensors"], snapshot["tensors"]
+    if a.keys() != b.keys():
+        problems.append(f"tensors only in the source: {sorted(a.keys() - b.keys())[:6]}, only in the snapshot: "
+                        f"{sorted(b.keys() - a.keys())[:6]}")
+    differing = sorted(n for n in a.keys() & b.keys() if a[n] != b[n])
+    if differing:
+        problems.append(f"{len(differing)} tensors differ in bytes, dtype or shape: {differing[:6]}")
+    for part in ("tied_embeddings", "class", "eos_token_ids", "info"):
+        if source[part] != snapshot[part]:
+            problems.append(f"{part}: {source[part]!r} from the source, {snapshot[part]!r} from the snapshot")
+    for part in ("config", "generation_config", "tokenizer"):
+        x, y = source[part], snapshot[part]
+        keys = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k))
+        if keys:
+            shown = "; ".join(f"{k}: {str(x.get(k))[:120]!s} vs {str(y.get(k))[:120]!s}" for k in keys[:4])
+            problems.append(f"{part} differs in {keys}: {shown}")
+    return problems
+
+
+# ---- Preparing ---------------------------------------------------------------------------------------------------------
+def local_folder(source: ModelSource, offline: bool, allow_pickle: bool) -> Path | None:
+    """The folder a local or hub source loads from (a hub snapshot fetched into its cache); None for GGUF."""
+    if source.kind == "gguf":
+        return None
+    if source.kind == "hub":
+        source, _ = fetch_hub_snapshot(source, offline, allow_pickle)
+    return Path(source.path)
+
+
+def can_link(folder: Path | None, precision: str) -> bool:
+    """Whether a folder's weights are all safetensors whose floating-point tensors are already in the precision's
+    dtype (only their headers are read): then loading them casts nothing and a snapshot of links is exact."""
+    from safetensors import safe_open
+
+    if folder is None:
+        return False
+    files = [p for p in folder_files(folder).values() if p.suffix in WEIGHT_SUFFIXES]
+    if not files or any(p.suffix != ".safetensors" for p in files):
+        return False
+    wanted = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}[precision]
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype.startswith(("F", "BF")) and dtype != wanted:
+                    return False
+    return True
+
+
+def _plain_gguf_model(model: torch.nn.Module) -> None:
+    """transformers dequantises every GGUF tensor of the supported architectures to the requested dtype at load,
+    yet leaves a GGUF quantizer on the model (5.17 and 5.24), which makes ``save_pretrained`` refuse it; the
+    tensors are plain, so the marker goes (the snapshot's verification proves the tensors are unchanged)."""
+    quantized = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if quantized:
+        raise SnapshotError(f"the GGUF model kept quantized tensors after loading ({quantized[:4]}); a snapshot "
+                            "would not hold what the jobs compute with")
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
+def _write_converted(loaded: LoadedModel, source: ModelSource, folder: Path | None, out: Path) -> None:
+    """Weights from the loaded model; config, generation config and tokenizer files copied from a folder source as
+    they are, or written from a GGUF source's (the tokenizer as its pipeline, verbatim)."""
+    weights = out / ".weights"
+    if source.kind == "gguf":
+        _plain_gguf_model(loaded.model)
+    loaded.model.save_pretrained(weights)
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in weights.iterdir():
+        if path.suffix == ".safetensors" or path.name in WEIGHT_INDEXES:
+            path.chmod(0o666 & ~umask)  # save_pretrained writes them private (0600); a shared run reads them too
+            path.rename(out / path.name)
+    if folder is not None:
+        for name, path in folder_files(folder).items():
+            if path.suffix not in WEIGHT_SUFFIXES and name not in WEIGHT_INDEXES:
+                shutil.copyfile(path, out / name)
+    else:
+        for name in ("config.json", "generation_config.json"):
+            if (weights / name).exists():
+                (weights / name).rename(out / name)
+        loaded.tokenizer.save_pretrained(out)
+    shutil.rmtree(weights)
+
+
+def verbatim_tokenizer(class_name: str):
+    """A loader of a snapshot's tokenizer as class ``class_name`` around the pipeline in its tokenizer.json.
+
+    The tokenizer a GGUF file gives is its converter's pipeline inside a model's tokenizer class (Qwen2Tokenizer);
+    that class, loading files, builds its own pipeline from the vocabulary instead (an NFC normaliser the GGUF
+    lacks, in 5.24), and AutoTokenizer picks the class from the config's model type whatever tokenizer_config.json
+    names. Passing the saved pipeline as ``tokenizer_object`` is what the GGUF loader itself does."""
+
+    def load(folder: str):
+        import transformers
+        from tokenizers import Tokenizer
+
+        pipeline = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        return getattr(transformers, class_name).from_pretrained(folder, tokenizer_object=pipeline)
+
+    return load
+
+
+def _write_links(folder: Path, out: Path) -> None:
+    for name, path in folder_files(folder).items():
+        if path.suffix in WEIGHT_SUFFIXES and path.suffix != ".safetensors":
+            continue  # pickles and GGUF files next to the safetensors are never loaded
+        os.symlink(path.resolve(), out / name)
+
+
+def prepare_snapshot(source: ModelSource, precision: str, out_dir: str | Path, *,
+                     source_fingerprint: dict | None = None, trust_remote_code: bool = False,
+                     allow_pickle: bool = False, offline: bool = True, mode: str = "auto",
+                     cache: HashCache | None = None) -> dict:
+    """Write the snapshot of ``source`` at ``precision`` to ``out_dir`` (made whole or not at all); return its
+    manifest. ``mode``: ``auto`` links a folder already in the precision's dtype and converts anything else;
+    ``convert`` always writes and proves new weights."""
+    if precision not in PRECISIONS:
+        raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
+    started = time.perf_counter()
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        folder = local_folder(source, offline, allow_pickle)
+        linked = mode == "auto" and can_link(folder, precision)
+        record = {}
+        if linked:
+            _write_links(folder, tmp)
+            if source.kind == "hub":
+                record["model_commit"] = folder.name  # the hub snapshot folder is named by its commit
+        else:
+            record = _convert(source, precision, folder, tmp, trust_remote_code, allow_pickle, offline)
+        # Linked files are the source's, whose digests the cache holds from planning; written ones are read back.
+        snapshot = files_fingerprint(folder_files(tmp), cache if linked else None)
+        if not linked:  # written here: the results' integrity check knows their bytes (linked files are the source's)
+            for name, path in folder_files(tmp).items():
+                write_hash_record(path, snapshot["files"][name])
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "source": source.describe(),
+            "source_kind": source.kind,
+            "source_fingerprint": source_fingerprint,
+            "precision": precision,
+            "dtype": str(PRECISIONS[precision]).replace("torch.", ""),
+            "mode": "linked" if linked else "converted",
+            "snapshot": snapshot,
+            **record,
+            "software": software_versions(),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if cache is not None and not linked:  # the jobs that load the snapshot then check it with a stat per file
+        for name, digest in manifest["snapshot"]["files"].items():
+            cache.remember(out / name, digest)
+    if cache is not None:
+        cache.save()
+    return manifest
+
+
+def _convert(source: ModelSource, precision: str, folder: Path | None, out: Path, trust_remote_code: bool,
+             allow_pickle: bool, offline: bool) -> dict:
+    """Load the source, write its snapshot, load that back and refuse it unless it gives the same model."""
+    loaded = load_model(source, precision, "cpu", "eager", trust_remote_code, allow_pickle, offline)
+    expected = model_signature(loaded)
+    commit = loaded.info.get("model_commit")
+    tokenizer = {"tokenizer_class": type(loaded.tokenizer).__name__} if folder is None else {}
+    _write_converted(loaded, source, folder, out)
+    del loaded
+    gc.collect()
+    again = load_model(ModelSource("local", str(out)), precision, "cpu", "eager", trust_remote_code, False, True,
+                       load_tokenizer=_tokenizer_loader(tokenizer))
+    problems = compare_signatures(expected, model_signature(again))
+    if problems:
+        raise SnapshotError(f"the snapshot of {source.describe()} at {precision} does not load as the source "
+                            "does: " + "; ".join(problems))
+    record = {"weights_sha256": weights_sha256(expected["tensors"]), "tensors": len(expected["tensors"])}
+    return {**record, **tokenizer, **({"model_commit": commit} if commit else {})}
+
+
+def _tokenizer_loader(manifest: dict):
+    """How a snapshot's tokenizer loads: as its files say (AutoTokenizer), or verbatim (a GGUF source's)."""
+    return verbatim_tokenizer(manifest["tokenizer_class"]) if manifest.get("tokenizer_class") else None
+
+
+# ---- Loading ----------------------------------------------------------------------------------------------------------
+def read_manifest(folder: str | Path) -> dict:
+    path = Path(folder) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"{folder} is not a prepared model snapshot ({MANIFEST}: {exc}); rerun the workflow, "
+                            "which prepares it (rule prepare_model)") from exc
+
+
+def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, precision: str,
+                   source_fingerprint: dict | None, cache: HashCache | None = None) -> None:
+    """Refuse a snapshot made from other files or at another precision than the job's, or whose files are not
+    the ones it was written with (a ``stat`` per file with ``cache``, where preparing left their digests)."""
+    folder = Path(folder)
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("precision") != precision:
+        raise SnapshotError(f"{folder} holds a snapshot at {manifest.get('precision')!r} (format "
+                            f"{manifest.get('format')}), not at {precision!r}; rerun the workflow")
+    planned = (source_fingerprint or {}).get("sha256")
+    made_from = (manifest.get("source_fingerprint") or {}).get("sha256")
+    if manifest.get("source") != source.describe() or (planned and made_from != planned):
+        raise SnapshotError(f"{folder} was prepared from {manifest.get('source')} (sha256 {str(made_from)[:16]}), "
+                            f"not from {source.describe()} (sha256 {str(planned)[:16]}) as this job was planned; "
+                            "rerun the workflow so that it prepares the model again")
+    expected = manifest["snapshot"]["files"]
+    present = folder_files(folder)
+    present.pop(MANIFEST, None)
+    now = files_fingerprint(present, cache)["files"] if set(present) == set(expected) else {}
+    changed = sorted(name for name in set(present) | set(expected) if now.get(name) != expected.get(name))
+    if changed:
+        raise SnapshotError(f"{folder}: {', '.join(changed)} not the files it was prepared with (changed, missing or "
+                            "added); delete the folder and rerun the workflow, which prepares it again")
+
+
+def load_prepared(folder: str | Path, source: ModelSource, precision: str, device: str = "auto",
+                  attn_implementation: str = "eager", numerics: str = "default",
+                  source_fingerprint: dict | None = None, trust_remote_code: bool = False,
+                  cache: HashCache | None = None) -> LoadedModel:
+    """``load_model`` of the prepared snapshot in ``folder``, checked to be ``source``'s at ``precision``; the
+    result names the source (as loading it directly would) and records the snapshot."""
+    manifest = read_manifest(folder)
+    check_snapshot(folder, manifest, source, precision, source_fingerprint, cache)
+    loaded = load_model(ModelSource("local", str(folder)), precision, device, attn_implementation,
+                        trust_remote_code, allow_pickle=False, offline=True, numerics=numerics,
+                        load_tokenizer=_tokenizer_loader(manifest))
+    loaded.source = source
+    loaded.info["model_source"] = source.describe()
+    if manifest.get("model_commit"):
+        loaded.info["model_commit"] = manifest["model_commit"]
+    loaded.info["model_snapshot"] = {"path": str(folder), "sha256": manifest["snapshot"]["sha256"],
+                                     "mode": manifest["mode"], "weights_sha256": manifest.get("weights_sha256")}
+    return loaded

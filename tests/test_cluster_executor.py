@@ -1,0 +1,153 @@
+"""The workflow through Snakemake's generic cluster executor, with tests/local_sbatch.py standing in for sbatch.
+
+profiles/cluster-generic submits every job with an sbatch command line; here the same line calls the local
+stand-in, which runs each job script as a process of its own and records what it was submitted with. The test shows
+that every job ran as its own submitted process (its own PID, its own Snakemake, one rule), with the resources its
+rule declares, and that the results are byte for byte those of a local run (``--cores 2``) of the same targets.
+
+Provenance embeds the git commit of the code that ran, so both runs must run one tree state: they run a snapshot of
+the workflow and the package, committed in a repository of its own, so that an edit or a commit in the checkout
+during the test cannot make the two runs differ for a reason other than the executor.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from stagereplay.io.parquet import CONTENT_KEY, read_parquet, read_provenance
+from workflow_runner import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SBATCH = Path(__file__).resolve().parent / "local_sbatch.py"
+SNAPSHOT_PATHS = ("Snakefile", "config.yaml", "workflow", "src", "data", "envs", "profiles")
+
+# Every stage kind but the report: generation, fixed-prefix 2x2, audit, dumps, transplants, and the gathers.
+TARGETS = [f"results/tiny/primary/{name}" for name in
+           ("ledger.parquet", "bridge.parquet", "audit_check.json", "transplant.parquet", "caches.parquet")]
+# The rules that load a model declare gpu, mem_mb and runtime from the config, and `threads` threads.
+MODEL_RULES = {"reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger", "check_batch_invariance",
+               "measure_cache_differences", "replay_fixed_prefixes", "dump_caches", "transplant_caches"}
+TINY = dict(n_items=3, max_new_tokens=8, max_stage_tokens=16, precisions=["bf16"], reference_precision="bf16",
+            bridge={"n_rows": 2, "seed": 0}, transplant={"select": "sample:1", "sweeps": ["all"]},
+            threads=2, gpus_per_job=1, mem_mb_per_job=1500, runtime_per_job=7)
+
+
+def snapshot(dest: Path) -> str:
+    """Copy the workflow and the package as they are now (tracked and new files) into ``dest``, commit them there,
+    and return the commit."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
+                             *SNAPSHOT_PATHS], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, listed.split("\0")):
+        if (REPO / rel).is_file():  # a tracked file deleted in the checkout is not part of its state
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        subprocess.run(git + args, cwd=dest, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=dest, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_workflow(code: Path, workdir: Path, *args, env: dict) -> tuple[int, str]:
+    """Snakemake on the snapshot's Snakefile and package; returns its PID and its output."""
+    command = [sys.executable, "-m", "snakemake", "-s", str(code / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(workdir / "config.yaml"), *args, *TARGETS]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate()
+    assert proc.returncode == 0, f"snakemake failed:\n{output[-8000:]}"
+    return proc.pid, output
+
+
+def executed_jobs(output: str) -> collections.Counter:
+    """(rule, wildcards) of every job a Snakemake process says it ran itself (``localrule``; a job it submits
+    elsewhere is printed as ``rule``)."""
+    jobs = collections.Counter()
+    for block in re.split(r"^localrule ", output, flags=re.M)[1:]:
+        header, *lines = block.splitlines()
+        rule = header.rstrip(":")
+        info = [line.strip() for line in itertools.takewhile(lambda line: line.startswith("    "), lines)]
+        found = [line.removeprefix("wildcards: ") for line in info if line.startswith("wildcards: ")]
+        wildcards = dict(pair.split("=", 1) for pair in found[0].split(", ")) if found else {}
+        jobs[(rule, json.dumps(wildcards, sort_keys=True))] += 1
+    return jobs
+
+
+def result_files(workdir: Path) -> dict[str, bytes]:
+    """Every file under results/ but Snakemake's own directory markers, by relative path."""
+    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted((workdir / "results").rglob("*"))
+            if p.is_file() and p.name != ".snakemake_timestamp"}
+
+
+@pytest.mark.slow
+def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tmp_path):
+    code = tmp_path / "code"
+    commit = snapshot(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code / "src"), os.environ.get("PYTHONPATH", "")]))
+    cfg = tiny_config(tmp_path / "local", **TINY)
+    tiny_config(tmp_path / "cluster", **TINY)
+
+    _, local_output = run_workflow(code, tmp_path / "local", "--cores", "2", env=env)
+
+    profile = code / "profiles/cluster-generic"
+    settings = yaml.safe_load((profile / "config.yaml").read_text())
+    submit = settings["cluster-generic-submit-cmd"]
+    assert submit.startswith("sbatch ")
+    record = tmp_path / "submissions.jsonl"
+    (tmp_path / "cluster/logs/cluster").mkdir(parents=True)  # the profile's --output folder, made as it says
+    main_pid, cluster_output = run_workflow(
+        code, tmp_path / "cluster", "--profile", str(profile), "--jobs", "2", "--latency-wait", "5",
+        "--cluster-generic-submit-cmd", f"{sys.executable} {LOCAL_SBATCH} " + submit.removeprefix("sbatch "),
+        env=dict(env, LOCAL_SBATCH_RECORD=str(record)))
+
+    # Every job of the local run was submitted once, and nothing ran in the main Snakemake process.
+    submissions = [json.loads(line) for line in record.read_text().splitlines()]
+    submitted = collections.Counter((s["rule"], json.dumps(s["wildcards"], sort_keys=True)) for s in submissions)
+    local_jobs = executed_jobs(local_output)
+    assert submitted == local_jobs and len(local_jobs) >= 10
+    assert not executed_jobs(cluster_output), "a job ran in the main Snakemake process"
+    # ... each as a process of its own: the PID is the job id Snakemake was given, and the job's own Snakemake,
+    # writing to the file named after that PID, ran exactly that rule with those resources.
+    pids = [s["pid"] for s in submissions]
+    assert len(set(pids)) == len(pids) and main_pid not in pids
+    assert sorted(map(int, re.findall(r"with external jobid '(\d+)'", cluster_output))) == sorted(pids)
+    defaults = dict(item.split("=") for item in settings["default-resources"])
+    for s in submissions:
+        declared = (dict(mem_mb=cfg["mem_mb_per_job"], runtime=cfg["runtime_per_job"], gpu=cfg["gpus_per_job"],
+                         threads=cfg["threads"]) if s["rule"] in MODEL_RULES else
+                    dict(mem_mb=int(defaults["mem_mb"]), runtime=int(defaults["runtime"]), gpu=int(defaults["gpu"]),
+                         threads=1))
+        assert {key: s[key] for key in declared} == declared, s
+        job_output = Path(s["output"]).read_text()
+        assert Path(s["output"]).name == f"smk.{s['rule']}-{s['pid']}.out"
+        assert list(executed_jobs(job_output)) == [(s["rule"], json.dumps(s["wildcards"], sort_keys=True))], job_output
+        resources = re.search(r"^\s+resources: (.*)$", job_output, flags=re.M).group(1)
+        for key in ("mem_mb", "runtime", "gpu"):
+            assert f"{key}={declared[key]}" in resources.split(", "), (s["rule"], resources)
+        assert "1 of 1 steps (100%) done" in job_output
+    assert {s["rule"] for s in submissions} & MODEL_RULES and {s["rule"] for s in submissions} - MODEL_RULES
+
+    # The results: the same files with the same bytes, and the content fingerprints recorded in them read back.
+    local, cluster = result_files(tmp_path / "local"), result_files(tmp_path / "cluster")
+    assert sorted(local) == sorted(cluster)
+    differing = [rel for rel in local if local[rel] != cluster[rel]]
+    assert not differing, f"differ between the local and the cluster run: {differing}"
+    parquets = [rel for rel in local if rel.endswith(".parquet")]
+    assert len(parquets) >= 10
+    for rel in parquets:
+        fingerprints = [pq.read_schema(tmp_path / run / rel).metadata[CONTENT_KEY] for run in ("local", "cluster")]
+        assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 64, rel
+        read_parquet(tmp_path / "cluster" / rel)  # refuses a file whose content does not match its fingerprint
+        assert read_provenance(tmp_path / "cluster" / rel)["git_commit"] == commit, rel  # the snapshot ran
+    assert len(read_parquet(tmp_path / "cluster/results/tiny/primary/ledger.parquet")) > 0
