@@ -334,6 +334,19 @@ def prepared_at_transplant_precision(wildcards):
     return prepared(wildcards.revision, [TRANSPLANT_PRECISION])
 
 
+def prepared_for_minimal_transplants(wildcards):
+    """None with the search off (budget 0: no model is loaded)."""
+    if config["transplant"]["minimal"]["budget"] == 0:
+        return []
+    return prepared_at_transplant_precision(wildcards)
+
+
+def prepared_at_baseline_precisions(wildcards):
+    """Every precision of the transplant baseline: the primary's ledger holds all, a replayed baseline one."""
+    precisions = config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
+    return prepared(wildcards.revision, precisions)
+
+
 def prepared_for_cache_differences(wildcards):
     settings = config["cache_differences"]
     return prepared(wildcards.revision, settings["precisions"] if settings["n_items"] > 0 else [])

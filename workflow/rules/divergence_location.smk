@@ -6,6 +6,7 @@
 
 rule find_minimal_transplants:
     input:
+        models=prepared_for_minimal_transplants,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
         baseline=transplant_baseline,
     output:
@@ -30,6 +31,7 @@ rule find_minimal_transplants:
 
 rule measure_divergence_onset:
     input:
+        models=prepared_at_baseline_precisions,
         baseline=transplant_baseline,
     output:
         onset=f"{RESULTS}/{{revision}}/divergence_onset.parquet",
