@@ -54,5 +54,5 @@ def test_minimal_transplants_and_onset_in_the_workflow(tmp_path):
     assert jobs_planned(tmp_path, "--config", "transplant={minimal: {budget: 8}}") == {
         "find_minimal_transplants", "plot_figures", "build_report", "all"}
     assert jobs_planned(tmp_path, "--config", "transplant={revisions: [primary, later]}") == {
-        "replay_fixed_prefixes", "select_transplant_items", "dump_caches", "transplant_caches",
+        "prepare_model", "replay_fixed_prefixes", "select_transplant_items", "dump_caches", "transplant_caches",
         "find_minimal_transplants", "measure_divergence_onset", "plot_figures", "build_report", "all"}

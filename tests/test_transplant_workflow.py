@@ -64,7 +64,8 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     assert jobs_planned(tmp_path, "--config", "transplant={sweeps: [all, v_only]}") == {
         "transplant_caches", "plot_figures", "build_report", "all"}
     assert jobs_planned(tmp_path, "--config", "transplant={select: 'sample:3'}") == {
-        "select_transplant_items", "transplant_caches", "plot_figures", "build_report", "all"}
+        "select_transplant_items", "transplant_caches", "find_minimal_transplants", "plot_figures", "build_report",
+        "all"}
     assert jobs_planned(tmp_path, "--config", "dump={items: none}") == {"dump_caches", "all"}
 
     # the later revision: its own constructions of the primary's prefixes; nothing already done is touched

@@ -8,7 +8,7 @@ from stagereplay.io.parquet import read_provenance
 from workflow_runner import snakemake, tiny_config
 
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
-           "fig5_transplant", "fig6_accuracy"]
+           "fig5_transplant", "fig6_accuracy", "fig7_minimal_transplant", "fig8_divergence_onset"]
 
 
 @pytest.mark.slow
