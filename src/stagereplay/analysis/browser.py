@@ -368,7 +368,7 @@ function marginPlot(entry, cell) {
   }
   [cell.a, cell.b].forEach((c, i) => {
     const side = entry.sides[c];
-    const key = svg("text", {x: width - 170 + 85 * i, y: top + 8, class: i === 0 ? "key-a" : "key-b"});
+    const key = svg("text", {x: width - 170 + 85 * i, y: height - 2, class: i === 0 ? "key-a" : "key-b"});
     key.textContent = "\u2014 " + c; plot.append(key);
     if (!side || side.status !== "ok") return;
     const points = side.margins.map((m, step) => x(step).toFixed(1) + "," + y(m === null ? 0 : m).toFixed(1));
