@@ -13,7 +13,8 @@ merges included), then times, each in a fresh process as a job is:
   it as links against converting it (a copy of the weights that loads the same).
 
 Load times are the ``load_model``/``load_prepared`` call inside the process (the imports are reported apart);
-every file is in the page cache (warm), so the snapshot's load is bounded by memory, not the disk.
+every file is in the page cache (warm), so the snapshot's load is bounded by memory, not the disk. As in the
+workflow, preparing records the snapshot's file digests in a digest cache, so a job checks the files by ``stat``.
 
     python bench/prepared_load.py --work /tmp/prep_bench            # 0.5B shape, bf16, 2 repeats
     python bench/prepared_load.py --work /tmp/prep_bench --precision fp32 --repeats 3
@@ -137,20 +138,37 @@ t0 = time.perf_counter()
 from stagereplay.models.loading import ModelSource, load_model, set_determinism
 from stagereplay.models import snapshot
 from stagereplay.stages.preflight import check_model
+from stagereplay.io.file_hashes import HashCache
 set_determinism(THREADS)
 imported = time.perf_counter() - t0
-what, precision, folder, gguf_file, out = sys.argv[1:6]
+what, precision, folder, gguf_file, out, hashes = sys.argv[1:7]
+cache = HashCache(hashes)  # as in the workflow: preparing leaves the snapshot's digests, a job then stats its files
 source = ModelSource("gguf", folder, gguf_file=gguf_file) if gguf_file != "-" else ModelSource("local", folder)
 t0 = time.perf_counter()
 if what == "source":
     load_model(source, precision, "cpu", "sdpa")
 elif what == "snapshot":
-    snapshot.load_prepared(out, source, precision, "cpu", "sdpa")
+    snapshot.load_prepared(out, source, precision, "cpu", "sdpa", cache=cache)
 elif what in ("prepare", "link", "convert"):
-    snapshot.prepare_snapshot(source, precision, out, mode="convert" if what == "convert" else "auto")
+    snapshot.prepare_snapshot(source, precision, out, mode="convert" if what == "convert" else "auto", cache=cache)
 elif what == "preflight":
     check_model(source)
-print(json.dumps({"what": what, "seconds": time.perf_counter() - t0, "imports": imported}))
+parts = {}
+if what == "snapshot":  # its parts, again: the file check and the tokenizer alone
+    t1 = time.perf_counter()
+    manifest = snapshot.read_manifest(out)
+    snapshot.check_snapshot(out, manifest, source, precision, None, cache)
+    parts["check_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    loader = snapshot._tokenizer_loader(manifest)
+    if loader:
+        loader(out)
+    else:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(out)
+    parts["tokenizer_s"] = time.perf_counter() - t1
+print(json.dumps({"what": what, "seconds": time.perf_counter() - t0 - sum(parts.values()), "imports": imported,
+                  **parts}))
 """
 
 
@@ -159,7 +177,8 @@ def child(what: str, precision: str, folder: Path, gguf_file: str, out: Path, th
     env = dict(os.environ, PYTHONPATH=path, TQDM_DISABLE="1")
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CHILD.replace("THREADS", str(threads)), what, precision,
-                           str(folder), gguf_file, str(out)], capture_output=True, text=True, env=env)
+                           str(folder), gguf_file, str(out), str(out.parent / "file_hashes.json")],
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -222,6 +241,7 @@ def main() -> int:
         "snapshot_mb": round(folder_bytes(snap) / 1e6),
         "source_load_s": [round(r["seconds"], 2) for r in results["source"]],
         "snapshot_load_s": [round(r["seconds"], 2) for r in results["snapshot"]],
+        "snapshot_parts_s": [{k: round(r[k], 2) for k in ("check_s", "tokenizer_s")} for r in results["snapshot"]],
         "source_over_snapshot": round(source_s / snapshot_s, 1),
         "imports_s": round(statistics.median(r["imports"] for r in results["source"] + results["snapshot"]), 2),
         "prepare_s": round(results["prepare"]["seconds"], 2),
