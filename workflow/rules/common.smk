@@ -437,6 +437,7 @@ def all_outputs():
         ),
         f"{RESULTS}/report/report.md",
         f"{RESULTS}/report/stats.json",
+        f"{RESULTS}/report/items.html",
         *figure_files("pdf"),
         *figure_files("png"),
     ]

@@ -32,6 +32,7 @@ rule build_report:
         # The report is gated by the audit: check_audit writes audit_check.json only when every ledger row reproduced.
         audit_check=expand(f"{RESULTS}/{{revision}}/audit_check.json", revision=report_revisions().get("audit", [])),
         figures=figure_files("png"),
+        item_browser=f"{RESULTS}/report/items.html",
     output:
         report=f"{RESULTS}/report/report.md",
         stats=f"{RESULTS}/report/stats.json",
@@ -48,3 +49,40 @@ rule build_report:
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"
+
+
+# The item browser: one self-contained HTML page (data embedded as JSON) to look at each item's suffixes, margins
+# and transplants; the ledger's token ids decoded with each revision's tokenizer (no weights loaded).
+rule build_item_browser:
+    input:
+        selection=f"{RESULTS}/selection/items.parquet",
+        ledger=expand(f"{RESULTS}/{{revision}}/ledger.parquet", revision=REVISIONS),
+        transplant=expand(f"{RESULTS}/{{revision}}/transplant.parquet", revision=TRANSPLANT_REVISIONS),
+    output:
+        html=report(
+            f"{RESULTS}/report/items.html",
+            caption="../report/items.rst",
+            category="Items",
+            labels={"page": "item browser"},
+        ),
+    log:
+        f"{LOGS}/build_item_browser.log",
+    benchmark:
+        f"{BENCH}/build_item_browser.tsv"
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        tokenizers={
+            slug: dict(
+                model=resolve_path(config["model"]),
+                revision=name,
+                trust_remote_code=config["trust_remote_code"],
+                allow_pickle=config["allow_pickle"],
+                offline=config["offline"],
+            )
+            for slug, name in REVISIONS.items()
+        },
+        run=RUN,
+        version=CODE_VERSION,
+    script:
+        "../scripts/build_item_browser.py"

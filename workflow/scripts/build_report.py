@@ -8,9 +8,10 @@ from stagereplay.analysis.report import build_report
 
 # Each input file's revision is the folder it lies in (results/<run>/<revision>/<file>). Besides these declared
 # inputs, build_report covers every results file of the run on disk (results_dir), so no result that exists is lost.
-inputs = {kind: by_revision(getattr(snakemake.input, kind)) for kind in snakemake.input.keys() if kind != "figures"}
+inputs = {kind: by_revision(getattr(snakemake.input, kind)) for kind in snakemake.input.keys()
+          if kind not in ("figures", "item_browser")}
 results_dir = Path(snakemake.output.report).parent.parent
 build_report(inputs.pop("ledger", {}), snakemake.output.report, snakemake.output.stats, snakemake.params.run,
              snakemake.params.seed, inputs=inputs,
              figures=dict(zip(snakemake.params.figure_names, snakemake.input.figures)),
-             results_dir=str(results_dir))
+             results_dir=str(results_dir), item_browser=snakemake.input.item_browser)

@@ -97,6 +97,20 @@ def figures_section(figures: dict[str, str] | None, out_md: str, notes: dict[str
     return lines
 
 
+def item_browser_line(page: str | None, out_md: str) -> list[str]:
+    """The link to the item browser (:mod:`stagereplay.analysis.browser`), relative to the report."""
+    if not page:
+        return []
+    target = Path(page).resolve()
+    try:
+        rel = target.relative_to(Path(out_md).resolve().parent).as_posix()
+    except ValueError:
+        rel = target.as_posix()
+    return [f"Item browser: [{Path(page).name}]({rel}), one row per item with its labels (filterable to the "
+            "divergent items); for an item, the two constructions' suffixes side by side with the first divergent "
+            "token marked, the top-2 margin along each suffix, and its transplant outcomes.", ""]
+
+
 def figure_notes(revision_data: list[RevisionData]) -> dict[str, list[str]]:
     """Run-specific notes for the captions (what the figures merged), built from the data."""
     notes: dict[str, list[str]] = {}
@@ -123,13 +137,15 @@ def regime_line(ledger: pd.DataFrame) -> tuple[str, dict]:
 
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
-                 results_dir: str | None = None, selection: str | None = None) -> dict:
+                 results_dir: str | None = None, selection: str | None = None,
+                 item_browser: str | None = None) -> dict:
     """``ledgers`` maps a revision slug to its ledger.parquet; ``inputs`` maps a kind of file (bridge, audit,
     audit_check, transplant, cache_differences, ...) to {revision: path}. A declared path that does not exist yet
     is fine: its sections are skipped with a note. With ``results_dir`` (``results/<run>``), every results file of
     the run found on disk is covered as well, so that no result that exists is left out. ``selection`` is
     selection/items.parquet (default: ``results_dir/selection/items.parquet``), for the dataset's identity.
-    ``figures`` maps a figure's name to its PNG, shown in the report with its caption."""
+    ``figures`` maps a figure's name to its PNG, shown in the report with its caption; ``item_browser`` is the
+    run's item browser page (items.html), linked near the top."""
     declared = {kind: dict(paths) for kind, paths in (inputs or {}).items()}
     declared["ledger"] = dict(ledgers)
     merged, only_on_disk = merge_inputs(declared, results_dir)
@@ -152,6 +168,7 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
               "Intervals are 95%; every number of this run is in `stats.json` with its n, method and seed "
               f"(seed {seed}: bootstrap). Report built by stagereplay {builder['stagereplay']} at commit "
               f"`{builder['git_commit']}` from the results files alone.", ""]
+    lines += item_browser_line(item_browser, out_md)
     if only_on_disk:
         lines += [f"Found on disk, not among this invocation's declared inputs (made by an earlier invocation): "
                   f"revision(s) {join_words([f'`{r}`' for r in only_on_disk])}; reported below.", ""]

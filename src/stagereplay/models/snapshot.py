@@ -226,7 +226,7 @@ def _write_converted(loaded: LoadedModel, source: ModelSource, folder: Path | No
             path.rename(out / path.name)
     if folder is not None:
         for name, path in folder_files(folder).items():
-            if path.suffix not in WEIGHT_SUFFIXES and name not in WEIGHT_INDEXES:
+            if path.suffix not in WEIGHT_SUFFIXES and name not in WEIGHT_INDEXES and name != MANIFEST:
                 shutil.copyfile(path, out / name)
     else:
         for name in ("config.json", "generation_config.json"):
@@ -256,7 +256,7 @@ def verbatim_tokenizer(class_name: str):
 
 def _write_links(folder: Path, out: Path) -> None:
     for name, path in folder_files(folder).items():
-        if path.suffix in WEIGHT_SUFFIXES and path.suffix != ".safetensors":
+        if name == MANIFEST or (path.suffix in WEIGHT_SUFFIXES and path.suffix != ".safetensors"):
             continue  # pickles and GGUF files next to the safetensors are never loaded
         os.symlink(path.resolve(), out / name)
 

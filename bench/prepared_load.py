@@ -1,0 +1,263 @@
+"""Per-job model load: the run's GGUF source against its prepared snapshot, in one run.
+
+Writes a random-weight GGUF file of a real shape (Qwen2-0.5B by default: 24 layers, hidden 896, 14 heads, 2 KV
+heads, vocabulary 151,936, tied embeddings) quantised as a Q4 mix (Q4_K blocks where a row is a multiple of 256
+values, Q4_0 elsewhere, norms and biases F32) with a byte-level BPE tokenizer of the real size (151,643 tokens,
+merges included), then times, each in a fresh process as a job is:
+
+- ``source``: ``load_model`` of the GGUF file (what every model-loading job did before);
+- ``prepare``: ``prepare_snapshot`` once (load the source, write the snapshot, load it back and prove it equal);
+- ``snapshot``: ``load_prepared`` of the snapshot (what every job does now);
+- ``preflight``: the preflight's model check of the GGUF source (config and tokenizer, no weights);
+- for a local safetensors folder already in the precision's dtype (the snapshot itself, as a source): preparing
+  it as links against converting it (a copy of the weights that loads the same).
+
+Load times are the ``load_model``/``load_prepared`` call inside the process (the imports are reported apart);
+every file is in the page cache (warm), so the snapshot's load is bounded by memory, not the disk. As in the
+workflow, preparing records the snapshot's file digests in a digest cache, so a job checks the files by ``stat``.
+
+    python bench/prepared_load.py --work /tmp/prep_bench            # 0.5B shape, bf16, 2 repeats
+    python bench/prepared_load.py --work /tmp/prep_bench --precision fp32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # the real Qwen2 shapes
+    "0.5B": dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936, regular=151643),
+    "tiny": dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096, regular=4000),
+}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def byte_level_tokens(regular: int, vocab: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """256 byte tokens, merged pairs up to ``regular`` tokens (each with its merge), the specials, then padding."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = random.Random(seed)
+    tokens = [bytes_to_unicode()[b] for b in range(256)]
+    seen, merges = set(tokens), []
+    while len(tokens) < regular:
+        a, b = rng.choice(tokens), rng.choice(tokens[:4096])
+        if len(a) + len(b) > 12 or a + b in seen:
+            continue
+        seen.add(a + b)
+        tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    tokens += SPECIALS
+    tokens += [f"[PAD{i}]" for i in range(vocab - len(tokens))]
+    return tokens, merges
+
+
+def q4_k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K data: 144-byte blocks of 256 values, each block's two fp16 scales set to small finite values."""
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    scales = np.full((rows, cols // 256, 2), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
+    blocks[:, :, :4] = scales
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def write_gguf(path: Path, shape: dict, seed: int = 0) -> None:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens, merges = byte_level_tokens(shape["regular"], shape["vocab"], seed)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name("random-qwen2-shape")
+    writer.add_context_length(32768)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_block_count(shape["layers"])
+    writer.add_feed_forward_length(shape["intermediate"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    types = [gguf.TokenType.NORMAL] * shape["regular"] + [gguf.TokenType.CONTROL] * 3
+    types += [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.UNUSED] * (len(tokens) - shape["regular"] - 5)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    h, kv = shape["hidden"], shape["kv_heads"] * shape["hidden"] // shape["heads"]
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        if cols % 256 == 0:
+            writer.add_tensor(name, q4_k_blocks(rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:  # packed bytes: gguf-py derives the element shape from their shape and the type
+            data = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
+    def vector(name: str, n: int, base: float) -> None:
+        writer.add_tensor(name, (base + 0.01 * rng.standard_normal(n)).astype(np.float32))
+
+    matrix("token_embd.weight", shape["vocab"], h)
+    vector("output_norm.weight", h, 1.0)
+    for i in range(shape["layers"]):
+        vector(f"blk.{i}.attn_norm.weight", h, 1.0)
+        vector(f"blk.{i}.ffn_norm.weight", h, 1.0)
+        for part, rows in (("q", h), ("k", kv), ("v", kv)):
+            matrix(f"blk.{i}.attn_{part}.weight", rows, h)
+            vector(f"blk.{i}.attn_{part}.bias", rows, 0.0)
+        matrix(f"blk.{i}.attn_output.weight", h, h)
+        matrix(f"blk.{i}.ffn_gate.weight", shape["intermediate"], h)
+        matrix(f"blk.{i}.ffn_up.weight", shape["intermediate"], h)
+        matrix(f"blk.{i}.ffn_down.weight", h, shape["intermediate"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# One measurement in a fresh process, as a job: the imports, then the timed call; prints one JSON line.
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.models import snapshot
+from stagereplay.stages.preflight import check_model
+from stagereplay.io.file_hashes import HashCache
+set_determinism(THREADS)
+imported = time.perf_counter() - t0
+what, precision, folder, gguf_file, out, hashes = sys.argv[1:7]
+cache = HashCache(hashes)  # as in the workflow: preparing leaves the snapshot's digests, a job then stats its files
+source = ModelSource("gguf", folder, gguf_file=gguf_file) if gguf_file != "-" else ModelSource("local", folder)
+t0 = time.perf_counter()
+if what == "source":
+    load_model(source, precision, "cpu", "sdpa")
+elif what == "snapshot":
+    snapshot.load_prepared(out, source, precision, "cpu", "sdpa", cache=cache)
+elif what in ("prepare", "link", "convert"):
+    snapshot.prepare_snapshot(source, precision, out, mode="convert" if what == "convert" else "auto", cache=cache)
+elif what == "preflight":
+    check_model(source)
+parts = {}
+if what == "snapshot":  # its parts, again: the file check and the tokenizer alone
+    t1 = time.perf_counter()
+    manifest = snapshot.read_manifest(out)
+    snapshot.check_snapshot(out, manifest, source, precision, None, cache)
+    parts["check_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    loader = snapshot._tokenizer_loader(manifest)
+    if loader:
+        loader(out)
+    else:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(out)
+    parts["tokenizer_s"] = time.perf_counter() - t1
+print(json.dumps({"what": what, "seconds": time.perf_counter() - t0 - sum(parts.values()), "imports": imported,
+                  **parts}))
+"""
+
+
+def child(what: str, precision: str, folder: Path, gguf_file: str, out: Path, threads: int) -> dict:
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, TQDM_DISABLE="1")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD.replace("THREADS", str(threads)), what, precision,
+                           str(folder), gguf_file, str(out), str(out.parent / "file_hashes.json")],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - started
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="folder for the GGUF file and the snapshots")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5B")
+    parser.add_argument("--precision", choices=["bf16", "fp32", "fp16"], default="bf16")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each job (config threads)")
+    args = parser.parse_args()
+    import transformers
+    import torch
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    gguf_name = f"random-qwen2-{args.shape}-q4mix.gguf"
+    gguf_path = args.work / gguf_name
+    if not gguf_path.exists():
+        started = time.perf_counter()
+        write_gguf(gguf_path, SHAPES[args.shape])
+        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")
+    snap = args.work / f"snapshot-{args.shape}-{args.precision}"
+    shutil.rmtree(snap, ignore_errors=True)
+    run = lambda what, folder=args.work, name=gguf_name, out=snap: child(  # noqa: E731
+        what, args.precision, folder, name, out, args.threads)
+
+    results = {"prepare": run("prepare")}
+    results["source"], results["snapshot"] = [], []
+    for _ in range(args.repeats):  # interleaved, so that load from other processes falls on both
+        results["source"].append(run("source"))
+        results["snapshot"].append(run("snapshot"))
+    results["preflight"] = run("preflight")
+    # A local folder already in the dtype: link (what prepare does) against a converted copy.
+    linked, copied = args.work / "as-links", args.work / "as-copy"
+    for folder in (linked, copied):
+        shutil.rmtree(folder, ignore_errors=True)
+    results["link"] = run("link", snap, "-", linked)
+    results["convert"] = run("convert", snap, "-", copied)
+    results["local_source"] = run("source", snap, "-")
+    results["local_linked"] = run("snapshot", snap, "-", linked)
+
+    median = lambda key: statistics.median(r["seconds"] for r in results[key])  # noqa: E731
+    source_s, snapshot_s = median("source"), median("snapshot")
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": f"CPU {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}",
+        "load_average": os.getloadavg(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "shape": args.shape, "precision": args.precision, "gguf_mb": round(gguf_path.stat().st_size / 1e6),
+        "snapshot_mb": round(folder_bytes(snap) / 1e6),
+        "source_load_s": [round(r["seconds"], 2) for r in results["source"]],
+        "snapshot_load_s": [round(r["seconds"], 2) for r in results["snapshot"]],
+        "snapshot_parts_s": [{k: round(r[k], 2) for k in ("check_s", "tokenizer_s")} for r in results["snapshot"]],
+        "source_over_snapshot": round(source_s / snapshot_s, 1),
+        "imports_s": round(statistics.median(r["imports"] for r in results["source"] + results["snapshot"]), 2),
+        "prepare_s": round(results["prepare"]["seconds"], 2),
+        "preflight_s": round(results["preflight"]["seconds"], 2),
+        "local_in_dtype": {"link_s": round(results["link"]["seconds"], 3),
+                           "convert_s": round(results["convert"]["seconds"], 2),
+                           "convert_mb_written": round(folder_bytes(copied) / 1e6),
+                           "load_source_s": round(results["local_source"]["seconds"], 2),
+                           "load_links_s": round(results["local_linked"]["seconds"], 2)},
+    }
+    print(json.dumps(report, indent=1))
+    print(f"per-job load, {args.shape} shape at {args.precision}: GGUF source {source_s:.1f} s, prepared snapshot "
+          f"{snapshot_s:.2f} s: {source_s / snapshot_s:.1f}x (median of {args.repeats}; preparing once "
+          f"{results['prepare']['seconds']:.1f} s; imports {report['imports_s']} s per process apart)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

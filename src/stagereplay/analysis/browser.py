@@ -1,0 +1,468 @@
+"""The item browser: one self-contained HTML page per run (``results/<run>/report/items.html``) to look at items.
+
+One row per item (per revision with a ledger) with its status and labels: the correctness label of each
+construction and whether the two constructions' suffixes diverge, per experiment and precision, filterable to the
+divergent items. Selecting an item shows, per experiment and precision, the two constructions' suffixes side by
+side as tokens with the first divergent token marked, the top-2 margin along each suffix as a small inline SVG
+plot, and the item's transplant outcomes.
+
+The page embeds its data as JSON and its script and style inline: it opens from a file with no network. Labels and
+divergences come from :func:`stagereplay.analysis.tables.all_pairs`, so the page and the report cannot disagree;
+ids, margins, answers and statuses are the ledger's replica-1 rows (replicas are bit-identical by construction).
+
+This module knows no tokenizer: the caller passes, per revision, the text each token id decodes to alone
+(:mod:`stagereplay.stages.token_texts` makes it with the run's tokenizer). It knows nothing of torch or Snakemake.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from stagereplay.analysis import tables as analysis
+from stagereplay.io.parquet import read_parquet, write_text_atomic
+
+TRANSPLANT_FIELDS = ("precision", "direction", "donor", "recipient", "layer_set", "component", "positions",
+                     "divergent", "outcome", "first_divergence_donor", "first_divergence_recipient")
+
+
+def _plain(value):
+    """A JSON-safe value: numpy scalars as Python ones, NaN and None as None."""
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def _side(row) -> dict:
+    """One construction's replica-1 row as the page shows it."""
+    return {"construction": row["construction"], "status": row["status"],
+            "ids": [int(i) for i in row["suffix_ids"]],
+            "margins": [_plain(float(m)) for m in row["margins"]],
+            "answer": _plain(row.get("answer")), "correct": _plain(row.get("correct")),
+            "stop_reason": _plain(row.get("stop_reason"))}
+
+
+def _transplant_rows(transplants: dict[str, pd.DataFrame]) -> dict[int, list[dict]]:
+    """item_index -> its transplant rows (every revision's), in the report's order of layer sets and directions."""
+    by_item: dict[int, list[dict]] = {}
+    for revision, frame in transplants.items():
+        if frame is None or frame.empty:
+            continue
+        analysis.check_unique(frame, "transplant")
+        frame = frame.copy()
+        if "positions" not in frame.columns:
+            frame["positions"] = "all"
+        ordered = sorted(frame.itertuples(index=False),
+                         key=lambda r: (r.precision, analysis.transplant_row_key(r), r.direction))
+        for r in ordered:
+            row = r._asdict()
+            record = {"revision": revision, "label": analysis.transplant_label(row),
+                      **{f: _plain(row.get(f)) for f in TRANSPLANT_FIELDS}}
+            by_item.setdefault(int(r.item_index), []).append(record)
+    return by_item
+
+
+def browser_data(ledgers: dict[str, pd.DataFrame], token_texts: dict[str, dict[int, str]],
+                 transplants: dict[str, pd.DataFrame] | None = None, selection: pd.DataFrame | None = None,
+                 run: str = "") -> dict:
+    """The page's data: ``ledgers`` and ``transplants`` map a revision to its table, ``token_texts`` a revision to
+    {token id: its text decoded alone}, ``selection`` is selection/items.parquet (questions and gold answers).
+
+    Transplants run on the primary revision's prefixes (the first ledger's), so their rows go with its items."""
+    questions = {}
+    if selection is not None and not selection.empty:
+        questions = {int(r.item_index): r.question for r in selection.itertuples(index=False)}
+    transplant_rows = _transplant_rows(transplants or {})
+    cells, items = [], []
+    for position, (revision, ledger) in enumerate(ledgers.items()):
+        analysis.check_unique(ledger, "ledger")
+        pairs = {(int(p["item_index"]), p["experiment"], p["precision"]): p
+                 for p in analysis.all_pairs(ledger).to_dict("records")}
+        coinciding = analysis.coinciding_comparisons(ledger)
+        rows = ledger[ledger["replica"] == 1]
+        revision_cells = []
+        for experiment, a, b in analysis.comparisons(ledger):
+            present = rows.loc[rows["experiment"] == experiment, "precision"]
+            for precision in analysis.sort_precisions(present):
+                note = coinciding.get((revision, precision)) if experiment == "fixed_prefix" else None
+                revision_cells.append({"key": f"{revision}/{experiment}/{precision}", "revision": revision,
+                                       "experiment": experiment, "precision": precision, "a": a, "b": b,
+                                       "note": note})
+        cells += revision_cells
+        by_item: dict[int, dict[tuple, dict]] = {}
+        for row in rows.to_dict("records"):
+            by_item.setdefault(int(row["item_index"]), {})[
+                (row["experiment"], row["precision"], row["construction"])] = row
+        for item_index in sorted(by_item):
+            by = by_item[item_index]
+            first = by[min(by)]
+            live = by.get(("matched", first["precision"], "live"), first)
+            statuses = sorted({row["status"] for row in by.values()} - {"ok"})
+            record = {"revision": revision, "item_index": item_index, "item_id": first["item_id"],
+                      "question": questions.get(item_index), "gold_answer": _plain(first.get("gold_answer")),
+                      "status": ", ".join(statuses) if statuses else "ok",
+                      "stage_ids": [int(i) for i in live["stage_ids"]], "cells": {}, "divergent": False,
+                      "transplants": transplant_rows.get(item_index, []) if position == 0 else []}
+            for cell in revision_cells:
+                sides = {c: by.get((cell["experiment"], cell["precision"], c)) for c in (cell["a"], cell["b"])}
+                if all(side is None for side in sides.values()):
+                    continue
+                pair = pairs.get((item_index, cell["experiment"], cell["precision"]))
+                divergent = bool(pair["disagree"]) if pair is not None else False
+                entry = {"compared": pair is not None, "divergent": divergent,
+                         "first_divergence": int(pair["first_divergence"]) if divergent else None,
+                         "sides": {c: _side(row) for c, row in sides.items() if row is not None}}
+                record["cells"][cell["key"]] = entry
+                record["divergent"] = record["divergent"] or divergent
+            items.append(record)
+    tokens = {revision: {str(int(i)): text for i, text in texts.items()} for revision, texts in token_texts.items()}
+    return {"run": run, "cells": cells, "items": items, "tokens": tokens}
+
+
+def _json_for_script(data: dict) -> str:
+    """JSON that cannot end the <script> element holding it nor open a comment there."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def render_item_browser(data: dict) -> str:
+    """The page: HTML with the data as JSON, the style and the script inline (no network, nothing external)."""
+    title = f"stagereplay items: run {data['run']}" if data.get("run") else "stagereplay items"
+    return (PAGE.replace("__TITLE__", html.escape(title))
+            .replace("__DATA__", _json_for_script(data))
+            .replace("__STYLE__", STYLE).replace("__SCRIPT__", SCRIPT))
+
+
+def read_results(ledgers: dict[str, str], transplants: dict[str, str] | None = None, selection: str | None = None
+                 ) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame], pd.DataFrame | None]:
+    """The page's inputs from their paths: ledgers, transplants (one not on disk is left out), the selection."""
+    frames = {revision: read_parquet(path) for revision, path in ledgers.items()}
+    transplant_frames = {revision: read_parquet(path) for revision, path in (transplants or {}).items()
+                         if path and Path(path).is_file()}
+    chosen = read_parquet(selection) if selection and Path(selection).is_file() else None
+    return frames, transplant_frames, chosen
+
+
+def write_item_browser(out_html: str, ledgers: dict[str, pd.DataFrame], token_texts: dict[str, dict[int, str]],
+                       transplants: dict[str, pd.DataFrame] | None = None, selection: pd.DataFrame | None = None,
+                       run: str = "") -> dict:
+    """Write the page (arguments as :func:`browser_data`'s) and return its data."""
+    data = browser_data(ledgers, token_texts, transplants, selection, run)
+    write_text_atomic(out_html, render_item_browser(data))
+    return data
+
+
+def suffix_token_ids(ledgers: dict[str, pd.DataFrame]) -> dict[str, set[int]]:
+    """Per revision, every token id the page shows (replica-1 suffixes and stage ids): the ids to decode."""
+    ids: dict[str, set[int]] = {}
+    for revision, ledger in ledgers.items():
+        rows = ledger[ledger["replica"] == 1]
+        found = ids.setdefault(revision, set())
+        for column in ("suffix_ids", "stage_ids"):
+            for values in rows[column]:
+                found.update(int(i) for i in values)
+    return ids
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>__STYLE__</style>
+</head>
+<body>
+<header>
+<h1>__TITLE__</h1>
+<p id="summary"></p>
+<div id="controls">
+<label><input type="checkbox" id="divergent-only"> divergent items only</label>
+<label>in <select id="cell-filter"><option value="">any comparison</option></select></label>
+<span id="shown-count"></span>
+</div>
+</header>
+<main>
+<div id="list"><table id="items"><thead></thead><tbody></tbody></table></div>
+<div id="detail"><p class="hint">Select an item to see its suffixes, margins and transplants.</p></div>
+</main>
+<script type="application/json" id="browser-data">__DATA__</script>
+<script>__SCRIPT__</script>
+</body>
+</html>
+"""
+
+STYLE = """
+body { font: 13px/1.4 system-ui, sans-serif; margin: 0; color: #222; }
+header { padding: 8px 14px; border-bottom: 1px solid #ccc; }
+h1 { font-size: 17px; margin: 0 0 4px; }
+h2 { font-size: 15px; margin: 0 0 6px; }
+h3 { font-size: 13px; margin: 12px 0 4px; }
+#controls label { margin-right: 14px; }
+main { display: flex; height: calc(100vh - 92px); }
+#list { flex: 0 0 46%; overflow: auto; border-right: 1px solid #ccc; }
+#detail { flex: 1; overflow: auto; padding: 8px 14px; }
+table { border-collapse: collapse; }
+#items th, #items td { padding: 3px 6px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
+#items thead th { position: sticky; top: 0; background: #f6f6f6; }
+#items tbody tr { cursor: pointer; }
+#items tbody tr:hover { background: #f0f5ff; }
+#items tbody tr.selected { background: #dde8ff; }
+.ok { color: #1a7f37; } .wrong { color: #b42318; } .na { color: #888; }
+.diverges { font-weight: 600; color: #8a4b00; }
+.status-bad { color: #b42318; font-weight: 600; }
+.pair { display: flex; gap: 12px; }
+.suffix { flex: 1; min-width: 0; }
+.suffix-head { font-weight: 600; margin-bottom: 2px; }
+.tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; background: #fafafa;
+  border: 1px solid #e4e4e4; padding: 4px; }
+.tok { border-right: 1px dotted #ccc; }
+.tok.after { color: #999; }
+.tok.first-divergence { background: #ffd54f; color: #000; outline: 2px solid #e65100; }
+.tok.ended { font-style: italic; }
+svg.margins { display: block; margin-top: 4px; }
+svg.margins .line-a { stroke: #0072b2; } svg.margins .line-b { stroke: #e69f00; }
+svg.margins polyline { fill: none; stroke-width: 1.5; }
+svg.margins text { font-size: 10px; fill: #555; }
+svg.margins text.key-a { fill: #0072b2; } svg.margins text.key-b { fill: #e69f00; }
+.suffix:nth-child(1) .suffix-head { border-left: 4px solid #0072b2; padding-left: 4px; }
+.suffix:nth-child(2) .suffix-head { border-left: 4px solid #e69f00; padding-left: 4px; }
+.note { color: #555; font-style: italic; }
+details > summary { cursor: pointer; }
+.transplants th, .transplants td { padding: 2px 6px; border-bottom: 1px solid #eee; text-align: left; }
+.hint { color: #777; }
+"""
+
+SCRIPT = r"""
+"use strict";
+const DATA = JSON.parse(document.getElementById("browser-data").textContent);
+const CELLS = DATA.cells;
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v !== null && v !== undefined) node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+function svg(tag, attrs) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  return node;
+}
+function tokenText(revision, id) {
+  const text = (DATA.tokens[revision] || {})[String(id)];
+  return text === undefined ? "\u27e8" + id + "\u27e9" : text;
+}
+function label(correct) {
+  if (correct === true) return el("span", {class: "ok"}, "\u2713");
+  if (correct === false) return el("span", {class: "wrong"}, "\u2717");
+  return el("span", {class: "na"}, "\u2013");
+}
+function cellTitle(cell) {
+  return cell.experiment + " " + cell.precision + " (" + cell.a + " / " + cell.b + ")" +
+    (DATA.items.some(it => it.revision !== CELLS[0].revision) ? " \u00b7 " + cell.revision : "");
+}
+
+function buildTable() {
+  const head = el("tr", {}, el("th", {}, "#"), el("th", {}, "item"), el("th", {}, "status"), el("th", {}, "gold"));
+  const select = document.getElementById("cell-filter");
+  for (const cell of CELLS) {
+    head.append(el("th", {title: cell.note || ""}, cellTitle(cell)));
+    select.append(el("option", {value: cell.key}, cellTitle(cell)));
+  }
+  document.querySelector("#items thead").append(head);
+  const body = document.querySelector("#items tbody");
+  DATA.items.forEach((item, index) => {
+    const row = el("tr", {"data-index": index, "data-item-index": item.item_index, "data-revision": item.revision,
+                          "data-divergent": item.divergent ? "true" : "false", tabindex: 0},
+      el("td", {}, item.item_index), el("td", {}, item.item_id),
+      el("td", {class: item.status === "ok" ? "" : "status-bad"}, item.status),
+      el("td", {}, item.gold_answer === null ? "" : item.gold_answer));
+    for (const cell of CELLS) {
+      const entry = item.cells[cell.key];
+      const td = el("td", {"data-cell": cell.key});
+      if (entry) {
+        for (const c of [cell.a, cell.b]) {
+          const side = entry.sides[c];
+          td.append(c + " ", side ? (side.status === "ok" ? label(side.correct) :
+                                     el("span", {class: "status-bad"}, side.status)) : el("span", {class: "na"}, "\u2013"), " ");
+        }
+        if (entry.divergent) td.append(el("span", {class: "diverges"}, "\u2260 @" + entry.first_divergence));
+        else if (entry.compared) td.append(el("span", {class: "na"}, "same"));
+      }
+      row.append(td);
+    }
+    row.addEventListener("click", () => selectItem(index));
+    row.addEventListener("keydown", ev => { if (ev.key === "Enter") selectItem(index); });
+    body.append(row);
+  });
+}
+
+function isDivergent(item, cellKey) {
+  if (!cellKey) return item.divergent;
+  const entry = item.cells[cellKey];
+  return Boolean(entry && entry.divergent);
+}
+
+function applyFilter() {
+  const only = document.getElementById("divergent-only").checked;
+  const cellKey = document.getElementById("cell-filter").value;
+  let shown = 0;
+  document.querySelectorAll("#items tbody tr").forEach(row => {
+    const item = DATA.items[Number(row.dataset.index)];
+    const visible = !only || isDivergent(item, cellKey);
+    row.hidden = !visible;
+    shown += visible ? 1 : 0;
+  });
+  document.getElementById("shown-count").textContent = shown + " of " + DATA.items.length + " items shown";
+}
+
+function suffixTokens(revision, side, divergence) {
+  const box = el("div", {class: "tokens"});
+  side.ids.forEach((id, step) => {
+    const margin = side.margins[step];
+    let cls = "tok";
+    if (divergence !== null && step === divergence) cls += " first-divergence";
+    else if (divergence !== null && step > divergence) cls += " after";
+    box.append(el("span", {class: cls, "data-step": step, "data-id": id,
+                           title: "step " + step + " \u00b7 id " + id +
+                                  (margin === null || margin === undefined ? "" : " \u00b7 margin " + margin)},
+                  tokenText(revision, id)));
+  });
+  if (divergence !== null && divergence >= side.ids.length) {
+    box.append(el("span", {class: "tok first-divergence ended", "data-step": divergence}, "[suffix ended]"));
+  }
+  return box;
+}
+
+function marginPlot(entry, cell) {
+  const width = 400, height = 90, left = 30, bottom = 14, top = 6;
+  const sides = [cell.a, cell.b].map(c => entry.sides[c]).filter(s => s && s.status === "ok");
+  const steps = Math.max(1, ...sides.map(s => s.margins.length));
+  const values = sides.flatMap(s => s.margins).filter(m => m !== null);
+  const high = Math.max(1e-9, ...values);
+  const x = step => left + (steps > 1 ? step / (steps - 1) : 0) * (width - left - 4);
+  const y = m => top + (1 - m / high) * (height - top - bottom);
+  const plot = svg("svg", {class: "margins", width: width, height: height, viewBox: "0 0 " + width + " " + height,
+                           role: "img", "aria-label": "top-2 margin per decode step"});
+  plot.append(svg("line", {x1: left, y1: y(0), x2: width - 4, y2: y(0), stroke: "#aaa"}));
+  plot.append(svg("line", {x1: left, y1: top, x2: left, y2: y(0), stroke: "#aaa"}));
+  const yHigh = svg("text", {x: 2, y: top + 8}); yHigh.textContent = high.toFixed(1); plot.append(yHigh);
+  const yLow = svg("text", {x: 2, y: y(0)}); yLow.textContent = "0"; plot.append(yLow);
+  const xLabel = svg("text", {x: left, y: height - 2});
+  xLabel.textContent = "decode step 0\u2013" + (steps - 1) + "; top-2 logit margin"; plot.append(xLabel);
+  if (entry.divergent) {
+    plot.append(svg("line", {class: "divergence", x1: x(entry.first_divergence), x2: x(entry.first_divergence),
+                             y1: top, y2: y(0), stroke: "#e65100", "stroke-dasharray": "3 2"}));
+  }
+  [cell.a, cell.b].forEach((c, i) => {
+    const side = entry.sides[c];
+    const key = svg("text", {x: width - 170 + 85 * i, y: height - 2, class: i === 0 ? "key-a" : "key-b"});
+    key.textContent = "\u2014 " + c; plot.append(key);
+    if (!side || side.status !== "ok") return;
+    const points = side.margins.map((m, step) => x(step).toFixed(1) + "," + y(m === null ? 0 : m).toFixed(1));
+    const line = svg("polyline", {class: i === 0 ? "line-a" : "line-b", "data-construction": c,
+                                  points: points.join(" ")});
+    const name = svg("title", {}); name.textContent = c; line.append(name);
+    plot.append(line);
+  });
+  return plot;
+}
+
+function comparisonSection(item, cell) {
+  const entry = item.cells[cell.key];
+  const section = el("details", {class: "comparison", "data-cell": cell.key,
+                                 "data-divergent": entry.divergent ? "true" : "false"});
+  if (entry.divergent || !item.divergent) section.open = true;
+  const what = entry.divergent ? "diverge at decode step " + entry.first_divergence :
+    (entry.compared ? "identical suffixes" : "not compared (a construction's status is not ok)");
+  section.append(el("summary", {}, el("strong", {}, cellTitle(cell)), ": " + what));
+  if (cell.note) section.append(el("p", {class: "note"}, "Note: " + cell.note + "."));
+  const pair = el("div", {class: "pair"});
+  for (const c of [cell.a, cell.b]) {
+    const side = entry.sides[c];
+    const box = el("div", {class: "suffix", "data-construction": c});
+    if (!side) {
+      box.append(el("div", {class: "suffix-head"}, c), el("p", {class: "na"}, "no row"));
+    } else {
+      box.append(el("div", {class: "suffix-head"}, c + ": answer " + (side.answer === null ? "none" : side.answer) + " ",
+                    label(side.correct), " \u00b7 " + side.ids.length + " tokens \u00b7 " +
+                    (side.status === "ok" ? side.stop_reason : side.status)));
+      box.append(suffixTokens(item.revision, side, entry.divergent ? entry.first_divergence : null));
+    }
+    pair.append(box);
+  }
+  section.append(pair, marginPlot(entry, cell));
+  return section;
+}
+
+function transplantTable(item) {
+  if (!item.transplants.length) return el("p", {class: "na"}, "No transplant of this item.");
+  const table = el("table", {class: "transplants"},
+    el("tr", {}, ...["revision", "precision", "direction", "layers \u00b7 component \u00b7 positions", "divergent",
+                     "outcome", "first divergence vs donor", "vs recipient"].map(h => el("th", {}, h))));
+  for (const t of item.transplants) {
+    const dash = v => (v === null ? "\u2013" : v);
+    table.append(el("tr", {"data-outcome": t.outcome},
+      ...[t.revision, t.precision, t.direction, t.label, t.divergent === null ? "\u2013" : (t.divergent ? "yes" : "no"),
+          t.outcome, dash(t.first_divergence_donor), dash(t.first_divergence_recipient)].map(v => el("td", {}, v))));
+  }
+  return table;
+}
+
+function selectItem(index) {
+  const item = DATA.items[index];
+  document.querySelectorAll("#items tbody tr.selected").forEach(r => r.classList.remove("selected"));
+  const row = document.querySelector('#items tbody tr[data-index="' + index + '"]');
+  if (row) row.classList.add("selected");
+  const detail = document.getElementById("detail");
+  detail.replaceChildren();
+  detail.dataset.itemIndex = item.item_index;
+  detail.append(el("h2", {}, "Item " + item.item_index + " \u00b7 " + item.item_id +
+                   (DATA.items.some(it => it.revision !== item.revision) ? " \u00b7 revision " + item.revision : "")));
+  if (item.question !== null) detail.append(el("p", {}, el("strong", {}, "Question: "), item.question));
+  detail.append(el("p", {}, el("strong", {}, "Gold answer: "), item.gold_answer === null ? "none" : item.gold_answer,
+                   " \u00b7 ", el("strong", {}, "status: "), item.status));
+  detail.append(el("p", {}, el("strong", {}, "Stage (the prefix after the prompt): "),
+                   el("span", {class: "tokens"}, item.stage_ids.map(id => tokenText(item.revision, id)).join(""))));
+  detail.append(el("p", {class: "note"}, "Each token is shown as it decodes alone; hover a token for its step, id " +
+                   "and top-2 margin. The first divergent token is marked on both sides."));
+  for (const cell of CELLS) if (cell.revision === item.revision && item.cells[cell.key]) {
+    detail.append(comparisonSection(item, cell));
+  }
+  detail.append(el("h3", {}, "Transplants"), transplantTable(item));
+  history.replaceState(null, "", "#item=" + item.revision + "/" + item.item_index);
+}
+
+function summary() {
+  const parts = [DATA.items.length + " items"];
+  for (const cell of CELLS) {
+    const divergent = DATA.items.filter(it => it.cells[cell.key] && it.cells[cell.key].divergent).length;
+    const compared = DATA.items.filter(it => it.cells[cell.key] && it.cells[cell.key].compared).length;
+    parts.push(cellTitle(cell) + ": " + divergent + "/" + compared + " divergent");
+  }
+  document.getElementById("summary").textContent = parts.join(" \u00b7 ");
+}
+
+buildTable();
+summary();
+document.getElementById("divergent-only").addEventListener("change", applyFilter);
+document.getElementById("cell-filter").addEventListener("change", applyFilter);
+applyFilter();
+const wanted = /^#item=(.+)\/(\d+)$/.exec(location.hash);
+if (wanted) {
+  const index = DATA.items.findIndex(it => it.revision === wanted[1] && String(it.item_index) === wanted[2]);
+  if (index >= 0) selectItem(index);
+}
+"""

@@ -1,0 +1,152 @@
+"""The prepared model: a revision's source (GGUF file, local folder) written once as a safetensors snapshot per
+precision, which every model-loading job loads instead of the source and which must give the very same results."""
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gguf_fixture import write_tiny_gguf
+from stagereplay.io.file_hashes import HashCache
+from stagereplay.io.parquet import read_provenance
+from stagereplay.models import snapshot
+from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.stages.prepare import prepare_model
+from stagereplay.stages.reconstruct import reconstruct_prefixes
+from stagereplay.stages.select import select_items
+from stagereplay.stages.settings import PrepareSettings, ReconstructSettings
+from workflow_runner import snakemake, tiny_config
+
+
+@pytest.fixture(scope="module")
+def gguf_source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    write_tiny_gguf(folder / "tiny.gguf")
+    return ModelSource("gguf", str(folder), gguf_file="tiny.gguf")
+
+
+def state_bytes(loaded) -> dict[str, bytes]:
+    return {name: t.contiguous().view(torch.uint8).numpy().tobytes() + str(t.dtype).encode()
+            for name, t in loaded.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gguf_snapshot_loads_as_the_gguf_does(gguf_source, tmp_path, precision):
+    set_determinism(1)
+    manifest = snapshot.prepare_snapshot(gguf_source, precision, tmp_path / precision)
+    assert manifest["mode"] == "converted" and manifest["tokenizer_class"] == "Qwen2Tokenizer"
+    direct = load_model(gguf_source, precision, "cpu", "sdpa")
+    prepared = snapshot.load_prepared(tmp_path / precision, gguf_source, precision, "cpu", "sdpa")
+    assert state_bytes(prepared) == state_bytes(direct)  # bytes and dtype of every tensor, in its own words
+    assert snapshot.compare_signatures(snapshot.model_signature(direct), snapshot.model_signature(prepared)) == []
+    assert prepared.info["model_source"] == direct.info["model_source"] == gguf_source.describe()
+    assert prepared.info["model_snapshot"]["sha256"] == manifest["snapshot"]["sha256"]
+    assert manifest["weights_sha256"] == snapshot.weights_sha256(snapshot.tensor_digests(direct.model))
+
+
+def test_the_check_sees_a_tokenizer_that_only_differs_in_its_normaliser(gguf_source, tmp_path):
+    # Loaded by AutoTokenizer, the saved GGUF tokenizer gets its model class's pipeline (an NFC normaliser the GGUF
+    # has not): ids agree on ASCII, yet the snapshot would not be the source. The verbatim loader keeps the GGUF's.
+    snapshot.prepare_snapshot(gguf_source, "fp32", tmp_path / "fp32")
+    direct = snapshot.model_signature(load_model(gguf_source, "fp32", "cpu"))
+    by_class = load_model(ModelSource("local", str(tmp_path / "fp32")), "fp32", "cpu")
+    assert by_class.tokenizer.backend_tokenizer.normalizer is not None
+    problems = snapshot.compare_signatures(direct, snapshot.model_signature(by_class))
+    assert len(problems) == 1 and problems[0].startswith("tokenizer differs in") and "pipeline" in problems[0]
+
+
+def test_a_snapshot_that_does_not_reproduce_its_source_is_not_kept(gguf_source, tmp_path, monkeypatch):
+    write = snapshot._write_converted
+
+    def write_then_perturb(loaded, source, folder, out):
+        with torch.no_grad():
+            loaded.model.model.norm.weight[0] += 1
+        write(loaded, source, folder, out)
+
+    monkeypatch.setattr(snapshot, "_write_converted", write_then_perturb)
+    with pytest.raises(snapshot.SnapshotError, match=r"1 tensors differ in bytes.*model\.norm\.weight"):
+        snapshot.prepare_snapshot(gguf_source, "bf16", tmp_path / "bf16")
+    assert os.listdir(tmp_path) == []  # nothing half-written left behind
+
+
+def test_a_folder_in_the_dtype_is_linked_another_converted(tiny_model_dir, tmp_path):
+    source = ModelSource("local", str(tiny_model_dir))  # saved in fp32
+    linked = snapshot.prepare_snapshot(source, "fp32", tmp_path / "fp32")
+    converted = snapshot.prepare_snapshot(source, "bf16", tmp_path / "bf16")
+    assert linked["mode"] == "linked" and converted["mode"] == "converted"
+    weights = tmp_path / "fp32" / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (tiny_model_dir / "model.safetensors").resolve()
+    assert not (tmp_path / "bf16" / "model.safetensors").is_symlink()
+    # config and tokenizer files are the source's, byte for byte; the weights are the bf16 ones
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "bf16" / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+    for precision in ("fp32", "bf16"):
+        direct = load_model(source, precision, "cpu")
+        prepared = snapshot.load_prepared(tmp_path / precision, source, precision, "cpu")
+        assert state_bytes(prepared) == state_bytes(direct), precision
+
+
+def test_a_changed_or_foreign_snapshot_is_refused(tiny_model_dir, tmp_path):
+    source = ModelSource("local", str(tiny_model_dir))
+    fingerprint = {"sha256": "a" * 64, "files": {}}
+    snapshot.prepare_snapshot(source, "bf16", tmp_path / "bf16", source_fingerprint=fingerprint)
+    with pytest.raises(snapshot.SnapshotError, match="holds a snapshot at 'bf16'.*not at 'fp32'"):
+        snapshot.load_prepared(tmp_path / "bf16", source, "fp32", "cpu")
+    with pytest.raises(snapshot.SnapshotError, match="was prepared from .* not from .* as this job was planned"):
+        snapshot.load_prepared(tmp_path / "bf16", source, "bf16", "cpu", source_fingerprint={"sha256": "b" * 64})
+    config = tmp_path / "bf16" / "config.json"
+    config.write_text(config.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    with pytest.raises(snapshot.SnapshotError, match="config.json not the files it was prepared with"):
+        snapshot.load_prepared(tmp_path / "bf16", source, "bf16", "cpu", source_fingerprint=fingerprint)
+
+
+def test_the_reconstruct_stage_gives_the_same_tables_from_the_snapshot(gguf_source, tmp_path):
+    """The stage as the workflow runs it: prepare_model, then reconstruct_prefixes from the snapshot, against the
+    same stage loading the GGUF file itself; every table equal value for value (provenance aside)."""
+    select_items({"source": "synthetic", "size": 20, "seed": 0}, 3, 0, str(tmp_path / "items.parquet"))
+    common = dict(model=str(Path(gguf_source.path) / gguf_source.gguf_file), revision="primary", device="cpu",
+                  progress=False, threads=1)
+    prepare_model(str(tmp_path / "models" / "bf16"), PrepareSettings(**common, precision="bf16"))
+    tables = {}
+    for arm, prepared in (("direct", None), ("prepared", str(tmp_path / "models"))):
+        out = tmp_path / arm
+        out.mkdir()
+        reconstruct_prefixes(str(tmp_path / "items.parquet"), str(out / "ledger.parquet"),
+                             str(out / "prefixes.parquet"), str(out / "bridge.parquet"),
+                             ReconstructSettings(**common, prepared_models=prepared, precision="bf16",
+                                                 boundary={"marker": "K", "occurrence": 1}, max_stage_tokens=6,
+                                                 max_new_tokens=6, bridge={"n_rows": 2, "seed": 0}))
+        tables[arm] = {name: pq.read_table(out / f"{name}.parquet") for name in ("ledger", "prefixes", "bridge")}
+    for name, table in tables["direct"].items():
+        assert table.num_rows > 0 and table.equals(tables["prepared"][name]), name
+    assert {r["status"] for r in tables["direct"]["ledger"].to_pylist()} >= {"ok"}  # prefill rows exercised
+    prov = read_provenance(tmp_path / "prepared" / "ledger.parquet")
+    assert prov["model_snapshot"]["mode"] == "converted" and prov["model_source"].endswith("tiny.gguf")
+    assert "model_snapshot" not in read_provenance(tmp_path / "direct" / "ledger.parquet")
+
+
+def test_the_workflow_prepares_each_precision_once_and_every_job_loads_it(tmp_path):
+    cfg = tiny_config(tmp_path, n_items=4, max_new_tokens=8, cache_differences={"n_items": 1})
+    snakemake(tmp_path, "--cores", "2")
+    results = tmp_path / "results" / cfg["run"]
+    for precision in cfg["precisions"]:
+        manifest = json.loads((results / "models" / "primary" / precision / snapshot.MANIFEST).read_text())
+        assert manifest["source"].endswith("data/toy/primary")
+    # the toy is saved in fp32: its fp32 snapshot is links, its bf16 one converted weights
+    assert (results / "models" / "primary" / "fp32" / "model.safetensors").is_symlink()
+    loaded_from = {}
+    for path in results.rglob("*.parquet"):
+        prov = read_provenance(path)
+        for record in [prov, *prov.get("parts", [])]:
+            if "model_source" in record:
+                loaded_from.setdefault(record["stage"], set()).add(record["model_snapshot"]["path"])
+    assert set(loaded_from) >= {"reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger",
+                                "measure_cache_differences"}
+    assert all(path.startswith(f"results/{cfg['run']}/models/primary/") for paths in loaded_from.values()
+               for path in paths)
+    audit = pd.read_parquet(results / "primary" / "audit.parquet")
+    assert len(audit) > 0 and audit["reproduced"].all()
