@@ -13,11 +13,13 @@ during the test cannot make the two runs differ for a reason other than the exec
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +38,6 @@ SNAPSHOT_PATHS = ("Snakefile", "config.yaml", "workflow", "src", "data", "envs",
 # Every stage kind but the report: generation, fixed-prefix 2x2, audit, dumps, transplants, and the gathers.
 TARGETS = [f"results/tiny/primary/{name}" for name in
            ("ledger.parquet", "bridge.parquet", "audit_check.json", "transplant.parquet", "caches.parquet")]
-# The rules that load a model declare gpu, mem_mb and runtime from the config, and `threads` threads.
-MODEL_RULES = {"reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger", "check_batch_invariance",
-               "measure_cache_differences", "replay_fixed_prefixes", "dump_caches", "transplant_caches"}
 TINY = dict(n_items=3, max_new_tokens=8, max_stage_tokens=16, precisions=["bf16"], reference_precision="bf16",
             bridge={"n_rows": 2, "seed": 0}, transplant={"select": "sample:1", "sweeps": ["all"]},
             threads=2, gpus_per_job=1, mem_mb_per_job=1500, runtime_per_job=7)
@@ -70,18 +69,34 @@ def run_workflow(code: Path, workdir: Path, *args, env: dict) -> tuple[int, str]
     return proc.pid, output
 
 
-def executed_jobs(output: str) -> collections.Counter:
-    """(rule, wildcards) of every job a Snakemake process says it ran itself (``localrule``; a job it submits
-    elsewhere is printed as ``rule``)."""
-    jobs = collections.Counter()
+def executed_jobs(output: str) -> dict[tuple[str, str], list[dict]]:
+    """Every job a Snakemake process says it ran itself (``localrule``; a job it submits elsewhere is printed as
+    ``rule``), by (rule, wildcards as JSON): the resources and threads it ran with."""
+    jobs = collections.defaultdict(list)
     for block in re.split(r"^localrule ", output, flags=re.M)[1:]:
         header, *lines = block.splitlines()
-        rule = header.rstrip(":")
-        info = [line.strip() for line in itertools.takewhile(lambda line: line.startswith("    "), lines)]
-        found = [line.removeprefix("wildcards: ") for line in info if line.startswith("wildcards: ")]
-        wildcards = dict(pair.split("=", 1) for pair in found[0].split(", ")) if found else {}
-        jobs[(rule, json.dumps(wildcards, sort_keys=True))] += 1
+        indented = itertools.takewhile(lambda line: line.startswith("    "), lines)
+        info = dict(line.strip().split(": ", 1) for line in indented)
+        wildcards = dict(pair.split("=", 1) for pair in info["wildcards"].split(", ")) if "wildcards" in info else {}
+        resources = dict(pair.split("=", 1) for pair in info["resources"].split(", "))
+        used = {key: int(resources[key]) for key in ("mem_mb", "runtime", "gpu")}
+        used["threads"] = int(info.get("threads", 1))  # printed only above 1
+        jobs[(header.rstrip(":"), json.dumps(wildcards, sort_keys=True))].append(used)
     return jobs
+
+
+def stop_leftover_jobs(record: Path, workdir: Path) -> None:
+    """End the submitted jobs still running (a failed or interrupted run leaves them behind), each checked first to
+    be running this test's job script, since PIDs are reused."""
+    if not record.exists():
+        return
+    for line in record.read_text().splitlines():
+        pid = json.loads(line)["pid"]
+        try:
+            if str(workdir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.killpg(pid, signal.SIGTERM)
+        except (OSError, ProcessLookupError):
+            pass  # already ended
 
 
 def result_files(workdir: Path) -> dict[str, bytes]:
@@ -90,64 +105,96 @@ def result_files(workdir: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != ".snakemake_timestamp"}
 
 
+def is_hash_record(rel: str) -> bool:
+    return Path(rel).name.startswith(".") and rel.endswith(".sha256")
+
+
+def comparable(rel: str, data: bytes):
+    """What of a results file must be the same in any two runs of one tree state, whatever the executor: all its
+    bytes, but for two records that are no results. The prepared model's manifest holds the wall time its
+    preparation took (a measurement, as in benchmarks/). A hash record (``.<name>.sha256``) holds the digest of its
+    file, compared with the file itself, and the size and inode it was written with (where it lies on this disk, a
+    cache key)."""
+    name = Path(rel).name
+    if is_hash_record(rel):
+        return None
+    if name == "stagereplay_snapshot.json":
+        return {key: value for key, value in json.loads(data).items() if key != "seconds"}
+    return data
+
+
 @pytest.mark.slow
 def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tmp_path):
     code = tmp_path / "code"
     commit = snapshot(code)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code / "src"), os.environ.get("PYTHONPATH", "")]))
+    profile = code / "profiles/cluster-generic"
+    settings = yaml.safe_load((profile / "config.yaml").read_text())
     cfg = tiny_config(tmp_path / "local", **TINY)
     tiny_config(tmp_path / "cluster", **TINY)
 
-    _, local_output = run_workflow(code, tmp_path / "local", "--cores", "2", env=env)
+    # The local run resolves every job's resources as the profile would (its default-resources for the rules that
+    # declare none) and prints them: what each submission must carry.
+    _, local_output = run_workflow(code, tmp_path / "local", "--default-resources", *settings["default-resources"],
+                                   "--cores", "2", env=env)
+    local_jobs = executed_jobs(local_output)
+    generation = local_jobs[("reconstruct_prefixes", json.dumps(dict(precision="bf16", revision="primary",
+                                                                      shard="0"), sort_keys=True))]
+    assert generation == [dict(mem_mb=cfg["mem_mb_per_job"], runtime=cfg["runtime_per_job"],
+                               gpu=cfg["gpus_per_job"], threads=cfg["threads"])]  # the rule's, from the config
+    defaults = {key: int(value) for key, value in (item.split("=") for item in settings["default-resources"])}
+    assert local_jobs[("select_items", "{}")] == [dict(defaults, threads=1)]  # declares none: the profile's
 
-    profile = code / "profiles/cluster-generic"
-    settings = yaml.safe_load((profile / "config.yaml").read_text())
     submit = settings["cluster-generic-submit-cmd"]
     assert submit.startswith("sbatch ")
     record = tmp_path / "submissions.jsonl"
     (tmp_path / "cluster/logs/cluster").mkdir(parents=True)  # the profile's --output folder, made as it says
-    main_pid, cluster_output = run_workflow(
-        code, tmp_path / "cluster", "--profile", str(profile), "--jobs", "2", "--latency-wait", "5",
-        "--cluster-generic-submit-cmd", f"{sys.executable} {LOCAL_SBATCH} " + submit.removeprefix("sbatch "),
-        env=dict(env, LOCAL_SBATCH_RECORD=str(record)))
+    try:
+        main_pid, cluster_output = run_workflow(
+            code, tmp_path / "cluster", "--profile", str(profile), "--jobs", "2", "--latency-wait", "5",
+            "--cluster-generic-submit-cmd", f"{sys.executable} {LOCAL_SBATCH} " + submit.removeprefix("sbatch "),
+            env=dict(env, LOCAL_SBATCH_RECORD=str(record)))
+    finally:
+        stop_leftover_jobs(record, tmp_path / "cluster")
 
-    # Every job of the local run was submitted once, and nothing ran in the main Snakemake process.
+    # Every job of the local run was submitted once, with the resources it ran with locally, and none ran in the
+    # main Snakemake process.
     submissions = [json.loads(line) for line in record.read_text().splitlines()]
-    submitted = collections.Counter((s["rule"], json.dumps(s["wildcards"], sort_keys=True)) for s in submissions)
-    local_jobs = executed_jobs(local_output)
-    assert submitted == local_jobs and len(local_jobs) >= 10
+    assert len(submissions) == sum(map(len, local_jobs.values())) >= 10
     assert not executed_jobs(cluster_output), "a job ran in the main Snakemake process"
+    for s in submissions:
+        job = (s["rule"], json.dumps(s["wildcards"], sort_keys=True))
+        assert [{key: s[key] for key in ("mem_mb", "runtime", "gpu", "threads")}] == local_jobs[job], s
     # ... each as a process of its own: the PID is the job id Snakemake was given, and the job's own Snakemake,
-    # writing to the file named after that PID, ran exactly that rule with those resources.
+    # writing to the file named after that PID, ran exactly that one job, with those resources.
     pids = [s["pid"] for s in submissions]
     assert len(set(pids)) == len(pids) and main_pid not in pids
     assert sorted(map(int, re.findall(r"with external jobid '(\d+)'", cluster_output))) == sorted(pids)
-    defaults = dict(item.split("=") for item in settings["default-resources"])
     for s in submissions:
-        declared = (dict(mem_mb=cfg["mem_mb_per_job"], runtime=cfg["runtime_per_job"], gpu=cfg["gpus_per_job"],
-                         threads=cfg["threads"]) if s["rule"] in MODEL_RULES else
-                    dict(mem_mb=int(defaults["mem_mb"]), runtime=int(defaults["runtime"]), gpu=int(defaults["gpu"]),
-                         threads=1))
-        assert {key: s[key] for key in declared} == declared, s
-        job_output = Path(s["output"]).read_text()
+        job = (s["rule"], json.dumps(s["wildcards"], sort_keys=True))
         assert Path(s["output"]).name == f"smk.{s['rule']}-{s['pid']}.out"
-        assert list(executed_jobs(job_output)) == [(s["rule"], json.dumps(s["wildcards"], sort_keys=True))], job_output
-        resources = re.search(r"^\s+resources: (.*)$", job_output, flags=re.M).group(1)
-        for key in ("mem_mb", "runtime", "gpu"):
-            assert f"{key}={declared[key]}" in resources.split(", "), (s["rule"], resources)
+        job_output = Path(s["output"]).read_text()
+        assert dict(executed_jobs(job_output)) == {job: local_jobs[job]}, job_output
         assert "1 of 1 steps (100%) done" in job_output
-    assert {s["rule"] for s in submissions} & MODEL_RULES and {s["rule"] for s in submissions} - MODEL_RULES
 
     # The results: the same files with the same bytes, and the content fingerprints recorded in them read back.
     local, cluster = result_files(tmp_path / "local"), result_files(tmp_path / "cluster")
     assert sorted(local) == sorted(cluster)
-    differing = [rel for rel in local if local[rel] != cluster[rel]]
+    differing = [rel for rel in local if comparable(rel, local[rel]) != comparable(rel, cluster[rel])]
     assert not differing, f"differ between the local and the cluster run: {differing}"
+    for files in (local, cluster):  # every hash record holds the digest of its file's bytes in that run
+        for rel in filter(is_hash_record, files):
+            recorded = files[rel].split(b"  ", 1)[0].decode()
+            recorded_file = str(Path(rel).with_name(Path(rel).name[1:].removesuffix(".sha256")))
+            assert recorded == hashlib.sha256(files[recorded_file]).hexdigest(), rel
+    whole = [rel for rel in local if comparable(rel, local[rel]) is local[rel]]
+    assert {Path(rel).suffix for rel in whole} >= {".parquet", ".json", ".safetensors"}  # compared byte for byte
     parquets = [rel for rel in local if rel.endswith(".parquet")]
     assert len(parquets) >= 10
     for rel in parquets:
         fingerprints = [pq.read_schema(tmp_path / run / rel).metadata[CONTENT_KEY] for run in ("local", "cluster")]
         assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 64, rel
         read_parquet(tmp_path / "cluster" / rel)  # refuses a file whose content does not match its fingerprint
-        assert read_provenance(tmp_path / "cluster" / rel)["git_commit"] == commit, rel  # the snapshot ran
+        prov = read_provenance(tmp_path / "cluster" / rel)  # a gathered file: its parts' records
+        assert {r["git_commit"] for r in [prov, *prov.get("parts", [])] if "git_commit" in r} == {commit}, rel
     assert len(read_parquet(tmp_path / "cluster/results/tiny/primary/ledger.parquet")) > 0
