@@ -141,7 +141,8 @@ def test_the_workflow_prepares_each_precision_once_and_every_job_loads_it(tmp_pa
     loaded_from = {}
     for path in results.rglob("*.parquet"):
         prov = read_provenance(path)
-        for record in [prov, *prov.get("parts", [])]:
+        models = [{**m, "stage": prov["stage"]} for m in prov.get("models", [])]  # one job, several precisions
+        for record in [prov, *prov.get("parts", []), *models]:
             if "model_source" in record:
                 loaded_from.setdefault(record["stage"], set()).add(record["model_snapshot"]["path"])
     assert set(loaded_from) >= {"reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger",
