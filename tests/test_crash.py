@@ -83,7 +83,7 @@ def test_killed_in_the_middle_of_generation_then_rerun_incomplete(tmp_path):
         while killed_shard is None and time.time() < deadline and proc.poll() is None:
             for done, running in ((0, 1), (1, 0)):
                 log = logs / f"reconstruct_prefixes_bf16_{running}.log"
-                if (parts / f"prefixes_bf16_{done}.parquet").exists() and log.exists() and "matched" in log.read_text():
+                if (parts / f"prefixes_bf16_{done}.parquet").exists() and log.exists() and f"shard {running}:" in log.read_text():
                     os.killpg(proc.pid, signal.SIGKILL)
                     killed_shard = running
                     break

@@ -62,10 +62,10 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
 
     # a changed transplant setting reruns transplants (and the report and figures) only, never generation
     assert jobs_planned(tmp_path, "--config", "transplant={sweeps: [all, v_only]}") == {
-        "transplant_caches", "plot_figures", "build_report", "all"}
+        "transplant_caches", "plot_figures", "build_report", "build_item_browser", "all"}
     assert jobs_planned(tmp_path, "--config", "transplant={select: 'sample:3'}") == {
         "select_transplant_items", "transplant_caches", "find_minimal_transplants", "plot_figures", "build_report",
-        "all"}
+        "build_item_browser", "all"}
     assert jobs_planned(tmp_path, "--config", "dump={items: none}") == {"dump_caches", "all"}
 
     # the later revision: its own constructions of the primary's prefixes; nothing already done is touched
