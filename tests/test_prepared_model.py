@@ -19,7 +19,6 @@ from stagereplay.stages.prepare import prepare_model
 from stagereplay.stages.reconstruct import reconstruct_prefixes
 from stagereplay.stages.select import select_items
 from stagereplay.stages.settings import PrepareSettings, ReconstructSettings
-from workflow_runner import snakemake, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +128,11 @@ def test_the_reconstruct_stage_gives_the_same_tables_from_the_snapshot(gguf_sour
     assert "model_snapshot" not in read_provenance(tmp_path / "direct" / "ledger.parquet")
 
 
-def test_the_workflow_prepares_each_precision_once_and_every_job_loads_it(tmp_path):
-    cfg = tiny_config(tmp_path, n_items=4, max_new_tokens=8, cache_differences={"n_items": 1})
-    snakemake(tmp_path, "--cores", "2")
-    results = tmp_path / "results" / cfg["run"]
+def assert_each_precision_prepared_once_and_loaded_by_every_job(workdir, cfg):
+    """A finished workflow run in ``workdir`` (on ``cfg``): one snapshot per precision, and every model-loading
+    stage recorded that it loaded a snapshot of this run. `tests/test_workflow.py`'s end-to-end run calls it, so
+    that the suite runs the whole workflow once for both."""
+    results = Path(workdir) / "results" / cfg["run"]
     for precision in cfg["precisions"]:
         manifest = json.loads((results / "models" / "primary" / precision / snapshot.MANIFEST).read_text())
         assert manifest["source"].endswith("data/toy/primary")

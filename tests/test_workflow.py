@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from stagereplay.io.parquet import read_provenance
+from test_prepared_model import assert_each_precision_prepared_once_and_loaded_by_every_job
 from workflow_runner import snakemake, tiny_config
 
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
@@ -13,8 +14,9 @@ FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_c
 
 @pytest.mark.slow
 def test_default_workflow_end_to_end(tmp_path):
-    tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path)
     snakemake(tmp_path, "--cores", "2")
+    assert_each_precision_prepared_once_and_loaded_by_every_job(tmp_path, cfg)
     res = tmp_path / "results/tiny"
     for rel in ["selection/items.parquet", "primary/prefixes.parquet", "primary/ledger.parquet",
                 "report/report.md", "report/stats.json"]:
