@@ -21,27 +21,32 @@ import yaml
 
 
 def one(run: str, out: str, pair: tuple[str, str], precision: str, cfg: dict) -> dict:
-    import pandas as pd
-
+    from stagereplay.models.loading import revision_slug
     from stagereplay.stages.controls import generate_fixed_prefix
     from stagereplay.stages.settings import ControlSettings
 
-    run_dir = Path(run)
+    revision = cfg["revisions"][0]
+    results = Path(run) / revision_slug(revision)
     path = Path(out) / f"fixed_prefix_{'_'.join(pair)}_{precision}.parquet"
-    s = ControlSettings(model=str(Path(cfg["model"]).resolve()), revision="primary", device="cpu", threads=1, progress=False,
-                        precision=precision, reference_precision=cfg["reference_precision"],
+    s = ControlSettings(model=str(Path(cfg["model"]).resolve()), revision=revision, device="cpu", threads=1,
+                        progress=False, precision=precision, reference_precision=cfg["reference_precision"],
                         boundary=cfg["boundary"], max_stage_tokens=cfg["max_stage_tokens"],
-                        max_new_tokens=cfg["max_new_tokens"], fixed_prefix_constructions=pair,
-                        prepared_models=None)
-    reference = run_dir / "primary" / "parts" / f"prefixes_{cfg['reference_precision']}_0.parquet"
-    generate_fixed_prefix(str(run_dir / "selection" / "items.parquet"), str(reference), str(path), s)
-    rows = pd.read_parquet(path)
-    ok = rows[rows["status"] == "ok"]
-    first = ok[ok["replica"] == 1].pivot(index="item_index", columns="construction", values="suffix_fingerprint")
-    replicas = ok.groupby(["item_index", "construction"])["suffix_fingerprint"].nunique()
-    return {"pair": list(pair), "precision": precision, "items": int(len(first)),
-            "suffixes_differ": int((first[pair[0]] != first[pair[1]]).sum()),
-            "replicas_bit_identical": bool((replicas == 1).all())}
+                        max_new_tokens=cfg["max_new_tokens"], fixed_prefix_constructions=pair)
+    reference = results / "parts" / f"prefixes_{cfg['reference_precision']}_0.parquet"
+    generate_fixed_prefix(str(Path(run) / "selection" / "items.parquet"), str(reference), str(path), s)
+    return {"pair": list(pair), "precision": precision, **summarise(path, pair)}
+
+
+def summarise(path: Path, pair: tuple[str, str]) -> dict:
+    """The report's own pairing and replica check (``analysis.tables``) over one fixed-prefix part."""
+    from stagereplay.analysis.tables import pair_table, replica_agreement
+    from stagereplay.io.parquet import read_parquet
+
+    rows = read_parquet(path)
+    pairs = pair_table(rows, "fixed_prefix", *pair)
+    replicas = replica_agreement(rows)
+    return {"items": int(len(pairs)), "suffixes_differ": int(pairs["disagree"].sum()),
+            "replicas_bit_identical": bool((replicas["identical"] == replicas["n"]).all())}
 
 
 def main() -> None:
