@@ -1,0 +1,195 @@
+"""The whole workflow, measured: build a RANDOM-WEIGHT model of a real Qwen2.5 shape, run every stage with
+Snakemake, and print the run's wall time, each rule's wall and CPU time (its benchmark file), how busy the GPU was
+and the ledger's mean prompt, stage and suffix lengths (what a projection of the same run needs).
+
+    python bench/pipeline_run.py --work /tmp/smoke --shape qwen2.5-0.5b --items 4 --gpu-slots 4
+    python bench/pipeline_run.py --work /tmp/scale --shape qwen2.5-1.5b --items 48 --stage 512 --suffix 256 \
+        --regime cuda_graph --batch-size 16
+
+The model's outputs mean nothing (random weights; see scripts/make_random_qwen.py): the numbers are speed only.
+Random weights emit filler tokens ``~N`` almost only, so the stage boundary is the ``--stage``-th ``~``.
+``--gpu-slots K`` lets K model jobs share one GPU (``--resources gpu=K``): with one visible GPU no job claims it,
+and a small model leaves room for several. Writes ``--json`` (default WORK/pipeline_run.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_config(work: Path, args) -> Path:
+    config = {
+        "run": "bench", "n_items": args.items, "seed": 0,
+        "dataset": {"source": "synthetic", "size": max(100, 4 * args.items), "seed": 0},
+        "model": str(work / "model"), "revisions": ["local"], "precisions": args.precisions,
+        "reference_precision": args.precisions[0],
+        "bridge": {"n_rows": min(8, args.items), "seed": 0},
+        "boundary": {"marker": "~", "occurrence": args.stage},
+        "max_stage_tokens": args.stage + args.stage // 4 + 16, "max_new_tokens": args.suffix,
+        "shards": args.shards, "threads": 1, "device": "auto", "attn_implementation": "sdpa",
+        "numerics": args.numerics, "batch_size": args.batch_size, "decode_regime": args.regime,
+        "batch_invariance": {"sample": min(8, args.items), "seed": 0},
+        "cache_differences": {"n_items": min(8, args.items), "precisions": args.precisions, "prefix_precision": None},
+    }
+    if args.transplant_select or args.minimal_budget:
+        config["transplant"] = {"select": args.transplant_select or "divergent"}
+        if args.minimal_budget:
+            config["transplant"]["minimal"] = {"budget": args.minimal_budget}
+    path = work / "config.yaml"
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return path
+
+
+class GpuSampler:
+    """``nvidia-smi`` utilization every 200 ms while the run lasts (nothing where there is no nvidia-smi)."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=subprocess.PIPE, text=True)
+            self.memory: list[float] = []
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.samples.append(float(parts[0]))
+                self.memory.append(float(parts[1]))
+            except (ValueError, IndexError):
+                continue
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {"gpu": "none"}
+        self.proc.terminate()
+        n = len(self.samples) or 1
+        return {"samples": len(self.samples), "busy_share": sum(s > 0 for s in self.samples) / n,
+                "mean_utilization_pct": sum(self.samples) / n, "max_memory_mib": max(self.memory, default=0.0)}
+
+
+def rule_times(work: Path) -> pd.DataFrame:
+    """One row per benchmarked job: its rule (the file name without precision and shard), wall and CPU seconds."""
+    rows = []
+    for path in sorted((work / "benchmarks").rglob("*.tsv")):
+        frame = pd.read_csv(path, sep="\t")
+        parts = path.stem.split("_")
+        rule = "_".join(p for p in parts if p not in ("bf16", "fp32", "fp16") and not p.isdigit())
+        rows.append({"job": str(path.relative_to(work / "benchmarks")), "rule": rule, "s": float(frame["s"].iloc[-1]),
+                     "cpu_s": float(frame["cpu_time"].iloc[-1])})
+    return pd.DataFrame(rows, columns=["job", "rule", "s", "cpu_s"])
+
+
+def ledger_lengths(work: Path) -> dict:
+    paths = list((work / "results").rglob("ledger.parquet"))
+    if not paths:
+        return {}
+    ledger = pd.read_parquet(paths[0])
+    ok = ledger[(ledger["status"] == "ok") & (ledger["replica"] == 1)]
+    matched = ok[ok["experiment"] == "matched"]
+    live = matched[matched["construction"] == "live"]
+    pairs = live.merge(matched[matched["construction"] == "prefill"], on=["item_index", "precision"],
+                       suffixes=("_live", "_prefill"))
+    divergent = {p: float(g.apply(lambda r: list(r["suffix_ids_live"]) != list(r["suffix_ids_prefill"]), axis=1).mean())
+                 for p, g in pairs.groupby("precision")}
+    return {"rows": int(len(ledger)), "mean_prompt": float(live["prompt_ids"].map(len).mean()),
+            "mean_stage": float(live["stage_ids"].map(len).mean()),
+            "mean_suffix": float(ok["suffix_ids"].map(len).mean()), "divergent_share": divergent}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="a fresh folder for the model, config and run")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a shape of scripts/make_random_qwen.py")
+    ap.add_argument("--items", type=int, default=4)
+    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
+    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--regime", default="eager", help="decode_regime")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--numerics", default="default")
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
+    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
+    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
+    ap.add_argument("--limit-s", type=float, default=None,
+                    help="stop Snakemake after this many seconds and report the jobs finished by then")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    work = Path(args.work).resolve()
+    if work.exists() and any(work.iterdir()):
+        sys.exit(f"--work {work} is not empty: give a fresh folder")
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(REPO / "scripts/make_random_qwen.py"), str(work / "model"), "--shape",
+                    args.shape] + (["--device", "cuda:0"] if args.device == "cuda" else []), check=True, env=env)
+    built_s = time.perf_counter() - t0
+    config = write_config(work, args)
+    if args.device == "cpu":
+        text = config.read_text().replace('"device": "auto"', '"device": "cpu"')
+        config.write_text(text)
+    command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work),
+               "--configfile", str(config), "--cores", str(args.cores), "--resources", f"gpu={args.gpu_slots}"]
+    sampler = GpuSampler()
+    t0 = time.perf_counter()
+    status = "complete"
+    with open(work / "snakemake.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=args.limit_s)
+        except subprocess.TimeoutExpired:  # Snakemake and its running jobs, at once: what finished stays
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
+            status = f"stopped after --limit-s {args.limit_s:g} s (the jobs running then were killed)"
+    wall = time.perf_counter() - t0
+    gpu = sampler.stop()
+    if returncode != 0 and status == "complete":
+        print((work / "snakemake.log").read_text()[-4000:], file=sys.stderr)
+        status = f"failed (Snakemake exit {returncode})"
+    jobs = rule_times(work)
+    by_rule = jobs.groupby("rule").agg(jobs=("s", "size"), s=("s", "sum"), cpu_s=("cpu_s", "sum")).sort_values(
+        "s", ascending=False)
+    import torch
+    import transformers
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{platform.machine()}",
+        "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "weights": f"random, {args.shape} shape", "argv": sys.argv[1:],
+        "status": status, "model_built_s": round(built_s, 1), "wall_s": round(wall, 1), "jobs": int(len(jobs)),
+        "job_seconds": round(float(jobs["s"].sum()), 1), "gpu": gpu, "ledger": ledger_lengths(work),
+        "rules": {rule: {k: (round(float(v), 1) if k != "jobs" else int(v)) for k, v in row.items()}
+                  for rule, row in by_rule.iterrows()},
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    Path(args.json or work / "pipeline_run.json").write_text(text + "\n")
+    return 0 if status == "complete" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
