@@ -420,7 +420,7 @@ def decode_seconds(m: dict, start: int, count: int, bucketed: bool) -> float:
 
 
 def project(measures: list[dict], items: int, divergent: float, bucketed: bool = False,
-            dumps: str = "none") -> dict:
+            dumps: str = "none", audit: bool = True, model_jobs: int = 0, job_overhead_s: float = 0.0) -> dict:
     """Wall time of the paper-scale experiment from the measured rates, counting the work the pipeline does.
 
     Per item (P prompt, S stage, N suffix tokens), at every precision: the fixed-prefix 2x2 arm, incremental
@@ -432,8 +432,10 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     continues each transplanted cache N steps, in both directions; fp32 had 0 divergences in the study, so none
     there. Dumps are not needed by the transplants: ``dumps="divergent"`` adds writing both caches of every
     divergent item (the pipeline's ``dump: {items: divergent}``; at paper scale about 150 GB), ``"none"`` does not.
-    Not counted: the saved-ledger audit (it recomputes every row, about the matched and 2x2 work again) and
-    model loads.
+    ``audit`` counts the saved-ledger audit, which recomputes one replica of every ledger row: the 2x2 at every
+    precision and the matched experiment at bf16 (first counted 2026-12-01: left out, it made the projection
+    short by about a third of the ledger work). ``model_jobs`` x ``job_overhead_s`` counts each model job's start,
+    imports and model load (measured on the workflow by bench/pipeline_run.py: about 15 s a job at the 0.5B shape).
     """
     if dumps not in ("none", "divergent"):
         raise ValueError(f"dumps {dumps!r}: none or divergent")
@@ -452,6 +454,11 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
                                      + 2 * decode_seconds(m, P + S - 1, N, bucketed))  # both directions
             prefill_tokens += items * (2 * P + divergent * (P + (P + S)))
             dumped = 2 * divergent if dumps == "divergent" else 0.0
+        if audit:  # one replica of each construction the ledger holds at this precision
+            cells = 2 if m["precision"] == "bf16" else 1  # the 2x2's two, plus the matched experiment's at bf16
+            steps += cells * ((S + N) + N)
+            per_item += cells * (decode_seconds(m, P, S + N, bucketed) + decode_seconds(m, P + S - 1, N, bucketed))
+            prefill_tokens += items * cells * (P + (P + S))
         decode_s = items * per_item
         prefill_s = prefill_tokens / m["prefill_tokens_s"]
         dump_s = items * dumped * m["dump_GB"] / m["dump_GB_s"]
@@ -461,11 +468,13 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
             flops = 2 * m["linear_params"] * (items * steps + prefill_tokens)
             parts[m["precision"]]["linear_floor_s"] = flops / (m["gemm_TFLOP_s_large"] * 1e12)
         total += decode_s + prefill_s + dump_s
+    overhead = model_jobs * job_overhead_s
+    total += overhead
     fit = measures[0]["step_fit"]
     described = (("exact span (triton attention)" if fit["bucket"] == 1 else
                   f"span bucketed by {fit['bucket']} positions") if bucketed else "whole buffer")
     return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts,
-            "attention": described, "dumps": dumps}
+            "attention": described, "dumps": dumps, "audit": audit, "job_overhead_s": overhead}
 
 
 # -- the bridge on the device -------------------------------------------------------------------------------------
@@ -610,6 +619,9 @@ def main(argv=None):
                     help="JSON object of fp32 attention settings for the Triton kernels (see bench/fp32_attention.py)")
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--divergent", type=float, default=166 / 200)
+    ap.add_argument("--model-jobs", type=int, default=0, help="model-loading jobs of the projected run")
+    ap.add_argument("--job-overhead-s", type=float, default=0.0,
+                    help="each model job's start, imports and load (bench/pipeline_run.py measures it)")
     ap.add_argument("--scratch", default=None, help="folder for the cache-dump measurement (default: temp dir)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -676,8 +688,11 @@ def main(argv=None):
             if device == "cuda":
                 torch.cuda.empty_cache()
     if RESULTS["projection"]:
-        RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent)
-        RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True)
+        jobs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s}
+        RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent, **jobs)
+        RESULTS["projected_without_audit"] = project(RESULTS["projection"], args.items, args.divergent, audit=False)
+        RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True,
+                                                **jobs)
         RESULTS["projected_bucketed_with_dumps"] = project(RESULTS["projection"], args.items, args.divergent,
                                                            bucketed=True, dumps="divergent")
     save()
