@@ -151,3 +151,39 @@ def assert_each_precision_prepared_once_and_loaded_by_every_job(workdir, cfg):
                for path in paths)
     audit = pd.read_parquet(results / "primary" / "audit.parquet")
     assert len(audit) > 0 and audit["reproduced"].all()
+
+
+def test_the_preflight_reads_a_gguf_through_its_current_snapshot(gguf_source, tmp_path):
+    """Reading a GGUF's config and tokenizer takes most of a minute at a real vocabulary: the preflight reads them
+    from a prepared snapshot made from the GGUF's current bytes, and from the GGUF itself when there is none or
+    the GGUF has changed since."""
+    import shutil
+
+    from stagereplay.stages.input_fingerprints import model_fingerprint
+    from stagereplay.stages.preflight import check_run
+    from test_bad_inputs_data import valid_config
+
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(Path(gguf_source.path) / gguf_source.gguf_file, gguf)
+    source = ModelSource("gguf", str(tmp_path), gguf_file="model.gguf")
+    cfg = valid_config(model=str(gguf), revisions=["local"], n_items=3, precisions=["bf16"])
+    cache = HashCache(tmp_path / "hashes.json")
+    fingerprint = model_fingerprint(str(gguf), "local", cache=cache)
+    folder = tmp_path / "models/local/bf16"
+
+    def checked(fp):
+        return check_run(cfg, prepared={"local": [folder]}, fingerprints={"local": fp}, cache=cache)["revisions"]["local"]
+
+    assert checked(fingerprint)["checked_from"] == "source"  # nothing prepared yet
+    snapshot.prepare_snapshot(source, "bf16", folder, source_fingerprint=fingerprint, cache=cache)
+    through_snapshot = checked(fingerprint)
+    assert through_snapshot["checked_from"] == str(folder)
+    directly = check_run(cfg)["revisions"]["local"]
+    assert directly["checked_from"] == "source"
+    assert {k: v for k, v in through_snapshot.items() if k != "checked_from"} == \
+        {k: v for k, v in directly.items() if k != "checked_from"}  # the same context and prompt lengths
+
+    write_tiny_gguf(gguf, seed=1)  # other weights in the same file: the snapshot no longer stands for it
+    changed = model_fingerprint(str(gguf), "local", cache=cache)
+    assert changed["sha256"] != fingerprint["sha256"]
+    assert checked(changed)["checked_from"] == "source"

@@ -21,8 +21,16 @@ def preflight():
         dataset=dataset_config(),
         revisions=list(ALL_REVISIONS.values()),  # transplant-only revisions too
     )
-    summary = check_run(checked, jobs_run_here=jobs_run_here())
-    logger.info(f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}")
+    # A GGUF source is checked through a current prepared snapshot of it where an earlier run left one (seconds
+    # instead of reading the GGUF's metadata again; stagereplay.models.snapshot.checked_stand_in).
+    prepared = {name: sorted(Path(prepared_folder(slug)).glob("*")) for slug, name in ALL_REVISIONS.items()}
+    fingerprints = {name: model_files(name) for name in ALL_REVISIONS.values()}
+    summary = check_run(checked, jobs_run_here=jobs_run_here(), prepared=prepared, fingerprints=fingerprints,
+                        cache=FILE_HASHES)
+    stand_ins = [f"{name} through {info['checked_from']}" for name, info in summary["revisions"].items()
+                 if info["checked_from"] != "source"]
+    logger.info(f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}"
+                + (f" (model {'; '.join(stand_ins)}, its prepared snapshot)" if stand_ins else ""))
 
 
 onstart:

@@ -376,6 +376,35 @@ def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, prec
                             "added); delete the folder and rerun the workflow, which prepares it again")
 
 
+def checked_stand_in(folders, source: ModelSource, source_fingerprint: dict | None,
+                     cache: HashCache | None = None):
+    """The model config and tokenizer of a prepared snapshot of ``source`` among ``folders``, for the preflight
+    to check instead of the source's; None where none is a current one (made from other files, at another
+    format, changed since, or not there yet).
+
+    A GGUF source's config and tokenizer are built from its metadata (for a Qwen2 vocabulary about 300,000
+    strings read through gguf-py), which takes the better part of a minute; a snapshot made from the very same
+    file holds them as the ordinary files loading it reads (preparing proved they equal the source's), and
+    reading those takes seconds. Only a snapshot whose manifest names this source and its current fingerprint
+    stands in: any other is passed over, and the source is checked."""
+    from stagereplay.models.loading import checked_config, checked_tokenizer
+
+    if not (source_fingerprint or {}).get("sha256"):
+        return None
+    for folder in map(Path, folders):
+        try:
+            manifest = read_manifest(folder)
+            check_snapshot(folder, manifest, source, manifest.get("precision"), source_fingerprint, cache)
+        except SnapshotError:
+            continue
+        local = ModelSource("local", str(folder))
+        _, _, config, common = checked_config(local)
+        tokenizer = checked_tokenizer(local, source, common, getattr(config, "vocab_size", None),
+                                      load_tokenizer=_tokenizer_loader(manifest))
+        return folder, config, tokenizer
+    return None
+
+
 def load_prepared(folder: str | Path, source: ModelSource, precision: str, device: str = "auto",
                   attn_implementation: str = "eager", numerics: str = "default",
                   source_fingerprint: dict | None = None, trust_remote_code: bool = False,

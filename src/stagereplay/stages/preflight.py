@@ -15,6 +15,7 @@ from pathlib import Path
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
+from stagereplay.models.snapshot import checked_stand_in
 from stagereplay.models.loading import (
     ModelLoadError,
     ModelSource,
@@ -87,12 +88,16 @@ def check_output_folders(*folders: str | Path) -> None:
                 )
 
 
-def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True) -> dict:
+def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True,
+              prepared: dict | None = None, fingerprints: dict | None = None, cache=None) -> dict:
     """Every check that needs no weights, over the whole validated config; returns a short summary.
 
     ``config`` is the workflow's config after schema validation (defaults filled), with paths already resolved.
     ``jobs_run_here``: the jobs run on this machine, so the device they ask for must be here (a cluster's
-    submit host need not have the GPU its jobs get).
+    submit host need not have the GPU its jobs get). ``prepared`` maps a revision to the folders its prepared
+    snapshots go to and ``fingerprints`` to its model files' fingerprint: a GGUF source with a current snapshot
+    there is checked through the snapshot's config and tokenizer
+    (:func:`stagereplay.models.snapshot.checked_stand_in`), which takes seconds instead of most of a minute.
     """
     check_decode_settings(config.get("batch_size", 1), config.get("decode_regime", "eager"),
                           config.get("decode_attention", "masked"), config.get("decode_prefill_group"))
@@ -108,8 +113,16 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
     summary = {"n_items": len(selected), "revisions": {}}
     for revision in config["revisions"]:
         source = resolve_source(config["model"], revision, base_dir)
-        model_config, tokenizer = check_model(source, config["trust_remote_code"], config["allow_pickle"],
-                                              config["offline"])
+        stand_in = None
+        if source.kind == "gguf" and prepared:
+            stand_in = checked_stand_in((prepared or {}).get(revision, ()), source,
+                                        (fingerprints or {}).get(revision), cache)
+        if stand_in is not None:
+            checked_from, model_config, tokenizer = stand_in
+        else:
+            checked_from = None
+            model_config, tokenizer = check_model(source, config["trust_remote_code"], config["allow_pickle"],
+                                                  config["offline"])
         token_id = (config.get("boundary") or {}).get("token_id")
         vocab = getattr(model_config, "vocab_size", None)
         if token_id is not None and vocab is not None and token_id >= vocab:
@@ -126,5 +139,6 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
             check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
             longest = max(longest, n_prompt)
         summary["revisions"][revision] = {"source": source.describe(), "context": context,
-                                          "longest_prompt": longest}
+                                          "longest_prompt": longest,
+                                          "checked_from": str(checked_from) if checked_from else "source"}
     return summary
