@@ -172,7 +172,8 @@ def test_the_preflight_reads_a_gguf_through_its_current_snapshot(gguf_source, tm
     folder = tmp_path / "models/local/bf16"
 
     def checked(fp):
-        return check_run(cfg, prepared={"local": [folder]}, fingerprints={"local": fp}, cache=cache)["revisions"]["local"]
+        summary = check_run(cfg, prepared={"local": [folder]}, fingerprints={"local": fp}, cache=cache)
+        return summary["revisions"]["local"]
 
     assert checked(fingerprint)["checked_from"] == "source"  # nothing prepared yet
     snapshot.prepare_snapshot(source, "bf16", folder, source_fingerprint=fingerprint, cache=cache)

@@ -36,6 +36,8 @@ from stagereplay.models.loading import (
     LoadedModel,
     ModelLoadError,
     ModelSource,
+    checked_config,
+    checked_tokenizer,
     eos_token_ids,
     fetch_hub_snapshot,
     load_model,
@@ -378,17 +380,15 @@ def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, prec
 
 def checked_stand_in(folders, source: ModelSource, source_fingerprint: dict | None,
                      cache: HashCache | None = None):
-    """The model config and tokenizer of a prepared snapshot of ``source`` among ``folders``, for the preflight
-    to check instead of the source's; None where none is a current one (made from other files, at another
-    format, changed since, or not there yet).
+    """(folder, model config, tokenizer) of a prepared snapshot of ``source`` among ``folders``, for the
+    preflight to check instead of the source's; None where none is a current one (made from other files, in
+    another format, changed since, or not there yet).
 
     A GGUF source's config and tokenizer are built from its metadata (for a Qwen2 vocabulary about 300,000
     strings read through gguf-py), which takes the better part of a minute; a snapshot made from the very same
     file holds them as the ordinary files loading it reads (preparing proved they equal the source's), and
     reading those takes seconds. Only a snapshot whose manifest names this source and its current fingerprint
     stands in: any other is passed over, and the source is checked."""
-    from stagereplay.models.loading import checked_config, checked_tokenizer
-
     if not (source_fingerprint or {}).get("sha256"):
         return None
     for folder in map(Path, folders):

@@ -115,8 +115,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         source = resolve_source(config["model"], revision, base_dir)
         stand_in = None
         if source.kind == "gguf" and prepared:
-            stand_in = checked_stand_in((prepared or {}).get(revision, ()), source,
-                                        (fingerprints or {}).get(revision), cache)
+            stand_in = checked_stand_in(prepared.get(revision, ()), source, (fingerprints or {}).get(revision), cache)
         if stand_in is not None:
             checked_from, model_config, tokenizer = stand_in
         else:
