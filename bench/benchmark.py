@@ -444,7 +444,9 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     for m in measures:
         P, S, N = m["P"], m["S"], m["N"]
         steps = 2 * (S + N) + 2 * N
-        per_item = 2 * decode_seconds(m, P, S + N, bucketed) + 2 * decode_seconds(m, P + S - 1, N, bucketed)
+        # one incremental row (S teacher-forced steps then N) and one prefill row (N steps after a P+S prefill)
+        cell = decode_seconds(m, P, S + N, bucketed) + decode_seconds(m, P + S - 1, N, bucketed)
+        per_item = 2 * cell
         prefill_tokens = items * (2 * (P + S) + 2 * P)
         dumped = 0.0
         if m["precision"] == "bf16":
@@ -457,7 +459,7 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         if audit:  # one replica of each construction the ledger holds at this precision
             cells = 2 if m["precision"] == "bf16" else 1  # the 2x2's two, plus the matched experiment's at bf16
             steps += cells * ((S + N) + N)
-            per_item += cells * (decode_seconds(m, P, S + N, bucketed) + decode_seconds(m, P + S - 1, N, bucketed))
+            per_item += cells * cell
             prefill_tokens += items * cells * (P + (P + S))
         decode_s = items * per_item
         prefill_s = prefill_tokens / m["prefill_tokens_s"]

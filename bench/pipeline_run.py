@@ -40,7 +40,8 @@ def write_config(work: Path, args) -> Path:
         "bridge": {"n_rows": min(8, args.items), "seed": 0},
         "boundary": {"marker": "~", "occurrence": args.stage},
         "max_stage_tokens": args.stage + args.stage // 4 + 16, "max_new_tokens": args.suffix,
-        "shards": args.shards, "threads": 1, "device": "auto", "attn_implementation": "sdpa",
+        "shards": args.shards, "threads": 1, "device": "auto" if args.device == "cuda" else args.device,
+        "attn_implementation": "sdpa",
         "numerics": args.numerics, "batch_size": args.batch_size, "decode_regime": args.regime,
         "batch_invariance": {"sample": min(8, args.items), "seed": 0},
         "cache_differences": {"n_items": min(8, args.items), "precisions": args.precisions, "prefix_precision": None},
@@ -59,12 +60,12 @@ class GpuSampler:
 
     def __init__(self):
         self.samples: list[float] = []
+        self.memory: list[float] = []
         self.proc = None
         if shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
                                           "--format=csv,noheader,nounits", "-lms", "200"],
                                          stdout=subprocess.PIPE, text=True)
-            self.memory: list[float] = []
             threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
@@ -101,14 +102,13 @@ def ledger_lengths(work: Path) -> dict:
     paths = list((work / "results").rglob("ledger.parquet"))
     if not paths:
         return {}
+    from stagereplay.analysis.tables import pair_table
+
     ledger = pd.read_parquet(paths[0])
     ok = ledger[(ledger["status"] == "ok") & (ledger["replica"] == 1)]
-    matched = ok[ok["experiment"] == "matched"]
-    live = matched[matched["construction"] == "live"]
-    pairs = live.merge(matched[matched["construction"] == "prefill"], on=["item_index", "precision"],
-                       suffixes=("_live", "_prefill"))
-    divergent = {p: float(g.apply(lambda r: list(r["suffix_ids_live"]) != list(r["suffix_ids_prefill"]), axis=1).mean())
-                 for p, g in pairs.groupby("precision")}
+    live = ok[(ok["experiment"] == "matched") & (ok["construction"] == "live")]
+    pairs = pair_table(ledger, "matched", "live", "prefill")  # the report's own pairing of live and prefill
+    divergent = {p: float(g["disagree"].mean()) for p, g in pairs.groupby("precision")}
     return {"rows": int(len(ledger)), "mean_prompt": float(live["prompt_ids"].map(len).mean()),
             "mean_stage": float(live["stage_ids"].map(len).mean()),
             "mean_suffix": float(ok["suffix_ids"].map(len).mean()), "divergent_share": divergent}
@@ -147,9 +147,6 @@ def main() -> int:
                     args.shape] + (["--device", "cuda:0"] if args.device == "cuda" else []), check=True, env=env)
     built_s = time.perf_counter() - t0
     config = write_config(work, args)
-    if args.device == "cpu":
-        text = config.read_text().replace('"device": "auto"', '"device": "cpu"')
-        config.write_text(text)
     command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work),
                "--configfile", str(config), "--cores", str(args.cores), "--resources", f"gpu={args.gpu_slots}"]
     sampler = GpuSampler()

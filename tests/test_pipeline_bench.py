@@ -18,13 +18,16 @@ spec.loader.exec_module(pipeline_run)
 def test_the_written_config_is_valid_and_has_the_asked_scale(tmp_path):
     args = argparse.Namespace(items=48, stage=256, suffix=128, precisions=["bf16", "fp32"], shards=1,
                               numerics="default", batch_size=16, regime="cuda_graph", transplant_select="sample:8",
-                              minimal_budget=8)
+                              minimal_budget=8, device="cuda")
     cfg = yaml.safe_load(pipeline_run.write_config(tmp_path, args).read_text())
     validate(cfg, str(REPO / "workflow/schemas/config.schema.yaml"), set_default=True)
     assert cfg["n_items"] == 48 and cfg["max_new_tokens"] == 128 and cfg["boundary"]["occurrence"] == 256
     assert cfg["max_stage_tokens"] > 256  # room to reach the 256th filler
     assert cfg["transplant"]["select"] == "sample:8" and cfg["transplant"]["minimal"]["budget"] == 8
     assert cfg["decode_regime"] == "cuda_graph" and cfg["batch_size"] == 16
+    assert cfg["device"] == "auto"
+    args.device = "cpu"
+    assert yaml.safe_load(pipeline_run.write_config(tmp_path, args).read_text())["device"] == "cpu"
 
 
 def test_benchmark_files_are_summed_by_rule(tmp_path):

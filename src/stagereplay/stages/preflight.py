@@ -119,7 +119,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         if stand_in is not None:
             checked_from, model_config, tokenizer = stand_in
         else:
-            checked_from = None
+            checked_from = "source"
             model_config, tokenizer = check_model(source, config["trust_remote_code"], config["allow_pickle"],
                                                   config["offline"])
         token_id = (config.get("boundary") or {}).get("token_id")
@@ -139,5 +139,5 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
             longest = max(longest, n_prompt)
         summary["revisions"][revision] = {"source": source.describe(), "context": context,
                                           "longest_prompt": longest,
-                                          "checked_from": str(checked_from) if checked_from else "source"}
+                                          "checked_from": str(checked_from)}
     return summary
