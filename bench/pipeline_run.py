@@ -29,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the package is not installed
 
 
 def write_config(work: Path, args) -> Path:
@@ -114,6 +115,15 @@ def ledger_lengths(work: Path) -> dict:
             "mean_suffix": float(ok["suffix_ids"].map(len).mean()), "divergent_share": divergent}
 
 
+def summary_or_error(summary, work: Path) -> dict:
+    """``summary(work)``, or the error it raised: a stopped run's ledger may be missing, and the measured times
+    must still be written."""
+    try:
+        return summary(work)
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, not hidden
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="a fresh folder for the model, config and run")
@@ -178,13 +188,15 @@ def main() -> int:
         "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "weights": f"random, {args.shape} shape", "argv": sys.argv[1:],
         "status": status, "model_built_s": round(built_s, 1), "wall_s": round(wall, 1), "jobs": int(len(jobs)),
-        "job_seconds": round(float(jobs["s"].sum()), 1), "gpu": gpu, "ledger": ledger_lengths(work),
+        "job_seconds": round(float(jobs["s"].sum()), 1), "gpu": gpu, "ledger": summary_or_error(ledger_lengths, work),
         "rules": {rule: {k: (round(float(v), 1) if k != "jobs" else int(v)) for k, v in row.items()}
                   for rule, row in by_rule.iterrows()},
     }
     text = json.dumps(report, indent=1)
     print(text)
-    Path(args.json or work / "pipeline_run.json").write_text(text + "\n")
+    out = Path(args.json or work / "pipeline_run.json")
+    out.write_text(text + "\n")
+    shutil.copyfile(work / "snakemake.log", out.with_suffix(".snakemake.log"))
     return 0 if status == "complete" else 1
 
 

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from stagereplay.experiments.minimal_transplant import Box, candidates, search, span_shares
+from stagereplay.experiments.minimal_transplant import Box, candidates, search, search_together, span_shares
 from stagereplay.experiments.transplant import TransplantSpec, position_range, transplant_edit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +57,27 @@ def test_budget_and_whole_cache_failures_are_reported():
     assert never.box is None and not never.full_sufficient and never.runs == 1
     with pytest.raises(ValueError, match="budget of at least one"):
         search(sufficient, 4, 23, 0)
+
+
+def test_searches_in_lockstep_try_what_each_search_alone_tries():
+    """The stage runs the searches of a batch's rows together, one decode per round: each must try exactly the
+    boxes, in the order, and return the result it gets alone, also when the searches end after different rounds."""
+    plants = {0: dict(layers=[2], component="k", positions=[15]), 1: dict(component="v", positions=[3, 4]),
+              2: dict(layers=[0, 3]), 3: dict(layers=[1], component="v", positions=[5])}
+    shapes = {0: (4, 23), 1: (1, 8), 2: (4, 23), 3: (4, 23)}
+    for budget in (4, 40):
+        runners = {key: planted(**plant)[0] for key, plant in plants.items()}
+        rounds = []
+
+        def sufficient(boxes):
+            rounds.append(sorted(boxes))
+            return {key: runners[key](box) for key, box in boxes.items()}
+
+        together = search_together(sufficient, shapes, budget)
+        alone = {key: search(planted(**plants[key])[0], *shapes[key], budget) for key in plants}
+        assert together == alone
+        assert len(rounds) == max(r.runs for r in alone.values())  # one round per box of the longest search
+        assert len({r.runs for r in alone.values()}) > 1 or budget == 4  # they end after different rounds
 
 
 def test_span_shares():

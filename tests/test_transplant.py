@@ -1,5 +1,6 @@
 """Transplants, sweeps, outcome-blind selection and cache dumps on a tiny random Qwen2 (CPU, seconds)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pandas as pd
@@ -20,8 +21,9 @@ from stagereplay.experiments.transplant import (
     classify,
     enumerate_sweeps,
     choose_transplant_items,
+    transplant_batch,
     transplant_edit,
-    transplant_row,
+    transplant_rows,
 )
 from stagereplay.io import cache_dumps as cache_io
 from stagereplay.io.fingerprints import fingerprint_layers, tensor_bytes
@@ -103,8 +105,7 @@ def test_transplant_follows_a_deliberately_perturbed_donor(setup, monkeypatch):
     assert a.suffix_ids != b.suffix_ids, "the perturbation must change the continuation for this test to bite"
     assert a.fingerprints[1] == b.fingerprints[1] and a.fingerprints[2][1] != b.fingerprints[2][1]
     specs = enumerate_sweeps(list(SWEEPS), N_LAYERS)
-    rows = transplant_row(decoder, Batch(None, ({"item_index": 0},)), [PROMPT], [stage], settings(),
-                          {"perturbed": [b], "prefill": [a]}, 0, specs)
+    rows = transplant_batch(decoder, [PROMPT], [stage], settings(), {"perturbed": [b], "prefill": [a]}, [0], specs)[0]
     assert len(rows) == 2 * len(specs)
     suffix = {"perturbed": b.suffix_ids, "prefill": a.suffix_ids}
     cache = {"perturbed": b.fingerprints[0], "prefill": a.fingerprints[0]}
@@ -185,13 +186,12 @@ def test_all_layer_transplant_between_constructions_continues_as_the_donor(tiny_
     decoder = make_decoder(loaded.model, (), regime, max_len=40, max_rows=3)
     prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
     stages = [[8, 15, 4, 19, 11, 6], [3, 5, 7], [12, 13, 14, 20, 9]]
-    batch = Batch(0, tuple({"item_index": i} for i in range(3)))
     s = settings(regime=regime)
     row = 1
     own_runs = {name: run(decoder, name, prompts, s, stages=stages, keep={row}) for name in ("incremental", "prefill")}
     if regime == "static":
         assert len({res.pad for res in own_runs["prefill"]}) > 1  # left-padded rows
-    rows = transplant_row(decoder, batch, prompts, stages, s, own_runs, row, [ALL])
+    rows = transplant_batch(decoder, prompts, stages, s, own_runs, [row], [ALL])[row]
     assert [r["direction"] for r in rows] == ["incremental->prefill", "prefill->incremental"]
     for r in rows:
         donor = own_runs[r["donor"]][row]
@@ -205,6 +205,34 @@ def test_all_layer_transplant_between_constructions_continues_as_the_donor(tiny_
     for r in (0, 2):
         assert edited[r].fingerprints == own_runs["prefill"][r].fingerprints
         assert edited[r].suffix_ids == own_runs["prefill"][r].suffix_ids
+
+
+@pytest.mark.parametrize("regime", ["eager", "static"])
+def test_rows_transplanted_together_equal_each_row_transplanted_alone(tiny_model_dir, regime):
+    """The transplant stage edits every selected row of a batch in one decode; each row's result must be the bytes
+    it gets when it is the only row edited (the batch's layout is the same; other rows' values must not matter),
+    and a row left unedited beside transplanted ones must reproduce its own result, or the stage stops."""
+    from stagereplay.models.loading import ModelSource, load_model
+
+    loaded = load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")
+    decoder = make_decoder(loaded.model, (), regime, max_len=40, max_rows=3)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
+    stages = [[8, 15, 4, 19, 11, 6], [3, 5, 7], [12, 13, 14, 20, 9]]
+    s = settings("bf16", regime=regime)
+    own_runs = {name: run(decoder, name, prompts, s, stages=stages, keep={0, 1, 2}) for name in ("incremental", "prefill")}
+    specs = enumerate_sweeps(["all", "halves", "k_only", "prompt_positions"], N_LAYERS)
+    together = transplant_batch(decoder, prompts, stages, s, own_runs, [0, 1, 2], specs)
+    for r in range(3):
+        alone = transplant_batch(decoder, prompts, stages, s, own_runs, [r], specs)[r]
+        assert [row["rows_transplanted"] for row in together[r]] == [3] * 2 * len(specs)
+        keys = ("direction", "layer_set", "component", "positions", "outcome", "suffix_ids", "margins",
+                "cache_fingerprint", "layout_pad", "layout_position")
+        assert [[row[k] for k in keys] for row in together[r]] == [[row[k] for k in keys] for row in alone]
+    # a row decoded unedited must reproduce its own result: a tampered own result of row 0 stops the transplant
+    tampered = {name: list(results) for name, results in own_runs.items()}
+    tampered["prefill"][0] = dataclasses.replace(tampered["prefill"][0], suffix_ids=[1, 2, 3])
+    with pytest.raises(ReplicaMismatchError, match="batch row 0"):
+        transplant_rows(decoder, prompts, stages, s, tampered, "incremental", "prefill", {1: ALL})
 
 
 def test_sweeps_enumerate_what_is_asked():

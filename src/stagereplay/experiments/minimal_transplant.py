@@ -89,9 +89,10 @@ class _BudgetSpent(Exception):
     pass
 
 
-def search(sufficient: Callable[[Box], bool], num_layers: int, cache_length: int, budget: int) -> SearchResult:
-    """The greedy bisection of the module's docstring; ``sufficient(box)`` runs one transplant (at most ``budget``
-    calls in all, each box once)."""
+def search_steps(num_layers: int, cache_length: int, budget: int):
+    """The greedy bisection of the module's docstring as a generator: it yields each box to run (at most
+    ``budget``, each box once), is sent whether that box sufficed, and returns the :class:`SearchResult`. Driven
+    by :func:`search` one box at a time, or by :func:`search_together` for several searches in lockstep."""
     if budget < 1:
         raise ValueError(f"the search needs a budget of at least one transplant run, got {budget}")
     if num_layers < 1 or cache_length < 1:
@@ -99,16 +100,16 @@ def search(sufficient: Callable[[Box], bool], num_layers: int, cache_length: int
     tried: dict[Box, bool] = {}
     trials: list[tuple[Box, bool]] = []
 
-    def test(box: Box) -> bool:
+    def test(box: Box):
         if box not in tried:
             if len(trials) >= budget:
                 raise _BudgetSpent
-            tried[box] = bool(sufficient(box))
+            tried[box] = bool((yield box))
             trials.append((box, tried[box]))
         return tried[box]
 
     whole = Box(0, num_layers, "kv", 0, cache_length)
-    if not test(whole):
+    if not (yield from test(whole)):
         return SearchResult(None, len(trials), False, False, False, trials)
     box, exhausted = whole, False
     try:
@@ -120,13 +121,43 @@ def search(sufficient: Callable[[Box], bool], num_layers: int, cache_length: int
                 while narrowed:
                     narrowed = False
                     for candidate in candidates(box, axis):
-                        if test(candidate):
+                        if (yield from test(candidate)):
                             box, narrowed, changed = candidate, True, True
                             break
     except _BudgetSpent:
         exhausted = True
     minimal = not exhausted and all(c in tried and not tried[c] for axis in AXES for c in candidates(box, axis))
     return SearchResult(box, len(trials), True, exhausted, minimal, trials)
+
+
+def search(sufficient: Callable[[Box], bool], num_layers: int, cache_length: int, budget: int) -> SearchResult:
+    """The greedy bisection of the module's docstring; ``sufficient(box)`` runs one transplant (at most ``budget``
+    calls in all, each box once)."""
+    return search_together(lambda boxes: {key: sufficient(box) for key, box in boxes.items()},
+                           {None: (num_layers, cache_length)}, budget)[None]
+
+
+def search_together(sufficient: Callable[[dict], dict], starts: dict, budget: int) -> dict:
+    """Several searches in lockstep: ``starts`` maps a key (a batch row, say) to its (num_layers, cache_length);
+    each round ``sufficient({key: box})`` runs the next box of every search still going (in one batched decode,
+    say) and returns ``{key: whether it sufficed}``. Each search tries exactly the boxes :func:`search` alone
+    would; returns ``{key: SearchResult}``."""
+    running, results = {}, {}
+    for key, (num_layers, cache_length) in starts.items():
+        gen = search_steps(num_layers, cache_length, budget)
+        try:
+            running[key] = (gen, next(gen))
+        except StopIteration as stop:
+            results[key] = stop.value
+    while running:
+        answers = sufficient({key: box for key, (_, box) in running.items()})
+        for key, (gen, _) in list(running.items()):
+            try:
+                running[key] = (gen, gen.send(answers[key]))
+            except StopIteration as stop:
+                results[key] = stop.value
+                del running[key]
+    return results
 
 
 def span_shares(lo: int, hi: int, prompt_length: int, cache_length: int) -> dict[str, float | None]:

@@ -29,10 +29,9 @@ import pandas as pd
 
 from stagereplay.decode.greedy import RowResult
 from stagereplay.io.ids import first_divergence
-from stagereplay.decode.plans import Batch
 from stagereplay.decode.protocol import Decoder, Layers
 from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.rows import ReplicaMismatchError, RunSettings
 from stagereplay.io.fingerprints import fingerprint_ids
 
 SWEEPS = ("all", "single_layers", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions")
@@ -174,14 +173,35 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
     return Outcome(outcome, fd_donor, fd_recipient)
 
 
-def transplant_once(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
-                    settings: RunSettings, own: dict[str, list[RowResult]], row: int, donor: str, recipient: str,
-                    spec: TransplantSpec) -> tuple[RowResult, Outcome]:
-    """One transplant: the recipient's whole batch decoded again (the one recipe, the batch's own layout) with row
-    ``row``'s boundary cache edited by ``spec`` from the donor's; its result and outcome."""
-    edit = transplant_edit(row, spec, own[donor][row].layers, len(prompts[row]))
-    res = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)[row]
-    return res, classify(res.suffix_ids, own[donor][row].suffix_ids, own[recipient][row].suffix_ids)
+def transplant_rows(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
+                    settings: RunSettings, own: dict[str, list[RowResult]], donor: str, recipient: str,
+                    specs: dict[int, TransplantSpec]) -> dict[int, tuple[RowResult, Outcome]]:
+    """Transplants of several rows of one batch in one decode: the recipient's whole batch decoded again (the one
+    recipe, the batch's own layout) with row ``r``'s boundary cache edited by ``specs[r]`` from the donor's row
+    ``r``; each edited row's result and outcome.
+
+    A row's bits may depend on its batch's layout (rows, padding, buffer length), which every transplant keeps, but
+    never on the values in the other rows: every row decoded here without an edit is checked to reproduce the
+    recipient's own result bit for bit (cache fingerprint and suffix ids), so a transplant that leaked into another
+    row would stop the stage, not pass as data."""
+    edits = {r: transplant_edit(r, spec, own[donor][r].layers, len(prompts[r])) for r, spec in specs.items()}
+
+    def edit(r: int, layers: Layers) -> None:
+        if r in edits:
+            edits[r](r, layers)
+
+    results = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)
+    for r, res in enumerate(results):
+        if r in specs or stages[r] is None:
+            continue
+        mine = own[recipient][r]
+        if res.fingerprints[0] != mine.fingerprints[0] or res.suffix_ids != mine.suffix_ids:
+            raise ReplicaMismatchError(
+                f"batch row {r}, decoded without an edit beside {len(specs)} transplanted rows, differs from the "
+                f"{recipient} construction's own result: a row's continuation must not depend on the values in the "
+                "other rows of its batch")
+    return {r: (results[r], classify(results[r].suffix_ids, own[donor][r].suffix_ids, own[recipient][r].suffix_ids))
+            for r in specs}
 
 
 def directions(own: dict) -> list[tuple[str, str]]:
@@ -192,29 +212,36 @@ def directions(own: dict) -> list[tuple[str, str]]:
     return [(names[0], names[1]), (names[1], names[0])]
 
 
-def transplant_row(decoder: Decoder, batch: Batch, prompts: list[list[int]], stages: list[list[int] | None],
-                   settings: RunSettings, own: dict[str, list[RowResult]], row: int,
-                   specs: list[TransplantSpec]) -> list[dict]:
+def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
+                     settings: RunSettings, own: dict[str, list[RowResult]], rows: list[int],
+                     specs: list[TransplantSpec], labels: dict[int, dict[str, str]] | None = None
+                     ) -> dict[int, list[dict]]:
     """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,
-    the row's cache kept) for row ``row``: each transplant is the recipient's whole batch decoded again with the
-    row's boundary cache edited. Returns plain row dicts."""
+    the rows' caches kept) for each of ``rows``: per direction and spec, one decode of the recipient's whole batch
+    with every one of ``rows`` edited (:func:`transplant_rows`). ``labels[r]`` renames a construction for row
+    ``r``'s records (a rebuilt live cache that is not bit-exact is ``incremental``). Returns, per row, plain row
+    dicts in the order direction, spec."""
     pair = directions(own)
-    num_layers = len(own[pair[0][0]][row].layers)
-    divergent = first_divergence(own[pair[0][0]][row].suffix_ids, own[pair[0][1]][row].suffix_ids) is not None
-    out = []
+    a, b = pair[0]
+    out: dict[int, list[dict]] = {r: [] for r in rows}
     for donor, recipient in pair:
         for spec in specs:
-            res, result = transplant_once(decoder, prompts, stages, settings, own, row, donor, recipient, spec)
-            out.append({
-                "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",
-                "sweep": spec.sweep, "layer_set": spec.layer_set(num_layers), "layers": list(spec.layers),
-                "component": spec.component, "positions": spec.positions, "divergent": divergent,
-                "outcome": result.outcome, "first_divergence_donor": result.first_divergence_donor,
-                "first_divergence_recipient": result.first_divergence_recipient,
-                "suffix_ids": res.suffix_ids, "suffix_fingerprint": fingerprint_ids(res.suffix_ids),
-                "margins": res.margins, "stop_reason": res.stop_reason, "cache_fingerprint": res.fingerprints[0],
-                "layout_pad": res.pad, "layout_position": res.position,
-            })
+            done = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, {r: spec for r in rows})
+            for r in rows:
+                res, result = done[r]
+                name = labels[r] if labels else {a: a, b: b}
+                out[r].append({
+                    "donor": name[donor], "recipient": name[recipient],
+                    "direction": f"{name[donor]}->{name[recipient]}", "sweep": spec.sweep,
+                    "layer_set": spec.layer_set(len(own[a][r].layers)), "layers": list(spec.layers),
+                    "component": spec.component, "positions": spec.positions,
+                    "divergent": first_divergence(own[a][r].suffix_ids, own[b][r].suffix_ids) is not None,
+                    "outcome": result.outcome, "first_divergence_donor": result.first_divergence_donor,
+                    "first_divergence_recipient": result.first_divergence_recipient,
+                    "suffix_ids": res.suffix_ids, "suffix_fingerprint": fingerprint_ids(res.suffix_ids),
+                    "margins": res.margins, "stop_reason": res.stop_reason, "cache_fingerprint": res.fingerprints[0],
+                    "layout_pad": res.pad, "layout_position": res.position, "rows_transplanted": len(rows),
+                })
     return out
 
 

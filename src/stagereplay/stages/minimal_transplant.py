@@ -15,8 +15,8 @@ import logging
 import pandas as pd
 import pyarrow as pa
 
-from stagereplay.experiments.minimal_transplant import search, span_shares
-from stagereplay.experiments.transplant import directions, layer_set_name, transplant_once
+from stagereplay.experiments.minimal_transplant import search_together, span_shares
+from stagereplay.experiments.transplant import directions, layer_set_name, transplant_rows
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import software_versions
@@ -104,26 +104,33 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
         for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision}", enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
+            shape = {}
             for r in sorted(wanted):
-                own = {rebuild.names[r][name]: rebuild.own[name] for name in pair}
-                layers = next(iter(own.values()))[r].layers
-                num_layers, cache_length = len(layers), int(layers[0][0].shape[2])  # (1, kv_heads, seq, head_dim)
-                suffix_a, suffix_b = (results[r].suffix_ids for results in own.values())
-                if suffix_a == suffix_b:
+                layers = rebuild.own[pair[0]][r].layers
+                shape[r] = (len(layers), int(layers[0][0].shape[2]))  # (1, kv_heads, seq, head_dim)
+                if rebuild.own[pair[0]][r].suffix_ids == rebuild.own[pair[1]][r].suffix_ids:
                     raise ValueError(f"item {batch.items[r]['item_id']!r} is divergent in the selection but its "
                                      "rebuilt constructions continue alike; rerun the selection")
-                for donor, recipient in directions(own):
-                    outcomes: list[str] = []
+            searched = {}
+            for donor, recipient in directions(rebuild.own):
+                outcomes: dict[int, list[str]] = {r: [] for r in wanted}
 
-                    def sufficient(box, r=r, donor=donor, recipient=recipient, outcomes=outcomes) -> bool:
-                        _, outcome = transplant_once(job.decoder, rebuild.prompts, rebuild.stages, settings, own, r,
-                                                     donor, recipient, box.spec())
-                        outcomes.append(outcome.outcome)
-                        return outcome.outcome == "donor"
+                def sufficient(boxes: dict, donor=donor, recipient=recipient, outcomes=outcomes) -> dict:
+                    """One round: every search still going runs its next box, all in one decode of the batch."""
+                    done = transplant_rows(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own,
+                                           donor, recipient, {r: box.spec() for r, box in boxes.items()})
+                    for r, (_, outcome) in done.items():
+                        outcomes[r].append(outcome.outcome)
+                    return {r: outcome.outcome == "donor" for r, (_, outcome) in done.items()}
 
-                    result = search(sufficient, num_layers, cache_length, s.budget)
-                    rows.append(_row(batch.items[r], s, donor, recipient, result, outcomes, num_layers,
-                                     cache_length, len(rebuild.prompts[r]), rebuild.match[r]))
+                for r, result in search_together(sufficient, shape, s.budget).items():
+                    searched[r, donor] = (result, outcomes[r])
+            for r in sorted(wanted):
+                name = rebuild.names[r]
+                for donor, recipient in directions(rebuild.own):
+                    result, outcomes = searched[r, donor]
+                    rows.append(_row(batch.items[r], s, name[donor], name[recipient], result, outcomes, *shape[r],
+                                     len(rebuild.prompts[r]), rebuild.match[r]))
     df = pd.DataFrame(rows, columns=MINIMAL_TRANSPLANT_SCHEMA.names).astype(
         {c: "object" for c in ("layer_lo", "layer_hi", "position_lo", "position_hi", "share_of_prompt",
                                "share_of_stage", "live_fingerprint_match")})
@@ -137,7 +144,8 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
     prov = {**base, "selection": read_provenance(selection_path).get("selection"),
             "search": {"budget": s.budget, "method": "greedy bisection: component (K, then V), layers and positions "
                        "(lower half first), in passes until none narrows; sufficient = follows the donor; minimal "
-                       "against halving, not a global minimum"},
+                       "against halving, not a global minimum; the searches of a batch's rows run in lockstep, one decode of "
+                       "the batch per round, every row not edited in it checked to reproduce its own result"},
             "batch_plan": None if plan is None else plan.record()}
     write_parquet(df, out_path, prov, MINIMAL_TRANSPLANT_SCHEMA)
     return df

@@ -23,7 +23,7 @@ from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.matched import fixed_prefix
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import LEDGER_SCHEMA, ReplicaMismatchError
-from stagereplay.experiments.transplant import enumerate_sweeps, choose_transplant_items, rebuilt_as, transplant_row
+from stagereplay.experiments.transplant import choose_transplant_items, enumerate_sweeps, rebuilt_as, transplant_batch
 from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
@@ -87,6 +87,7 @@ TRANSPLANT_SCHEMA = pa.schema([
     ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
     ("layout_pad", pa.int32()),  # the recipient row's layout in its batch (the donor's is the same)
     ("layout_position", pa.int32()),
+    ("rows_transplanted", pa.int32()),  # rows of the batch transplanted in the same decode (the others checked unchanged)
 ])
 
 
@@ -297,12 +298,13 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision}", enabled=s.progress):
         wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
         rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
+        done = transplant_batch(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted),
+                                specs, labels=rebuild.names)
         for r in sorted(wanted):
-            item, names = batch.items[r], rebuild.names[r]
-            own = {names[name]: rebuild.own[name] for name in pair}
-            fps = {names[name]: (rebuild.own[name][r].fingerprints[0], rebuild.own[name][r].suffix_ids)
+            item = batch.items[r]
+            fps = {rebuild.names[r][name]: (rebuild.own[name][r].fingerprints[0], rebuild.own[name][r].suffix_ids)
                    for name in pair}
-            for row in transplant_row(job.decoder, batch, rebuild.prompts, rebuild.stages, settings, own, r, specs):
+            for row in done[r]:
                 donor, recipient = row["donor"], row["recipient"]
                 rows.append({"item_index": int(item["item_index"]), "item_id": item["item_id"],
                              "revision": s.revision, "precision": s.precision, **row,
