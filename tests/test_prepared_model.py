@@ -58,6 +58,53 @@ def test_the_check_sees_a_tokenizer_that_only_differs_in_its_normaliser(gguf_sou
     assert len(problems) == 1 and problems[0].startswith("tokenizer differs in") and "pipeline" in problems[0]
 
 
+def tokenizer_state(tokenizer) -> dict:
+    """A tokenizer as a job sees it, beyond its signature: class, added tokens and special tokens with their
+    flags, the keywords it was built with."""
+    return {"class": type(tokenizer).__name__, "signature": snapshot.tokenizer_signature(tokenizer),
+            "added": {i: repr(t) for i, t in tokenizer.added_tokens_decoder.items()},
+            "special": {k: repr(v) for k, v in tokenizer._special_tokens_map.items()},
+            "extra_special": [repr(t) for t in tokenizer._extra_special_tokens],
+            "init_kwargs": {k: repr(v) for k, v in tokenizer.init_kwargs.items()},
+            "split_special_tokens": tokenizer.split_special_tokens, "name_or_path": tokenizer.name_or_path}
+
+
+def test_the_snapshot_tokenizer_is_what_from_pretrained_makes_of_its_pipeline(gguf_source, tmp_path):
+    """The verbatim loader spares ``from_pretrained`` reading tokenizer.json twice more
+    (``compat.tokenizer_object_keywords``); the tokenizer must be the one the plain call gives, and encode as the
+    GGUF's own does. A legacy special_tokens_map.json, which only the skipped branch reads, turns the shortcut off."""
+    from tokenizers import Tokenizer
+    from transformers import Qwen2Tokenizer
+
+    from stagereplay.models import compat
+
+    folder = tmp_path / "bf16"
+    snapshot.prepare_snapshot(gguf_source, "bf16", folder)
+    load = snapshot.verbatim_tokenizer("Qwen2Tokenizer")
+
+    def plain():
+        pipeline = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return Qwen2Tokenizer.from_pretrained(str(folder), tokenizer_object=pipeline)
+
+    assert set(compat.tokenizer_object_keywords(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))) \
+        == {"added_tokens_decoder", "tokenizer_file"}  # the shortcut is taken for a snapshot as written
+    fast = load(str(folder))
+    assert tokenizer_state(fast) == tokenizer_state(plain())
+    assert fast.backend_tokenizer.normalizer is None  # the GGUF's pipeline, not the class's (NFC)
+    source = load_model(gguf_source, "bf16", "cpu").tokenizer
+    texts = [*snapshot.PROBE_TEXTS, "12 + 7 = 19\n\n<|im_start|>user\ncaf\u00e9 <think>x</think>"]
+    for text in texts:
+        assert fast(text)["input_ids"] == source(text)["input_ids"], text
+        assert fast.decode(fast(text)["input_ids"]) == source.decode(source(text)["input_ids"]), text
+    assert fast.apply_chat_template([{"role": "user", "content": texts[0]}], add_generation_prompt=True) == \
+        source.apply_chat_template([{"role": "user", "content": texts[0]}], add_generation_prompt=True)
+
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<|im_start|>"}))
+    assert compat.tokenizer_object_keywords(folder, None) == {}
+    legacy = load(str(folder))
+    assert legacy.pad_token == "<|im_start|>" and tokenizer_state(legacy) == tokenizer_state(plain())
+
+
 def test_a_snapshot_that_does_not_reproduce_its_source_is_not_kept(gguf_source, tmp_path, monkeypatch):
     write = snapshot._write_converted
 
