@@ -18,6 +18,15 @@ workflow, preparing records the snapshot's file digests in a digest cache, so a 
 
     python bench/prepared_load.py --work /tmp/prep_bench            # 0.5B shape, bf16, 2 repeats
     python bench/prepared_load.py --work /tmp/prep_bench --precision fp32 --repeats 3
+
+``--parts`` times only the snapshot's load, split into its parts (each a fresh process: the file check, the
+config, importing the model's and the tokenizer's transformers code, ``from_pretrained``, the weights check, the
+tokenizer, ``.to(device)`` and eval mode, and the rest), keeping a snapshot already prepared in ``--work``.
+``--src NAME=PATH`` (repeatable) loads it with the package from another source tree as well, the trees'
+processes interleaved, so that two versions of the code are compared in one run under the same load:
+
+    git archive HEAD src | tar -x -C /tmp/old                       # the committed code, to compare against
+    python bench/prepared_load.py --work /tmp/prep_bench --parts --repeats 3 --src old=/tmp/old/src --src new=src
 """
 
 from __future__ import annotations
@@ -172,6 +181,116 @@ print(json.dumps({"what": what, "seconds": time.perf_counter() - t0 - sum(parts.
 """
 
 
+# ``--parts``: one ``load_prepared`` of the snapshot in a fresh process, the time of each part taken by wrapping the
+# functions it calls (so that the code timed is the code a job runs); the transformers modules the model class and
+# the tokenizer class live in are imported first, timed apart (a job imports them inside its load).
+PARTS_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import transformers
+from stagereplay.models import loading, snapshot
+from stagereplay.models.loading import ModelSource, set_determinism
+from stagereplay.io.file_hashes import HashCache
+set_determinism(THREADS)
+imported = time.perf_counter() - t0
+precision, folder, gguf_file, out, hashes, device = sys.argv[1:7]
+cache = HashCache(hashes)
+source = ModelSource("gguf", folder, gguf_file=gguf_file)
+parts = {}
+
+active = []
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        if active:  # called inside another part (from_pretrained calls eval): counted there
+            return fn(*args, **kwargs)
+        active.append(name)
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+            active.pop()
+    return wrapper
+
+t = time.perf_counter()
+manifest = snapshot.read_manifest(out)
+config = transformers.AutoConfig.from_pretrained(out)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports modeling_<type> (and modeling_utils, generation, losses)
+getattr(transformers, manifest.get("tokenizer_class") or "AutoTokenizer")
+parts["imports_model_tokenizer_code"] = time.perf_counter() - t
+snapshot.check_snapshot = timed("check_snapshot", snapshot.check_snapshot)
+loading.checked_config = timed("config", loading.checked_config)
+loading.check_weights_match_config = timed("check_weights", loading.check_weights_match_config)
+loading.checked_tokenizer = timed("tokenizer", loading.checked_tokenizer)
+auto = transformers.AutoModelForCausalLM
+auto.from_pretrained = timed("from_pretrained", auto.from_pretrained)
+torch.nn.Module.to = timed("to_device", torch.nn.Module.to)
+torch.nn.Module.eval = timed("eval", torch.nn.Module.eval)
+t = time.perf_counter()
+loaded = snapshot.load_prepared(out, source, precision, device, "sdpa", cache=cache)
+total = time.perf_counter() - t
+parts["rest"] = total - sum(v for k, v in parts.items() if k != "imports_model_tokenizer_code")
+probe = loaded.tokenizer(snapshot.PROBE_TEXTS[0])["input_ids"]
+print(json.dumps({"load_prepared": total, "imports": imported, **parts, "probe": probe,
+                  "dtype": str(next(loaded.model.parameters()).dtype), "training": loaded.model.training}))
+"""
+
+
+def parts_child(src: Path, precision: str, folder: Path, gguf_file: str, out: Path, threads: int,
+                device: str) -> dict:
+    path = os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, TQDM_DISABLE="1")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", PARTS_CHILD.replace("THREADS", str(threads)), precision,
+                           str(folder), gguf_file, str(out), str(out.parent / "file_hashes.json"), device],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"parts ({src}) failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - started
+    return result
+
+
+def run_parts(args, gguf_name: str, snap: Path) -> int:
+    """Time the snapshot's load in parts, for each source tree of ``--src``, interleaved."""
+    import transformers
+    import torch
+
+    if not (snap / "stagereplay_snapshot.json").exists():
+        child("prepare", args.precision, args.work, gguf_name, snap, args.threads)
+    trees = dict(item.split("=", 1) for item in args.src) if args.src else {"current": str(REPO / "src")}
+    results = {name: [] for name in trees}
+    for _ in range(args.repeats):
+        for name, src in trees.items():
+            result = parts_child(Path(src).resolve(), args.precision, args.work, gguf_name, snap, args.threads,
+                                 args.device)
+            print(json.dumps({"src": name, **{k: (round(v, 3) if isinstance(v, float) else v)
+                                               for k, v in result.items() if k != "probe"}}), flush=True)
+            results[name].append(result)
+    keys = [k for k in results[next(iter(trees))][0] if isinstance(results[next(iter(trees))][0][k], float)]
+    table = {name: {k: round(statistics.median(r[k] for r in runs), 2) for k in keys}
+             for name, runs in results.items()}
+    probes = {name: [r["probe"] for r in runs] for name, runs in results.items()}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": f"CPU {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}, load on "
+                  f"{args.device}",
+        "load_average": os.getloadavg(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "shape": args.shape, "precision": args.precision, "repeats": args.repeats,
+        "median_s": table,
+        "same_probe_ids": len({json.dumps(p) for runs in probes.values() for p in runs}) == 1,
+        "dtypes": sorted({r["dtype"] for runs in results.values() for r in runs}),
+        "eval_mode": not any(r["training"] for runs in results.values() for r in runs),
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 def child(what: str, precision: str, folder: Path, gguf_file: str, out: Path, threads: int) -> dict:
     path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, TQDM_DISABLE="1")
@@ -198,6 +317,11 @@ def main() -> int:
     parser.add_argument("--precision", choices=["bf16", "fp32", "fp16"], default="bf16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each job (config threads)")
+    parser.add_argument("--parts", action="store_true",
+                        help="time only the snapshot's load, in parts (keeps a snapshot already in --work)")
+    parser.add_argument("--src", action="append", default=[], metavar="NAME=PATH",
+                        help="with --parts: a source tree (its src/ folder) to load with; repeat to compare")
+    parser.add_argument("--device", default="cpu", help="with --parts: the device to load onto")
     args = parser.parse_args()
     import transformers
     import torch
@@ -210,6 +334,8 @@ def main() -> int:
         write_gguf(gguf_path, SHAPES[args.shape])
         print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")
     snap = args.work / f"snapshot-{args.shape}-{args.precision}"
+    if args.parts:
+        return run_parts(args, gguf_name, snap)
     shutil.rmtree(snap, ignore_errors=True)
     run = lambda what, folder=args.work, name=gguf_name, out=snap: child(  # noqa: E731
         what, args.precision, folder, name, out, args.threads)
