@@ -420,7 +420,8 @@ def decode_seconds(m: dict, start: int, count: int, bucketed: bool) -> float:
 
 
 def project(measures: list[dict], items: int, divergent: float, bucketed: bool = False,
-            dumps: str = "none", audit: bool = True, model_jobs: int = 0, job_overhead_s: float = 0.0) -> dict:
+            dumps: str = "none", audit: bool = True, model_jobs: int = 0, job_overhead_s: float = 0.0,
+            transplant_specs: int = 1, minimal_budget: int = 0) -> dict:
     """Wall time of the paper-scale experiment from the measured rates, counting the work the pipeline does.
 
     Per item (P prompt, S stage, N suffix tokens), at every precision: the fixed-prefix 2x2 arm, incremental
@@ -436,6 +437,15 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     precision and the matched experiment at bf16 (first counted 2026-12-01: left out, it made the projection
     short by about a third of the ledger work). ``model_jobs`` x ``job_overhead_s`` counts each model job's start,
     imports and model load (measured on the workflow by bench/pipeline_run.py: about 15 s a job at the 0.5B shape).
+
+    Transplants (counted in full from 2026-12-01; before, one all-layer run without the stage's rebuild):
+    ``transplant_specs`` is the transplant runs per direction the sweeps ask for (1: the all-layer one alone, as
+    the study ran; the default config's sweeps are 11) and ``minimal_budget`` the minimal-transplant search's runs
+    per direction (0: off; the default is 24; the searches of a batch's rows run in lockstep, so a batch takes
+    at most the budget's rounds, counted in full). Each stage first rebuilds both constructions of a batch with
+    their suffixes (one 2x2 cell); each run, both directions, is one more cell (the recipient rebuilt, edited and
+    continued N steps), decoded once for all the batch's transplanted rows, in every batch that holds a
+    divergent row (a share ``1 - (1 - divergent) ** rows`` of the batches).
     """
     if dumps not in ("none", "divergent"):
         raise ValueError(f"dumps {dumps!r}: none or divergent")
@@ -443,6 +453,7 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     parts = {}
     for m in measures:
         P, S, N = m["P"], m["S"], m["N"]
+        batches_with_divergent = 1 - (1 - divergent) ** m["rows"]  # a batch is decoded if one row is divergent
         steps = 2 * (S + N) + 2 * N
         # one incremental row (S teacher-forced steps then N) and one prefill row (N steps after a P+S prefill)
         cell = decode_seconds(m, P, S + N, bucketed) + decode_seconds(m, P + S - 1, N, bucketed)
@@ -450,11 +461,12 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         prefill_tokens = items * (2 * (P + S) + 2 * P)
         dumped = 0.0
         if m["precision"] == "bf16":
-            steps += 2 * (S + N) + divergent * (S + 2 * N)
-            per_item += 2 * decode_seconds(m, P, S + N, bucketed)  # matched live x2
-            per_item += divergent * (decode_seconds(m, P, S, bucketed)  # transplant stage: incremental rebuild
-                                     + 2 * decode_seconds(m, P + S - 1, N, bucketed))  # both directions
-            prefill_tokens += items * (2 * P + divergent * (P + (P + S)))
+            # the transplant stages: each rebuilds both constructions of its batches (one 2x2 cell, suffixes
+            # included), then every run is one more cell: the incremental recipient, the prefill recipient
+            moved = batches_with_divergent * (1 + transplant_specs + (1 + minimal_budget if minimal_budget else 0))
+            steps += 2 * (S + N) + moved * ((S + N) + N)
+            per_item += 2 * decode_seconds(m, P, S + N, bucketed) + moved * cell  # matched live x2, transplants
+            prefill_tokens += items * (2 * P + moved * (P + (P + S)))
             dumped = 2 * divergent if dumps == "divergent" else 0.0
         if audit:  # one replica of each construction the ledger holds at this precision
             cells = 2 if m["precision"] == "bf16" else 1  # the 2x2's two, plus the matched experiment's at bf16
@@ -476,7 +488,43 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     described = (("exact span (triton attention)" if fit["bucket"] == 1 else
                   f"span bucketed by {fit['bucket']} positions") if bucketed else "whole buffer")
     return {"items": items, "divergent_fraction": divergent, "total_s": total, "parts": parts,
-            "attention": described, "dumps": dumps, "audit": audit, "job_overhead_s": overhead}
+            "attention": described, "dumps": dumps, "audit": audit, "job_overhead_s": overhead,
+            "transplant_specs": transplant_specs, "minimal_budget": minimal_budget}
+
+
+# The H200's fp32 rate without tensor cores (TF32 off, as the pipeline runs fp32), from NVIDIA's H200 datasheet
+# ("FP32 67 TFLOPS", the SXM part; the same figure as the H100 SXM).
+H200_FP32_TFLOPS = 67.0
+
+
+def fp32_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: float,
+               peak_tflops: float = H200_FP32_TFLOPS, **project_kwargs) -> dict:
+    """The floor of the fp32 arm of :func:`project` (the same work, counted the same way): its linear maps
+    at ``peak_tflops`` (every decode row-step and prefill token, 2 x parameters FLOPs each) plus its decode
+    attention reading each row's K/V up to its position once at the copy rate; against the projected arm.
+
+    The attention term reuses :func:`project` on a measure whose "step" costs nothing but one row's K/V bytes per
+    attended position at ``copy_TB_s``, so both count exactly the same rows, steps and spans."""
+    out = {}
+    arms = project(measures, items, divergent, bucketed=True, **project_kwargs)["parts"]
+    for m in measures:
+        if "linear_params" not in m or m["precision"] != "fp32":  # the datasheet rate is fp32's
+            continue
+        per_position = m["kv_GB_per_row"] * 1e9 / m["max_len"]  # one row's K and V of every layer, one position
+        reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
+                   "step_fit": {"a_s": 0.0, "b_s_per_position": per_position / (copy_TB_s * 1e12), "bucket": 1}}
+        attention_s = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][m["precision"]][
+            "decode_s"]
+        arm = arms[m["precision"]]
+        linear_at_best = arm["linear_floor_s"]  # at the best GEMM rate measured in the run
+        linear_at_peak = linear_at_best * m["gemm_TFLOP_s_large"] / peak_tflops
+        projected = arm["decode_s"] + arm["prefill_s"]
+        out[m["precision"]] = {
+            "linear_at_peak_s": linear_at_peak, "linear_at_best_measured_s": linear_at_best,
+            "best_measured_TFLOP_s": m["gemm_TFLOP_s_large"], "attention_at_copy_rate_s": attention_s,
+            "floor_s": linear_at_peak + attention_s, "projected_s": projected,
+            "share_of_floor": (linear_at_peak + attention_s) / projected}
+    return out
 
 
 # -- the bridge on the device -------------------------------------------------------------------------------------
@@ -590,7 +638,7 @@ def render(meta: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy shape on any device (tests the script)")
     ap.add_argument("--shapes", default="1.5B,14B")
     ap.add_argument("--precisions", default="bf16,fp32")
@@ -624,8 +672,22 @@ def main(argv=None):
     ap.add_argument("--model-jobs", type=int, default=0, help="model-loading jobs of the projected run")
     ap.add_argument("--job-overhead-s", type=float, default=0.0,
                     help="each model job's start, imports and load (bench/pipeline_run.py measures it)")
+    ap.add_argument("--transplant-specs", type=int, default=1,
+                    help="transplant runs per direction (1: the all-layer one, the study's; the default sweeps: 11)")
+    ap.add_argument("--minimal-budget", type=int, default=0, help="the minimal-transplant search's runs per direction")
+    ap.add_argument("--floor-from", default=None,
+                    help="a saved run's JSON: print each arm's floor (fp32 at the datasheet rate) and exit, no GPU")
     ap.add_argument("--scratch", default=None, help="folder for the cache-dump measurement (default: temp dir)")
     args = ap.parse_args(argv)
+    if args.floor_from:
+        saved = json.loads(Path(args.floor_from).read_text())
+        kwargs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
+                  "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
+        floors = fp32_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"], **kwargs)
+        print(json.dumps(floors, indent=1))
+        return
+    if not args.out:
+        ap.error("--out is needed to measure (only --floor-from runs without it)")
     if args.tiny:
         args.shapes = args.bridge_shape = args.project_shape = "tiny"
         args.prompt_len, args.new_tokens, args.batches = 24, 6, "2,3"
@@ -690,7 +752,8 @@ def main(argv=None):
             if device == "cuda":
                 torch.cuda.empty_cache()
     if RESULTS["projection"]:
-        jobs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s}
+        jobs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
+                "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
         RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent, **jobs)
         RESULTS["projected_without_audit"] = project(RESULTS["projection"], args.items, args.divergent, audit=False)
         RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True,

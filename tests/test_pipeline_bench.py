@@ -45,3 +45,41 @@ def test_benchmark_files_are_summed_by_rule(tmp_path):
     assert jobs["cpu_s"].sum() == 25.0
     assert pipeline_run.rule_times(tmp_path / "nothing").empty
     assert json.dumps(pipeline_run.ledger_lengths(tmp_path)) == "{}"  # no ledger yet
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "bench/benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_projection_counts_every_transplant_run_as_a_cell_of_the_batch():
+    """Each transplant run (both directions) decodes the recipient's batch once: one more 2x2 cell per item, in
+    every batch holding a divergent row; fp32 runs no transplants."""
+    bench = _benchmark()
+    measures = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())["projection"]
+    bf16 = next(m for m in measures if m["precision"] == "bf16")
+    cell = bench.decode_seconds(bf16, bf16["P"], bf16["S"] + bf16["N"], True) + bench.decode_seconds(
+        bf16, bf16["P"] + bf16["S"] - 1, bf16["N"], True)
+    one = bench.project(measures, 200, 0.5, bucketed=True)
+    sweeps = bench.project(measures, 200, 0.5, bucketed=True, transplant_specs=11)
+    searched = bench.project(measures, 200, 0.5, bucketed=True, transplant_specs=11, minimal_budget=24)
+    share = 1 - 0.5 ** bf16["rows"]
+    assert abs(sweeps["parts"]["bf16"]["decode_s"] - one["parts"]["bf16"]["decode_s"] - 200 * share * 10 * cell) < 1e-6
+    # the minimal search's stage rebuilds its batches too: its budget plus one cell
+    assert abs(searched["parts"]["bf16"]["decode_s"] - sweeps["parts"]["bf16"]["decode_s"]
+               - 200 * share * 25 * cell) < 1e-6
+    assert searched["parts"]["fp32"] == one["parts"]["fp32"]
+
+
+def test_the_fp32_floor_counts_the_projected_work_at_the_datasheet_rate():
+    bench = _benchmark()
+    saved = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())
+    floor = bench.fp32_floor(saved["projection"], 200, 166 / 200, saved["meta"]["copy_TB_s"])
+    assert set(floor) == {"fp32"}
+    arm = floor["fp32"]
+    assert arm["floor_s"] == arm["linear_at_peak_s"] + arm["attention_at_copy_rate_s"]
+    # the datasheet's 67 TFLOP/s is above the best GEMM rate measured (47.6), so its linear floor is lower
+    assert arm["linear_at_peak_s"] < arm["linear_at_best_measured_s"]
+    assert 0 < arm["share_of_floor"] < 1 and arm["projected_s"] > arm["floor_s"]
