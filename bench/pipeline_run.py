@@ -8,8 +8,9 @@ and the ledger's mean prompt, stage and suffix lengths (what a projection of the
 
 The model's outputs mean nothing (random weights; see scripts/make_random_qwen.py): the numbers are speed only.
 Random weights emit filler tokens ``~N`` almost only, so the stage boundary is the ``--stage``-th ``~``.
-``--gpu-slots K`` lets K model jobs share one GPU (``--resources gpu=K``): with one visible GPU no job claims it,
-and a small model leaves room for several. Writes ``--json`` (default WORK/pipeline_run.json).
+``--gpu-slots K`` lets K model jobs share one GPU (each model job claims one unit of ``gpu``, and Snakemake runs with
+``--resources gpu=K``); a small model leaves room for several. (Before 2026-12-01 the config left ``gpus_per_job``
+at 0, so no job claimed the GPU and every ready model job ran at once whatever K was.) Writes ``--json`` (default WORK/pipeline_run.json).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def write_config(work: Path, args) -> Path:
         "numerics": args.numerics, "batch_size": args.batch_size, "decode_regime": args.regime,
         "batch_invariance": {"sample": min(8, args.items), "seed": 0},
         "cache_differences": {"n_items": min(8, args.items), "precisions": args.precisions, "prefix_precision": None},
+        # every model job claims one unit of the resource gpu, so --gpu-slots K (--resources gpu=K) lets K of them
+        # share the GPU; with the schema's default of 0 no job claims it and every ready job starts at once
+        "gpus_per_job": 1 if args.device == "cuda" else 0,
     }
     if args.transplant_select or args.minimal_budget:
         config["transplant"] = {"select": args.transplant_select or "divergent"}

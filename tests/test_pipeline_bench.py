@@ -25,9 +25,10 @@ def test_the_written_config_is_valid_and_has_the_asked_scale(tmp_path):
     assert cfg["max_stage_tokens"] > 256  # room to reach the 256th filler
     assert cfg["transplant"]["select"] == "sample:8" and cfg["transplant"]["minimal"]["budget"] == 8
     assert cfg["decode_regime"] == "cuda_graph" and cfg["batch_size"] == 16
-    assert cfg["device"] == "auto"
+    assert cfg["device"] == "auto" and cfg["gpus_per_job"] == 1  # so that --resources gpu=K lets K jobs share it
     args.device = "cpu"
-    assert yaml.safe_load(pipeline_run.write_config(tmp_path, args).read_text())["device"] == "cpu"
+    on_cpu = yaml.safe_load(pipeline_run.write_config(tmp_path, args).read_text())
+    assert on_cpu["device"] == "cpu" and on_cpu["gpus_per_job"] == 0
 
 
 def test_benchmark_files_are_summed_by_rule(tmp_path):
