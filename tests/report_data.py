@@ -22,12 +22,15 @@ def _fp(*parts) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfinite=(5,)) -> pd.DataFrame:
+def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfinite=(5,),
+                     replays=None) -> pd.DataFrame:
     """Matched (live/prefill, bf16) and fixed-prefix (incremental/prefill, bf16 and fp32) rows, two replicas each.
 
     The prefill side diverges from the reference side on a seeded subset of items (more often in bf16, never in
     fp32), sometimes flipping the correctness label; item ``missing`` never reaches its boundary and item
-    ``nonfinite`` overflows on the prefill side.
+    ``nonfinite`` overflows on the prefill side. ``replays`` ({construction: {precision: items}}) adds fixed-prefix
+    constructions beyond the pair, each equal to the reference except on its items at that precision, where its
+    suffix differs from position 2 on (and its label flips).
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -38,6 +41,8 @@ def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfi
         margins = [float(m) for m in rng.exponential(2.0, size=12)]
         gold_right = bool(rng.random() < 0.5)
         for experiment, precision, constructions in cells:
+            if experiment == "fixed_prefix" and replays:
+                constructions = (*constructions, *replays)
             diverge_at = None
             if precision == "bf16" and rng.random() < (0.6 if experiment == "matched" else 0.4):
                 diverge_at = int(rng.integers(0, 12))
@@ -45,13 +50,16 @@ def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfi
                 suffix, m = list(base), list(margins)
                 correct = gold_right
                 status = "ok"
-                if diverge_at is not None:  # a near-tie on both sides where they split
+                if diverge_at is not None and construction not in (replays or {}):  # a near-tie where they split
                     m[diverge_at] = float(rng.uniform(0, 0.05))
                 if construction == "prefill" and diverge_at is not None:
                     suffix[diverge_at:] = [t + 1 for t in suffix[diverge_at:]]
                     correct = gold_right if diverge_at < 6 else not gold_right
+                if item in (replays or {}).get(construction, {}).get(precision, ()):
+                    suffix[2:] = [t + 2 for t in suffix[2:]]
+                    correct = not gold_right
                 if item in missing:
-                    if construction in ("prefill", "incremental"):
+                    if construction != "live":
                         continue
                     status, suffix, correct = "boundary_missing", suffix, None
                 if item in nonfinite and construction == "prefill" and experiment == "matched":

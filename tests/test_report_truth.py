@@ -8,10 +8,13 @@ import pandas as pd
 
 from report_data import (part_provenance, synthetic_audit, synthetic_batch_invariance, synthetic_bridge,
                          synthetic_ledger, synthetic_transplant, write, write_with)
+from stagereplay.analysis import figures
 from stagereplay.analysis import report as report_module
+from stagereplay.analysis import stats as stats_module
 from stagereplay.analysis import study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report import build_report
+from stagereplay.analysis.report_format import format_percent, format_proportion
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -380,3 +383,73 @@ def test_a_fixed_prefix_pair_of_other_constructions_is_named_and_not_set_against
     assert not analysis.coinciding_comparisons(ledger)  # prefix_cached is not the matched prefill
     pairs = analysis.all_pairs(ledger)
     assert set(pairs.loc[pairs["experiment"] == "fixed_prefix", "construction_b"]) == {"prefix_cached"}
+
+
+# --- more than two fixed-prefix constructions: each replay construction against incremental ----------------------
+
+REPLAYS = {"chunked": {"bf16": {0, 4, 7}, "fp32": {7}}, "prefix_cached": {"bf16": set(), "fp32": set()}}
+
+
+def _recount(ledger, a, b, precision):
+    """Items compared and items whose suffix ids / labels differ, by a plain loop over the replica-1 rows."""
+    rows = ledger[(ledger["experiment"] == "fixed_prefix") & (ledger["precision"] == precision)
+                  & (ledger["replica"] == 1)]
+    n = differ = flips = 0
+    for _, item in rows.groupby("item_index"):
+        by = {r["construction"]: r for _, r in item.iterrows()}
+        if a in by and b in by and by[a]["status"] == "ok" and by[b]["status"] == "ok":
+            n += 1
+            differ += list(by[a]["suffix_ids"]) != list(by[b]["suffix_ids"])
+            flips += bool(by[a]["correct"]) != bool(by[b]["correct"])
+    return n, differ, flips
+
+
+def test_each_replay_construction_is_set_against_incremental_per_precision(tmp_path):
+    ledger = synthetic_ledger("primary", n_items=12, replays=REPLAYS)
+    assert analysis.fixed_prefix_constructions(ledger) == ("incremental", "prefill", "chunked", "prefix_cached")
+    assert analysis.fixed_prefix_pair(ledger) == ("incremental", "prefill")
+    text, stats = run(tmp_path, write(ledger, tmp_path / "ledger.parquet"))
+    section = text.split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+    assert "| precision | construction | suffixes that differ from incremental | Wilson 95% upper bound |" in section
+    replays = section.split("suffixes that differ from incremental")[1].split("Replicas of each cell")[0]
+    table = [line.split(" | ")[:2] for line in replays.splitlines() if line.startswith(("| bf16 | ", "| fp32 | "))]
+    assert table == [[f"| {p}", c] for p in ("bf16", "fp32") for c in ("prefill", "chunked", "prefix_cached")]
+    fixed = stats["revisions"]["primary"]["fixed_prefix"]
+    for precision in ("bf16", "fp32"):
+        against = fixed[precision]["against_reference"]
+        assert sorted(against) == ["chunked", "prefill", "prefix_cached"]  # one comparison per replay construction
+        for construction, numbers in against.items():
+            n, differ, flips = _recount(ledger, "incremental", construction, precision)
+            assert numbers["constructions"] == ["incremental", construction] and numbers["n_compared"] == n
+            dis = numbers["suffix_disagreements"]
+            assert (dis["k"], dis["n"]) == (differ, n) and (numbers["label_flips"]["k"], n) == (flips, n)
+            expected = stats_module.proportion(differ, n)
+            assert dis["wilson_low"] == expected["wilson_low"] and dis["wilson_high"] == expected["wilson_high"]
+            row = (f"| {precision} | {construction} | {format_proportion(dis)} | "
+                   f"{format_percent(dis['wilson_high'])}% | {format_proportion(numbers['label_flips'])} |")
+            assert row in section, row
+        # the comparison with prefill is the 2x2's own
+        assert against["prefill"]["suffix_disagreements"] == fixed[precision]["suffix_disagreements"]
+    assert fixed["bf16"]["against_reference"]["chunked"]["suffix_disagreements"]["k"] == len(
+        REPLAYS["chunked"]["bf16"] - {3})  # item 3 never reached its boundary
+    assert fixed["fp32"]["against_reference"]["prefix_cached"]["suffix_disagreements"]["k"] == 0
+
+
+def test_the_2x2_and_figures_read_the_same_with_more_constructions(tmp_path):
+    """The pair's numbers do not move when more constructions ran beside it; the figures still draw."""
+    two = synthetic_ledger("primary", n_items=12)
+    four = synthetic_ledger("primary", n_items=12, replays=REPLAYS)
+    pd.testing.assert_frame_equal(analysis.all_pairs(two), analysis.all_pairs(four))
+    _, stats_two = run(tmp_path, write(two, tmp_path / "two.parquet"), name="two")
+    _, stats_four = run(tmp_path, write(four, tmp_path / "four.parquet"), name="four")
+    for precision, numbers in stats_four["revisions"]["primary"]["fixed_prefix"].items():
+        numbers = {k: v for k, v in numbers.items() if k not in ("against_reference", "replicas")}
+        expected = {k: v for k, v in stats_two["revisions"]["primary"]["fixed_prefix"][precision].items()
+                    if k != "replicas"}
+        assert numbers == expected
+    assert "against_reference" not in json.dumps(stats_two)
+    written = figures.plot_figures({"ledger": {"primary": str(tmp_path / "four.parquet")}},
+                                   {name: {"png": str(tmp_path / f"{name}.png")} for name in
+                                    ("fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig6_accuracy")})
+    assert all(Path(path).stat().st_size > 1000 for path in written)
+    assert analysis.replay_cells(two)["construction_b"].tolist() == ["prefill", "prefill"]

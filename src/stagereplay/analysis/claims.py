@@ -131,9 +131,43 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     if overflowed:
         lines += ["", "Rows with non-finite logits (marked `nonfinite`, never compared): " + ", ".join(
             f"{p}: {k} rows of {out[p]['nonfinite_items']} items" for p, k in overflowed.items()) + "."]
+    lines += _replay_lines(data, out)
     lines += ["", "Replicas of each cell:", "", "| precision | construction | reference study | this run: replica pairs |",
               "| --- | --- | --- | --- |", *rep_lines, ""]
     return lines, out
+
+
+def _replay_lines(data: RevisionData, out: dict) -> list[str]:
+    """With more than two fixed-prefix constructions: each replay construction against the reference (incremental,
+    the stand-in for live), per precision, counted as the 2x2 counts; its numbers go to ``out[precision]``."""
+    comparisons = analysis.replay_comparisons(data.ledger)
+    if len(comparisons) < 2:
+        return []  # two constructions: the 2x2 above is the only comparison
+    reference = comparisons[0][1]
+    cells = analysis.replay_cells(data.ledger)
+    cells = cells[cells["revision"] == data.revision]
+    stand_in = (" (the stand-in for `live` where the bridge above finds it bit-exact with the live cache)"
+                if reference == "incremental" else "")
+    lines = ["", f"Each replay construction against `{reference}`{stand_in}, over the same prefix ids, in the same "
+             "batches and layout, counted as in the 2x2: items whose suffix ids differ.", "",
+             f"| precision | construction | suffixes that differ from {reference} | Wilson 95% upper bound | labels "
+             "that differ |", "| --- | --- | --- | --- | --- |"]
+    for r in cells.itertuples(index=False):
+        dis = seeded(stats.proportion(int(r.k), int(r.n)), data.seed)
+        flips = seeded(stats.proportion(int(r.label_flips), int(r.n)), data.seed)
+        out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
+            "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
+            "suffix_disagreements": dis, "label_flips": flips}
+        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | "
+                     f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} |")
+    same = {}
+    for r in cells.itertuples(index=False):
+        if r.n and not r.k:
+            same.setdefault(r.precision, []).append(f"`{r.construction_b}`")
+    lines += ["", (f"Suffixes identical to `{reference}`'s on every compared item: "
+                   + "; ".join(f"{p}: {join_words(names)}" for p, names in same.items()) + "." if same else
+                   f"No replay construction continued as `{reference}` on every compared item.")]
+    return lines
 
 
 def _bridge_reading(groups: list[tuple[str, pd.DataFrame]]) -> list[str]:

@@ -9,7 +9,10 @@ counted twice, or one invented beside the real one, would otherwise be paired wi
 counted silently.
 
 Construction pairs compared per experiment (the first one is the reference, the stand-in for the live state):
-``matched``: ``live`` vs ``prefill``; ``fixed_prefix``: ``incremental`` vs ``prefill``.
+``matched``: ``live`` vs ``prefill``; ``fixed_prefix``: ``incremental`` vs ``prefill``. A run may build more than two
+constructions in the fixed-prefix experiment (``fixed_prefix.constructions``): the 2x2 and every table keyed by
+experiment compare the first two (:func:`fixed_prefix_pair`), and :func:`replay_cells` sets each other construction
+against the reference.
 """
 
 from __future__ import annotations
@@ -76,25 +79,38 @@ def sort_precisions(values) -> list[str]:
     return sorted(set(values), key=lambda p: (order.get(p, len(order)), p))
 
 
-def fixed_prefix_pair(ledger: pd.DataFrame | None) -> tuple[str, str]:
-    """The two constructions of the ledger's fixed-prefix rows, the reference first: ``incremental`` (the live
-    schedule's own construction) where it is one of them, else ``prefill``, else the first by name. The study's
-    pair when the ledger has no fixed-prefix rows."""
+def fixed_prefix_constructions(ledger: pd.DataFrame | None) -> tuple[str, ...]:
+    """Every construction of the ledger's fixed-prefix rows, the reference first: ``incremental`` (the live
+    schedule's own construction) where it is one of them, then ``prefill`` where it is, then the others by name. The
+    study's pair when the ledger has no fixed-prefix rows."""
     if ledger is None or ledger.empty:
         return STUDY_FIXED_PREFIX
     names = set(ledger.loc[ledger["experiment"] == "fixed_prefix", "construction"])
     if not names:
         return STUDY_FIXED_PREFIX
-    if len(names) != 2:
-        raise ValueError(f"the ledger's fixed-prefix rows hold {len(names)} constructions {sorted(names)}; the 2x2 "
-                         "compares two: rebuild the ledger from one run's parts")
-    a, b = sorted(names, key=lambda n: (n != "incremental", n != "prefill", n))
+    if len(names) < 2:
+        raise ValueError(f"the ledger's fixed-prefix rows hold {len(names)} construction {sorted(names)}; the 2x2 "
+                         "compares at least two: rebuild the ledger from one run's parts")
+    return tuple(sorted(names, key=lambda n: (n != "incremental", n != "prefill", n)))
+
+
+def fixed_prefix_pair(ledger: pd.DataFrame | None) -> tuple[str, str]:
+    """The 2x2's two constructions: the reference and the next of :func:`fixed_prefix_constructions` (with the
+    default two, the ledger's two)."""
+    a, b = fixed_prefix_constructions(ledger)[:2]
     return a, b
 
 
 def comparisons(ledger: pd.DataFrame | None) -> list[tuple[str, str, str]]:
     """(experiment, reference construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
     return [MATCHED, ("fixed_prefix", *fixed_prefix_pair(ledger))]
+
+
+def replay_comparisons(ledger: pd.DataFrame | None) -> list[tuple[str, str, str]]:
+    """("fixed_prefix", reference, other) for every other construction of the ledger's fixed-prefix rows, in
+    :func:`fixed_prefix_constructions`' order: each replay construction against the stand-in for live."""
+    reference, *others = fixed_prefix_constructions(ledger)
+    return [("fixed_prefix", reference, other) for other in others]
 
 
 def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.DataFrame:
@@ -151,6 +167,27 @@ def disagreement_cells(pairs: pd.DataFrame) -> pd.DataFrame:
                          "wilson_high": dis["wilson_high"], "label_flips": flips["k"]})
     return pd.DataFrame(rows, columns=["revision", "experiment", "precision", "construction_a", "construction_b",
                                        "n", "k", "rate", "wilson_low", "wilson_high", "label_flips"])
+
+
+REPLAY_COLUMNS = ["revision", "precision", "construction_a", "construction_b", "n", "k", "rate", "wilson_low",
+                  "wilson_high", "label_flips"]
+
+
+def replay_cells(ledger: pd.DataFrame | None) -> pd.DataFrame:
+    """Per (revision, precision, other construction) of :func:`replay_comparisons`: items whose suffix ids differ
+    from the reference's (k of n compared, with status ok on both sides), Wilson and Clopper-Pearson intervals, and
+    label flips; counted by :func:`pair_table`, as the 2x2."""
+    if ledger is None or ledger.empty:
+        return pd.DataFrame(columns=REPLAY_COLUMNS)
+    rows = []
+    for experiment, a, b in replay_comparisons(ledger):
+        cells = disagreement_cells(pair_table(ledger, experiment, a, b))
+        for r in cells.itertuples(index=False):
+            rows.append({c: getattr(r, c) for c in REPLAY_COLUMNS})
+    order = {p: i for i, p in enumerate(sort_precisions(r["precision"] for r in rows))}
+    others = [b for _, _, b in replay_comparisons(ledger)]
+    rows.sort(key=lambda r: (r["revision"], order[r["precision"]], others.index(r["construction_b"])))
+    return pd.DataFrame(rows, columns=REPLAY_COLUMNS)
 
 
 def replica_agreement(ledger: pd.DataFrame) -> pd.DataFrame:

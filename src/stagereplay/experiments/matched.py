@@ -2,8 +2,9 @@
 
 Matched, per item: ``live`` replicas 1 and 2 are two greedy generations from scratch, each continued from its
 retained cache; ``prefill`` replicas 1 and 2 rebuild the boundary cache from replica 1's prefix ids. Fixed-prefix
-2x2: two rebuildable constructions (``incremental`` and ``prefill`` by default) over the reference generation's
-prefix ids, at every precision, so every precision continues from the same token state. Replicas must be
+2x2: two or more rebuildable constructions (``incremental`` and ``prefill`` by default; ``fixed_prefix.constructions``)
+over the reference generation's prefix ids, in the same batch and layout, at every precision, so every precision
+and construction continues from the same token state. Replicas must be
 bit-exact (token ids, cache bytes and layout), else :class:`~stagereplay.experiments.rows.ReplicaMismatchError`
 names the item.
 """
