@@ -87,3 +87,24 @@ def check_boundary(boundary: dict | None) -> None:
             "but the boundary is one or the other (the token id would win and the marker be ignored): remove one "
             "of them (or set it to null)"
         )
+
+
+# The constructions the matched experiment builds at every revision it generates (stagereplay.experiments.matched).
+MATCHED_CONSTRUCTIONS = ("live", "prefill")
+
+
+def check_transplant_pair(pair, fixed_prefix_constructions) -> None:
+    """Refuse a transplant pair at the primary revision that the experiments do not build there.
+
+    The primary revision's transplant baseline is its ledger: the matched experiment's ``live`` and ``prefill`` and
+    the fixed-prefix experiment's ``fixed_prefix.constructions``. (Another revision replays the pair itself.)
+    """
+    ran = [*MATCHED_CONSTRUCTIONS, *(c for c in fixed_prefix_constructions if c not in MATCHED_CONSTRUCTIONS)]
+    missing = [c for c in pair if c not in ran]
+    if missing:
+        raise ValueError(
+            f"transplant.constructions {list(pair)}: {missing} not built at the primary revision, whose transplant "
+            f"baseline is its ledger ({ran}: the matched experiment's live and prefill and fixed_prefix.constructions "
+            f"{list(fixed_prefix_constructions)}); add {missing} to fixed_prefix.constructions, or transplant a pair "
+            "of those"
+        )

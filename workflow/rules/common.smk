@@ -8,7 +8,7 @@ import yaml
 from snakemake.utils import update_config, validate
 
 import stagereplay
-from stagereplay.config import check_boundary, typed_command_line_values
+from stagereplay.config import check_boundary, check_transplant_pair, typed_command_line_values
 from stagereplay.data.prompts import check_template
 from stagereplay.models.loading import revision_slug
 from stagereplay.models.snapshot import software_versions as snapshot_software
@@ -72,6 +72,8 @@ TRANSPLANT_REVISIONS = {
     revision_slug(r): r
     for r in (config["transplant"].get("revisions") or config["revisions"][:1])
 }
+if PRIMARY in TRANSPLANT_REVISIONS:  # its transplant baseline is its ledger: the pair must be among what ran
+    check_transplant_pair(config["transplant"]["constructions"], config["fixed_prefix"]["constructions"])
 # Every revision some stage runs at: the generated ones, then transplant-only ones.
 ALL_REVISIONS = dict(REVISIONS)
 for _slug, _name in TRANSPLANT_REVISIONS.items():

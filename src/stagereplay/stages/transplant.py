@@ -105,9 +105,12 @@ def baseline_rows(baseline: pd.DataFrame, precision: str, pair) -> pd.DataFrame:
     order = {"matched": 0, "fixed_prefix": 1, BASELINE_EXPERIMENT: 2}
     rows = []
     for item_index, group in rep1.groupby("item_index", sort=True):
-        by = {}
+        by, experiments = {}, {}
         for r in sorted(group.to_dict("records"), key=lambda r: order.get(r["experiment"], 3)):
             by.setdefault(r["construction"], r)
+            experiments.setdefault(r["experiment"], {})[r["construction"]] = r
+        # both sides from one experiment where one ran both (the same prefix ids and batches); else the first of each
+        by = next((e for e in experiments.values() if pair[0] in e and pair[1] in e), by)
         a, b = by.get(pair[0]), by.get(pair[1])
         if a is None or b is None or a["status"] != "ok" or b["status"] != "ok":
             continue
