@@ -18,7 +18,9 @@ def test_one_shard_and_three_shards_give_byte_identical_ledgers(tmp_path):
     outputs = {}
     for shards in (1, 3):
         workdir = tmp_path / f"shards{shards}"
-        tiny_config(workdir, shards=shards, n_items=5, max_new_tokens=6, max_stage_tokens=16)
+        # one precision: the shards split items, not precisions (each precision's jobs are sharded alike)
+        tiny_config(workdir, shards=shards, n_items=5, max_new_tokens=6, max_stage_tokens=16,
+                    precisions=["bf16"], reference_precision="bf16")
         snakemake(workdir, "--cores", "2", "results/tiny/primary/ledger.parquet")
         res = workdir / "results/tiny/primary"
         assert len(list((res / "parts").glob("matched_bf16_*.parquet"))) == shards
