@@ -28,11 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_invariance import StageOfLength  # noqa: E402
 
 from stagereplay.io.ids import first_divergence  # noqa: E402
-from stagereplay.decode.plans import Batch  # noqa: E402
 from stagereplay.decode.regimes import make_decoder  # noqa: E402
 from stagereplay.experiments.recipe import run  # noqa: E402
 from stagereplay.experiments.rows import RunSettings  # noqa: E402
-from stagereplay.experiments.transplant import TransplantSpec, transplant_edit, transplant_row  # noqa: E402
+from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit  # noqa: E402
 from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
 
 
@@ -43,12 +42,11 @@ def follows(decoder, prompts, stages, settings, rows) -> dict:
            "prefill": run(decoder, "prefill", prompts, settings, stages=stages, keep=keep)}
     every = TransplantSpec("all", tuple(range(decoder.n_layers)))
     out = {"divergent": 0, "follow_donor": 0, "follow_donor_margin_bytes": 0, "transplants": 0}
-    for r in rows:
-        if first_divergence(own["live"][r].suffix_ids, own["prefill"][r].suffix_ids) is None:
-            continue
+    divergent = [r for r in rows if first_divergence(own["live"][r].suffix_ids, own["prefill"][r].suffix_ids) is not None]
+    done = transplant_batch(decoder, prompts, stages, settings, own, divergent, [every]) if divergent else {}
+    for r in divergent:
         out["divergent"] += 1
-        for row in transplant_row(decoder, Batch(None, tuple({} for _ in prompts)), prompts, stages, settings, own,
-                                  r, [every]):
+        for row in done[r]:
             out["transplants"] += 1
             out["follow_donor"] += row["outcome"] == "donor"
             out["follow_donor_margin_bytes"] += margin_bytes(row["margins"]) == margin_bytes(own[row["donor"]][r].margins)

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 from stagereplay.decode.regimes import make_decoder
-from stagereplay.decode.plans import Batch
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
-from stagereplay.experiments.transplant import TransplantSpec, transplant_edit, transplant_row
+from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit
 
 ROWS = 6
 
@@ -83,9 +82,9 @@ def test_all_layer_transplant_follows_the_donor_byte_for_byte_in_a_batch(fixture
     rows = {r for r, s in enumerate(stages) if s is not None}
     own = {name: run(decoder, name, prompts, settings, stages=stages, keep=rows) for name in ("incremental", "prefill")}
     every = TransplantSpec("all", tuple(range(decoder.n_layers)))
+    done = transplant_batch(decoder, prompts, stages, settings, own, sorted(rows), [every])  # every row in one decode
     for r in sorted(rows):
-        out = transplant_row(decoder, Batch(None, tuple({} for _ in prompts)), prompts, stages, settings, own, r,
-                             [every])
+        out = done[r]
         assert len(out) == 2  # both directions
         for row in out:
             donor = own[row["donor"]][r]
