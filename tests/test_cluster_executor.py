@@ -59,12 +59,22 @@ def snapshot(dest: Path) -> str:
                           check=True).stdout.strip()
 
 
-def run_workflow(code: Path, workdir: Path, *args, env: dict) -> tuple[int, str]:
-    """Snakemake on the snapshot's Snakefile and package; returns its PID and its output."""
+def start_workflow(code: Path, workdir: Path, *args, env: dict) -> subprocess.Popen:
+    """Snakemake on the snapshot's Snakefile and package, started (its output collected into a file)."""
     command = [sys.executable, "-m", "snakemake", "-s", str(code / "Snakefile"), "--directory", str(workdir),
                "--configfile", str(workdir / "config.yaml"), *args, *TARGETS]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output, _ = proc.communicate()
+    output = open(workdir / "snakemake.out", "w+")  # a file, not a pipe: two runs at once block neither
+    proc = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+    proc.output_file = output
+    return proc
+
+
+def finish_workflow(proc: subprocess.Popen) -> tuple[int, str]:
+    """Wait for a run of start_workflow; returns its PID and its output."""
+    proc.wait()
+    proc.output_file.seek(0)
+    output = proc.output_file.read()
+    proc.output_file.close()
     assert proc.returncode == 0, f"snakemake failed:\n{output[-8000:]}"
     return proc.pid, output
 
@@ -133,10 +143,32 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
     cfg = tiny_config(tmp_path / "local", **TINY)
     tiny_config(tmp_path / "cluster", **TINY)
 
-    # The local run resolves every job's resources as the profile would (its default-resources for the rules that
-    # declare none) and prints them: what each submission must carry.
-    _, local_output = run_workflow(code, tmp_path / "local", "--default-resources", *settings["default-resources"],
-                                   "--cores", "2", env=env)
+    submit = settings["cluster-generic-submit-cmd"]
+    assert submit.startswith("sbatch ")
+    record = tmp_path / "submissions.jsonl"
+    (tmp_path / "cluster/logs/cluster").mkdir(parents=True)  # the profile's --output folder, made as it says
+    # The two runs at once (the cluster run mostly waits on its submissions). The local run resolves every job's
+    # resources as the profile would (its default-resources for the rules that declare none) and prints them: what
+    # each submission must carry. The cluster run checks its jobs' status every second (the default, every 10 s,
+    # only waits longer).
+    local = start_workflow(code, tmp_path / "local", "--default-resources", *settings["default-resources"],
+                           "--cores", "2", env=env)
+    try:
+        cluster = start_workflow(
+            code, tmp_path / "cluster", "--profile", str(profile), "--jobs", "2", "--latency-wait", "5",
+            "--seconds-between-status-checks", "1",
+            "--cluster-generic-submit-cmd", f"{sys.executable} {LOCAL_SBATCH} " + submit.removeprefix("sbatch "),
+            env=dict(env, LOCAL_SBATCH_RECORD=str(record)))
+        try:
+            main_pid, cluster_output = finish_workflow(cluster)
+        finally:
+            if cluster.poll() is None:
+                cluster.kill()
+                cluster.wait()
+            stop_leftover_jobs(record, tmp_path / "cluster")
+    finally:
+        local.wait()
+    _, local_output = finish_workflow(local)
     local_jobs = executed_jobs(local_output)
     generation = local_jobs[("reconstruct_prefixes", json.dumps(dict(precision="bf16", revision="primary",
                                                                       shard="0"), sort_keys=True))]
@@ -144,18 +176,6 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
                                gpu=cfg["gpus_per_job"], threads=cfg["threads"])]  # the rule's, from the config
     defaults = {key: int(value) for key, value in (item.split("=") for item in settings["default-resources"])}
     assert local_jobs[("select_items", "{}")] == [dict(defaults, threads=1)]  # declares none: the profile's
-
-    submit = settings["cluster-generic-submit-cmd"]
-    assert submit.startswith("sbatch ")
-    record = tmp_path / "submissions.jsonl"
-    (tmp_path / "cluster/logs/cluster").mkdir(parents=True)  # the profile's --output folder, made as it says
-    try:
-        main_pid, cluster_output = run_workflow(
-            code, tmp_path / "cluster", "--profile", str(profile), "--jobs", "2", "--latency-wait", "5",
-            "--cluster-generic-submit-cmd", f"{sys.executable} {LOCAL_SBATCH} " + submit.removeprefix("sbatch "),
-            env=dict(env, LOCAL_SBATCH_RECORD=str(record)))
-    finally:
-        stop_leftover_jobs(record, tmp_path / "cluster")
 
     # Every job of the local run was submitted once, with the resources it ran with locally, and none ran in the
     # main Snakemake process.
