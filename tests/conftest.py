@@ -50,3 +50,11 @@ def loaded_bf16(tiny_model_dir):
 
     set_determinism(1)
     return load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_run(tmp_path_factory) -> Path:
+    """The completed run of workflow_runner.SHARED_TINY, shared by the test files (and xdist workers) that read it."""
+    from workflow_runner import SHARED_TINY, shared_run
+
+    return shared_run(tmp_path_factory, "tiny", SHARED_TINY)

@@ -10,18 +10,15 @@ import pytest
 
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_provenance, write_parquet
+from workflow_runner import SHARED_TINY as TINY
 from workflow_runner import snakemake, tiny_config
-
-TINY = dict(n_items=4, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
-            bridge={"n_rows": 3, "seed": 0})
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("controls_a")
-    tiny_config(workdir, **TINY)
-    snakemake(workdir, "--cores", "2")
-    return workdir
+def run_a(shared_tiny_run):
+    """The whole workflow on TINY (four items, both precisions, a three-row bridge), run once for this file and
+    tests/test_transplant_workflow.py; read only (a test that changes it works on a copy)."""
+    return shared_tiny_run
 
 
 @pytest.mark.slow

@@ -1,15 +1,17 @@
 """End to end: the dump and transplant stages in the workflow, rerun triggers, and the later-revision command."""
 
 import hashlib
+import shutil
 
 import pandas as pd
 import pytest
 
 from stagereplay.io import cache_dumps
 from stagereplay.io.parquet import read_provenance
+from stagereplay.stages.integrity import verify_results
 from stagereplay.stages.transplant import TRANSPLANT_SCHEMA
 
-from workflow_runner import snakemake, tiny_config
+from workflow_runner import snakemake
 
 # The documented command that runs the transplant stage at the later revision (README, "Transplants").
 LATER = ["--config", "transplant={revisions: [primary, later]}"]
@@ -30,11 +32,14 @@ def jobs_planned(workdir, *args):
 
 
 @pytest.mark.slow
-def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
-    tiny_config(tmp_path, n_items=4, max_new_tokens=8,
-                transplant={"select": "sample:2", "sweeps": ["all", "k_only"]}, dump={"items": "all"})
-    snakemake(tmp_path, "--cores", "2")
-    res = tmp_path / "results/tiny"
+def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, tmp_path):
+    # The whole workflow at four items, transplants of two sampled items in (all, k_only), every item's caches
+    # dumped (workflow_runner.SHARED_TINY, run once for this file and test_controls_workflow.py): a copy, rerun here.
+    run = shutil.copytree(shared_tiny_run, tmp_path / "run", symlinks=True)
+    # a copy's files lie in other inodes: their hash records refreshed, as the copy's first run would, so the run
+    # at the later revision below starts from the state the original run left
+    verify_results(run / "results/tiny")
+    res = run / "results/tiny"
 
     df = pd.read_parquet(res / "primary/transplant.parquet")
     assert list(df.columns) == TRANSPLANT_SCHEMA.names
@@ -61,16 +66,16 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(tmp_path):
     assert "### Transplants" in report and "24 / 24" in report
 
     # a changed transplant setting reruns transplants (and the report and figures) only, never generation
-    assert jobs_planned(tmp_path, "--config", "transplant={sweeps: [all, v_only]}") == {
+    assert jobs_planned(run, "--config", "transplant={sweeps: [all, v_only]}") == {
         "transplant_caches", "plot_figures", "build_report", "build_item_browser", "all"}
-    assert jobs_planned(tmp_path, "--config", "transplant={select: 'sample:3'}") == {
+    assert jobs_planned(run, "--config", "transplant={select: 'sample:3'}") == {
         "select_transplant_items", "transplant_caches", "find_minimal_transplants", "plot_figures", "build_report",
         "build_item_browser", "all"}
-    assert jobs_planned(tmp_path, "--config", "dump={items: none}") == {"dump_caches", "all"}
+    assert jobs_planned(run, "--config", "dump={items: none}") == {"dump_caches", "all"}
 
     # the later revision: its own constructions of the primary's prefixes; nothing already done is touched
     before = snapshot(res)
-    snakemake(tmp_path, "--cores", "2", *LATER)
+    snakemake(run, "--cores", "2", *LATER)
     after = snapshot(res)
     for path, state in before.items():
         if not path.startswith("report/"):

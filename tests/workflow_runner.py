@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +37,29 @@ def tiny_config(workdir, **overrides) -> dict:
     Path(workdir).mkdir(parents=True, exist_ok=True)
     (Path(workdir) / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg
+
+
+# The one tiny run that several test files read (the controls, the transplants): four items at both precisions, a
+# three-row bridge, every item's caches dumped, transplants of two sampled items in two sweeps.
+SHARED_TINY = dict(n_items=4, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16",
+                   bridge={"n_rows": 3, "seed": 0}, transplant={"select": "sample:2", "sweeps": ["all", "k_only"]},
+                   dump={"items": "all"})
+
+
+def shared_run(tmp_path_factory, name, overrides) -> Path:
+    """A completed run (every target, ``--cores 2``) of ``tiny_config(**overrides)``, made once per pytest run and
+    read by every test that asks for ``name``: under pytest-xdist the workers share it (the first to ask runs it, a
+    lock holds the others until it is done). Its readers must not change it: a test that reruns copies it first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder above the workers' own: one per pytest run
+    workdir = root / f"shared_{name}"
+    with open(root / f"shared_{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"shared_{name}.done"
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left
+            tiny_config(workdir, **overrides)
+            snakemake(workdir, "--cores", "2")
+            done.write_text("done\n")
+    return workdir
