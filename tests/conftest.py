@@ -9,6 +9,21 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The slowest test files, longest first (as measured under two xdist workers). With --dist loadfile and
+# --no-loadscope-reorder (pyproject.toml) the workers take files in collection order, so these start first and the
+# many short files fill in behind them: no long file starts last and keeps one worker busy while the other idles.
+# (xdist's own reordering, by number of tests per file, would send these one-test files last.)
+SLOWEST_FIRST = ["test_cluster_executor.py", "test_batched_workflow.py", "test_invariant_triton.py",
+                 "test_workflow.py", "test_controls_workflow.py", "test_divergence_location_workflow.py",
+                 "test_crash.py", "test_results_safety.py", "test_transplant_workflow.py", "test_sharding.py",
+                 "test_bad_inputs.py", "test_input_fingerprints.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of SLOWEST_FIRST first, in its order; every other file after them, in collection order."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 def make_tiny_model(folder: Path, seed: int = 0, layers: int = 3, vocab_extra: int = 0) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
