@@ -74,8 +74,11 @@ def test_static_regime_end_to_end_is_audited_and_bridged(tmp_path):
     """The static-cache regime is a recorded construction factor: every later stage rebuilds its caches in it, so
     the audit reproduces every row and the bridge stays bit-exact within the regime."""
     tiny_config(tmp_path, n_items=4, precisions=["bf16"], decode_regime="static", cache_differences={"n_items": 1})
-    snakemake(tmp_path, "--cores", "2")
     res = tmp_path / "results/tiny/primary"
+    # the files read below, and what they need: generation, the 2x2, the audit, the bridge, the transplants (the
+    # whole workflow in the static regime runs in tests/test_batched_workflow.py)
+    snakemake(tmp_path, "--cores", "2", *(str((res / f"{name}.parquet").relative_to(tmp_path))
+                                          for name in ("ledger", "audit", "bridge", "transplant")))
     ledger = pd.read_parquet(res / "ledger.parquet")
     assert set(ledger["decode_regime"]) == {"static"} and set(ledger["experiment"]) == {"matched", "fixed_prefix"}
     audit = pd.read_parquet(res / "audit.parquet")
