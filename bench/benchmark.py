@@ -453,7 +453,6 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
     parts = {}
     for m in measures:
         P, S, N = m["P"], m["S"], m["N"]
-        batches_with_divergent = 1 - (1 - divergent) ** m["rows"]  # a batch is decoded if one row is divergent
         steps = 2 * (S + N) + 2 * N
         # one incremental row (S teacher-forced steps then N) and one prefill row (N steps after a P+S prefill)
         cell = decode_seconds(m, P, S + N, bucketed) + decode_seconds(m, P + S - 1, N, bucketed)
@@ -461,6 +460,7 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         prefill_tokens = items * (2 * (P + S) + 2 * P)
         dumped = 0.0
         if m["precision"] == "bf16":
+            batches_with_divergent = 1 - (1 - divergent) ** m["rows"]  # a batch is decoded if one row is divergent
             # the transplant stages: each rebuilds both constructions of its batches (one 2x2 cell, suffixes
             # included), then every run is one more cell: the incremental recipient, the prefill recipient
             moved = batches_with_divergent * (1 + transplant_specs + (1 + minimal_budget if minimal_budget else 0))

@@ -179,13 +179,13 @@ def replay_cells(ledger: pd.DataFrame | None) -> pd.DataFrame:
     label flips; counted by :func:`pair_table`, as the 2x2."""
     if ledger is None or ledger.empty:
         return pd.DataFrame(columns=REPLAY_COLUMNS)
-    rows = []
-    for experiment, a, b in replay_comparisons(ledger):
+    rows, compared = [], replay_comparisons(ledger)
+    for experiment, a, b in compared:
         cells = disagreement_cells(pair_table(ledger, experiment, a, b))
         for r in cells.itertuples(index=False):
             rows.append({c: getattr(r, c) for c in REPLAY_COLUMNS})
     order = {p: i for i, p in enumerate(sort_precisions(r["precision"] for r in rows))}
-    others = [b for _, _, b in replay_comparisons(ledger)]
+    others = [b for _, _, b in compared]
     rows.sort(key=lambda r: (r["revision"], order[r["precision"]], others.index(r["construction_b"])))
     return pd.DataFrame(rows, columns=REPLAY_COLUMNS)
 

@@ -223,19 +223,21 @@ def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[li
     dicts in the order direction, spec."""
     pair = directions(own)
     a, b = pair[0]
+    names = {r: labels[r] if labels else {a: a, b: b} for r in rows}
+    num_layers = {r: len(own[a][r].layers) for r in rows}
+    divergent = {r: first_divergence(own[a][r].suffix_ids, own[b][r].suffix_ids) is not None for r in rows}
     out: dict[int, list[dict]] = {r: [] for r in rows}
     for donor, recipient in pair:
         for spec in specs:
             done = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, {r: spec for r in rows})
             for r in rows:
                 res, result = done[r]
-                name = labels[r] if labels else {a: a, b: b}
+                name = names[r]
                 out[r].append({
                     "donor": name[donor], "recipient": name[recipient],
                     "direction": f"{name[donor]}->{name[recipient]}", "sweep": spec.sweep,
-                    "layer_set": spec.layer_set(len(own[a][r].layers)), "layers": list(spec.layers),
-                    "component": spec.component, "positions": spec.positions,
-                    "divergent": first_divergence(own[a][r].suffix_ids, own[b][r].suffix_ids) is not None,
+                    "layer_set": spec.layer_set(num_layers[r]), "layers": list(spec.layers),
+                    "component": spec.component, "positions": spec.positions, "divergent": divergent[r],
                     "outcome": result.outcome, "first_divergence_donor": result.first_divergence_donor,
                     "first_divergence_recipient": result.first_divergence_recipient,
                     "suffix_ids": res.suffix_ids, "suffix_fingerprint": fingerprint_ids(res.suffix_ids),
