@@ -25,21 +25,27 @@ def main() -> None:
     ap.add_argument("--n-items", type=int, default=None, help="the first N of the selection (default: all)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="instead of the config's")
+    ap.add_argument("--batch-size", type=int, default=1, help="rows decoded together (the pipeline's batch plan)")
+    ap.add_argument("--regime", default="eager", help="decode regime: eager, static")
+    ap.add_argument("--attention", default="masked", help="decode_attention of the static regime")
     ap.add_argument("--json", default=None, help="write per-item results here")
     args = ap.parse_args()
-    report = measure(args.model, args.config, args.precisions, args.n_items, args.threads, args.max_new_tokens)
+    report = measure(args.model, args.config, args.precisions, args.n_items, args.threads, args.max_new_tokens,
+                     args.batch_size, args.regime, args.attention)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
 
 def measure(model: str, config: str = "config.yaml", precisions=("bf16", "fp32"), n_items: int | None = None,
-            threads: int = 1, max_new_tokens: int | None = None) -> dict:
+            threads: int = 1, max_new_tokens: int | None = None, batch_size: int = 1, regime: str = "eager",
+            attention: str = "masked") -> dict:
     """Per precision: the summary (printed) and the per-item figures."""
     from stagereplay.data.answers import extract_answer, is_correct
     from stagereplay.data.datasets import choose_items, load_synthetic
     from stagereplay.data.prompts import Prompter
     from stagereplay.decode.greedy import matcher_from_config
+    from stagereplay.decode.plans import batch_plan, batches_of
     from stagereplay.decode.regimes import make_decoder
     from stagereplay.experiments.recipe import run
     from stagereplay.experiments.rows import RunSettings
@@ -59,25 +65,36 @@ def measure(model: str, config: str = "config.yaml", precisions=("bf16", "fp32")
         matcher = matcher_from_config(cfg["boundary"], tok)
         settings = RunSettings("x", precision, int(cfg["max_stage_tokens"]), max_new_tokens or int(cfg["max_new_tokens"]))
         t0, per_item, tokens = time.time(), [], 0
-        for item in items:
-            prompt = prompter(item["question"])
-            live = run(decoder, "live", [prompt], settings, matcher=matcher)[0]
-            rec = {"item_id": item["item_id"], "stage": len(live.stage_ids), "suffix": len(live.suffix_ids),
-                   "status": live.stop_reason}
-            tokens += len(live.stage_ids) + len(live.suffix_ids)
-            if live.stage_ids:
-                pre = run(decoder, "prefill", [prompt], settings, stages=[live.stage_ids])[0]
-                tokens += len(pre.suffix_ids)
-                rec["divergent"] = pre.suffix_ids != live.suffix_ids
-                text = tok.decode(live.suffix_ids)
-                rec["correct"] = is_correct(extract_answer(text, "last_number"), str(item["gold_answer"]))
-                rec["min_margin"] = min(live.margins) if live.margins else None
-                if rec["divergent"]:
-                    k = next((i for i, (a, b) in enumerate(zip(live.suffix_ids, pre.suffix_ids)) if a != b),
-                             min(len(live.suffix_ids), len(pre.suffix_ids)))
-                    rec.update(first=k, margin_live=live.margins[k] if k < len(live.margins) else None,
-                               live_text=text, prefill_text=tok.decode(pre.suffix_ids))
-            per_item.append(rec)
+        plan = batch_plan([i["item_id"] for i in items], batch_size, int(cfg.get("batch_seed", cfg["seed"]) if cfg.get("batch_seed") is not None else cfg["seed"]))
+        if regime != "eager":
+            budget = int(cfg["max_stage_tokens"]) + (max_new_tokens or int(cfg["max_new_tokens"]))
+            longest = max(len(prompter(i["question"])) for i in items)
+            decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), regime, max_len=longest + budget + 8,
+                                   max_rows=batch_size, attention=attention)
+        for batch in batches_of(items, plan):
+            prompts = [prompter(item["question"]) for item in batch.items]
+            lives = run(decoder, "live", prompts, settings, matcher=matcher)
+            kept = [j for j, live in enumerate(lives) if live.stage_ids]
+            pres = run(decoder, "prefill", [prompts[j] for j in kept], settings,
+                       stages=[lives[j].stage_ids for j in kept]) if kept else []
+            pre_of = dict(zip(kept, pres))
+            for j, (item, live) in enumerate(zip(batch.items, lives)):
+                rec = {"item_id": item["item_id"], "stage": len(live.stage_ids), "suffix": len(live.suffix_ids),
+                       "status": live.stop_reason}
+                tokens += len(live.stage_ids) + len(live.suffix_ids)
+                if j in pre_of:
+                    pre = pre_of[j]
+                    tokens += len(pre.suffix_ids)
+                    rec["divergent"] = pre.suffix_ids != live.suffix_ids
+                    text = tok.decode(live.suffix_ids)
+                    rec["correct"] = is_correct(extract_answer(text, "last_number"), str(item["gold_answer"]))
+                    rec["min_margin"] = min(live.margins) if live.margins else None
+                    if rec["divergent"]:
+                        k = next((i for i, (a, b) in enumerate(zip(live.suffix_ids, pre.suffix_ids)) if a != b),
+                                 min(len(live.suffix_ids), len(pre.suffix_ids)))
+                        rec.update(first=k, margin_live=live.margins[k] if k < len(live.margins) else None,
+                                   live_text=text, prefill_text=tok.decode(pre.suffix_ids))
+                per_item.append(rec)
         ok = [r for r in per_item if "divergent" in r]
         secs = time.time() - t0
         summary = {"divergent": sum(r["divergent"] for r in ok), "n_ok": len(ok), "n": len(per_item),
