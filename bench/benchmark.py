@@ -527,6 +527,52 @@ def fp32_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: fl
     return out
 
 
+# NVIDIA's H200 (SXM) datasheet: dense BF16 tensor-core rate (1,979 TFLOPS is with sparsity) and HBM3e bandwidth.
+H200_BF16_TFLOPS = 989.0
+H200_HBM_TB_S = 4.8
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def run_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: float,
+              peaks_tflops: dict | None = None, memory_TB_s: float = H200_HBM_TB_S, **project_kwargs) -> dict:
+    """The floor of the whole projected run's GPU work on one GPU (the work :func:`project` counts, counted the same
+    way; job start-up and dumps left out): no run of it can take less than its arithmetic at the datasheet rates,
+    nor less than its memory traffic at ``memory_TB_s``, whichever is longer.
+
+    Per arm (precision): arithmetic = 2 x linear parameters x (decode row-steps + prefill tokens) at the arm's peak;
+    traffic = the weights read once per batched decode step (row-steps / rows of the batch) plus every row's K/V
+    read up to its position, as :func:`fp32_floor` counts it. The run: max(sum of arithmetic, sum of traffic) (the
+    arms overlapped perfectly), and the sum of each arm's own bound (the arms in turn); the traffic is also given at
+    the measured copy rate ``copy_TB_s`` (read + write), a rate a run can reach."""
+    peaks = {"fp32": H200_FP32_TFLOPS, "bf16": H200_BF16_TFLOPS, **(peaks_tflops or {})}
+    projected = project(measures, items, divergent, bucketed=True, **project_kwargs)
+    arms = {}
+    for m in measures:
+        precision = m["precision"]
+        part = projected["parts"][precision]
+        flops = part["linear_floor_s"] * m["gemm_TFLOP_s_large"] * 1e12  # 2 x params x (row-steps + prefill tokens)
+        batch_steps = items * part["decode_steps_per_item"] / m["rows"]
+        weight_bytes = batch_steps * m["linear_params"] * ITEMSIZE[precision]
+        per_position = m["kv_GB_per_row"] * 1e9 / m["max_len"]
+        reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
+                   "step_fit": {"a_s": 0.0, "b_s_per_position": per_position, "bucket": 1}}
+        kv_bytes = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][precision]["decode_s"]
+        arms[precision] = {"arithmetic_s": flops / (peaks[precision] * 1e12), "weights_GB": weight_bytes / 1e9,
+                           "kv_GB": kv_bytes / 1e9, "projected_s": part["decode_s"] + part["prefill_s"]}
+    arithmetic = sum(a["arithmetic_s"] for a in arms.values())
+    traffic_bytes = sum((a["weights_GB"] + a["kv_GB"]) * 1e9 for a in arms.values())
+    out = {"arms": arms, "arithmetic_s": arithmetic, "traffic_s": traffic_bytes / (memory_TB_s * 1e12),
+           "traffic_at_copy_rate_s": traffic_bytes / (copy_TB_s * 1e12), "peaks_TFLOP_s": peaks,
+           "memory_TB_s": memory_TB_s, "copy_TB_s": copy_TB_s,
+           "projected_gpu_s": sum(a["projected_s"] for a in arms.values())}
+    out["floor_s"] = max(out["arithmetic_s"], out["traffic_s"])
+    out["floor_at_copy_rate_s"] = max(out["arithmetic_s"], out["traffic_at_copy_rate_s"])
+    # the arms one after another (as model jobs that take the GPU in turn run them): each at its own bound
+    out["floor_arms_in_turn_s"] = sum(max(a["arithmetic_s"], (a["weights_GB"] + a["kv_GB"]) * 1e9 / (memory_TB_s * 1e12))
+                                      for a in arms.values())
+    return out
+
+
 # -- the bridge on the device -------------------------------------------------------------------------------------
 
 def bridge_study(model, precision, args, decoder, regime) -> list[dict]:
@@ -684,6 +730,8 @@ def main(argv=None):
         kwargs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
                   "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
         floors = fp32_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"], **kwargs)
+        floors["whole_run"] = run_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"],
+                                        **kwargs)
         print(json.dumps(floors, indent=1))
         return
     if not args.out:
