@@ -1,6 +1,9 @@
 """The whole workflow, measured: build a RANDOM-WEIGHT model of a real Qwen2.5 shape, run every stage with
 Snakemake, and print the run's wall time, each rule's wall and CPU time (its benchmark file), how busy the GPU was
-and the ledger's mean prompt, stage and suffix lengths (what a projection of the same run needs).
+and the ledger's mean prompt, stage and suffix lengths (what a projection of the same run needs). The JSON also
+carries the config the run ran with, each job's time and the counts of work the run's results record (batches,
+bridge batches, the sampled, dumped, transplanted and searched items and the batches holding them, transplant specs
+and minimal-search rounds per direction): ``bench/pipeline_projection.py`` projects each rule from them.
 
     python bench/pipeline_run.py --work /tmp/smoke --shape qwen2.5-0.5b --items 4 --gpu-slots 4
     python bench/pipeline_run.py --work /tmp/scale --shape qwen2.5-1.5b --items 48 --stage 512 --suffix 256 \
@@ -16,9 +19,11 @@ at 0, so no job claimed the GPU and every ready model job ran at once whatever K
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -116,7 +121,136 @@ def ledger_lengths(work: Path) -> dict:
     divergent = {p: float(g["disagree"].mean()) for p, g in pairs.groupby("precision")}
     return {"rows": int(len(ledger)), "mean_prompt": float(live["prompt_ids"].map(len).mean()),
             "mean_stage": float(live["stage_ids"].map(len).mean()),
-            "mean_suffix": float(ok["suffix_ids"].map(len).mean()), "divergent_share": divergent}
+            "mean_suffix": float(ok["suffix_ids"].map(len).mean()), "divergent_share": divergent,
+            **batch_lengths(ledger)}
+
+
+STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
+STARTED = re.compile(r"^(?:local)?rule (\w+):$")
+JOB_ID = re.compile(r"^\s+jobid: (\d+)$")
+FINISHED = re.compile(r"^Finished job(?:id:)? (\d+)")
+
+
+def log_job_times(path: Path) -> list[dict]:
+    """Every job's start and end, in seconds from the log's first time stamp (Snakemake stamps to the second): the
+    jobs without a benchmark file too (gathers, checks, the transplant selection)."""
+    stamp = first = None
+    started, rule, jobs = {}, None, []
+    for line in path.read_text(errors="replace").splitlines():
+        if m := STAMP.match(line):
+            stamp = datetime.datetime.strptime(" ".join(m.group(1).split()), "%a %b %d %H:%M:%S %Y").timestamp()
+            first = stamp if first is None else first
+        elif m := STARTED.match(line):
+            rule = m.group(1)
+        elif (m := JOB_ID.match(line)) and rule is not None:
+            started[m.group(1)] = (rule, stamp - first)
+            rule = None
+        elif (m := FINISHED.match(line)) and m.group(1) in started:
+            name, start = started.pop(m.group(1))
+            jobs.append({"rule": name, "start_s": start, "end_s": stamp - first})
+    return jobs
+
+
+def batch_lengths(ledger: pd.DataFrame) -> dict:
+    """What a batch decoded in lockstep runs for: the mean over batches of its longest prompt (its padded width) and
+    of its longest stage (matched live rows, replica 1, at the reference precision: the fixed prefixes), and the mean
+    over (batch, precision, experiment, construction) of its longest suffix. Empty at batch size 1 (no plan)."""
+    ok = ledger[(ledger["status"] == "ok") & (ledger["replica"] == 1) & ledger["batch_index"].notna()]
+    if ok.empty:
+        return {}
+    live = ok[(ok["experiment"] == "matched") & (ok["construction"] == "live")]
+    live = live[live["precision"] == live["precision"].iloc[0]]
+    widths = live.groupby("batch_index")["prompt_ids"].agg(lambda ids: max(map(len, ids)))
+    stages = live.groupby("batch_index")["stage_ids"].agg(lambda ids: max(map(len, ids)))
+    suffixes = ok.groupby(["batch_index", "precision", "experiment", "construction"])["suffix_ids"].agg(
+        lambda ids: max(map(len, ids)))
+    return {"batch_width": float(widths.mean()), "batch_stage": float(stages.mean()),
+            "batch_suffix": float(suffixes.mean())}
+
+
+def revision_folder(work: Path) -> Path | None:
+    """The primary revision's results folder (the one holding the ledger), None before there is one."""
+    paths = sorted((work / "results").rglob("ledger.parquet"))
+    return paths[0].parent if paths else None
+
+
+def batches_holding(items, batch_of: dict | None) -> int:
+    """Batches of the recorded plan that hold any of ``items`` (every item its own batch without a plan)."""
+    items = {int(i) for i in items}
+    return len(items) if batch_of is None else len({batch_of[i] for i in items})
+
+
+def per_precision(frame: pd.DataFrame, batch_of: dict | None) -> dict:
+    """{precision: {items, batches}} of a results table's distinct items."""
+    return {p: {"items": int(g["item_index"].nunique()), "batches": batches_holding(g["item_index"].unique(), batch_of)}
+            for p, g in frame.groupby("precision")}
+
+
+def dump_counts(folder: Path, batch_of: dict | None) -> dict:
+    """{precision: {items, batches, bytes}} of the cache dumps."""
+    manifest = pd.read_parquet(folder / "caches.parquet")
+    written = manifest.groupby("precision")["bytes"].sum()
+    return {p: {**v, "bytes": int(written[p])} for p, v in per_precision(manifest, batch_of).items()}
+
+
+def rows_by_construction(path: Path) -> dict:
+    """{precision: {construction: rows}} of a results table (the batch-invariance control's items rerun alone)."""
+    return {p: {c: int(n) for c, n in g["construction"].value_counts().items()}
+            for p, g in pd.read_parquet(path).groupby("precision")}
+
+
+def transplant_counts(folder: Path, batch_of: dict | None) -> dict:
+    """Items transplanted, the batches holding them and the transplant runs (specs) per item and direction."""
+    table = pd.read_parquet(folder / "transplant.parquet")
+    runs = table.groupby(["item_index", "direction"]).size()
+    return {"items": int(table["item_index"].nunique()),
+            "batches": batches_holding(table["item_index"].unique(), batch_of),
+            "directions": sorted(table["direction"].unique()),
+            "specs_per_direction": int(runs.max()) if len(runs) else None}
+
+
+def minimal_counts(folder: Path, batch_of: dict | None) -> dict:
+    """The minimal searches: the batches holding searched items and, per direction, the rounds the lockstep search
+    ran (per batch the most runs any of its rows used, summed over batches)."""
+    table = pd.read_parquet(folder / "minimal_transplant.parquet")
+    table["batch"] = [i if batch_of is None else batch_of[int(i)] for i in table["item_index"]]
+    rounds = table.groupby(["direction", "batch"])["runs"].max().groupby("direction").sum()
+    return {"items": int(table["item_index"].nunique()), "batches": int(table["batch"].nunique()),
+            "rounds_per_direction": {d: int(r) for d, r in rounds.items()}}
+
+
+def recorded_counts(work: Path) -> dict:
+    """The counts of work the run's results record, each read from its table (left out where the table is missing,
+    e.g. in a stopped run; its error is listed): the decode regime and buffer, the batches, and per stage the items
+    and the batches holding them."""
+    from stagereplay.io.provenance import recorded_regime
+
+    folder = revision_folder(work)
+    if folder is None:
+        return {}
+    ledger = pd.read_parquet(folder / "ledger.parquet")
+    planned = ledger["batch_index"].notna().all()
+    batch_of = ({int(i): int(b) for i, b in zip(ledger["item_index"], ledger["batch_index"])} if planned else None)
+    counts, errors = {"batches": batches_holding(ledger["item_index"].unique(), batch_of)}, []
+    readers = {
+        "decode": lambda: recorded_regime(folder / "ledger.parquet"),
+        "num_layers": lambda: json.loads((work / "model" / "config.json").read_text())["num_hidden_layers"],
+        "bridge": lambda: per_precision(pd.read_parquet(folder / "bridge.parquet"), batch_of),
+        "batch_invariance": lambda: rows_by_construction(folder / "batch_invariance.parquet"),
+        "cache_differences": lambda: per_precision(pd.read_parquet(folder / "cache_differences.parquet"), batch_of),
+        "dump": lambda: dump_counts(folder, batch_of),
+        "transplant": lambda: transplant_counts(folder, batch_of),
+        "minimal": lambda: minimal_counts(folder, batch_of),
+        "onset": lambda: per_precision(pd.read_parquet(folder / "divergence_onset.parquet"), batch_of),
+    }
+    for name, read in readers.items():
+        try:
+            counts[name] = read()
+        except Exception as exc:  # noqa: BLE001 - a table a stopped run did not write: the projection derives it
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    if errors:
+        counts["errors"] = errors
+    return counts
 
 
 def summary_or_error(summary, work: Path) -> dict:
@@ -195,6 +329,10 @@ def main() -> int:
         "job_seconds": round(float(jobs["s"].sum()), 1), "gpu": gpu, "ledger": summary_or_error(ledger_lengths, work),
         "rules": {rule: {k: (round(float(v), 1) if k != "jobs" else int(v)) for k, v in row.items()}
                   for rule, row in by_rule.iterrows()},
+        "job_times": [{"job": r.job, "rule": r.rule, "s": round(r.s, 1)} for r in jobs.itertuples()],
+        "log_jobs": log_job_times(work / "snakemake.log"),
+        "config": json.loads(config.read_text()), "gpu_slots": args.gpu_slots, "cores": args.cores,
+        "counts": summary_or_error(recorded_counts, work),
     }
     text = json.dumps(report, indent=1)
     print(text)
