@@ -4,6 +4,7 @@ files into per-rule times (the whole run it measures is a GPU benchmark, recorde
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -84,3 +85,166 @@ def test_the_fp32_floor_counts_the_projected_work_at_the_datasheet_rate():
     # the datasheet's 67 TFLOP/s is above the best GEMM rate measured (47.6), so its linear floor is lower
     assert arm["linear_at_peak_s"] < arm["linear_at_best_measured_s"]
     assert 0 < arm["share_of_floor"] < 1 and arm["projected_s"] > arm["floor_s"]
+
+
+# ---- bench/pipeline_projection.py: each rule of a workflow run projected from measured rates ----------------------
+def _projection():
+    spec = importlib.util.spec_from_file_location("pipeline_projection", REPO / "bench/pipeline_projection.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+projection = _projection()
+P, S, N = 10, 20, 8  # the ledger's mean prompt, stage and suffix
+
+
+def _measure(precision, rows, step_s):
+    """A measure of bench/benchmark.py's layout: a step of ``step_s`` at every span (b = 0)."""
+    return {"precision": precision, "rows": rows, "max_len": 64, "kv_GB_per_row": 64e-6,
+            "step_fit": {"a_s": step_s, "b_s_per_position": 0.0, "bucket": 16}, "step_s": step_s,
+            "prefill_tokens_s": 1000.0, "dump_GB": 1e-3, "dump_GB_s": 1.0}
+
+
+MEASURES = [_measure("bf16", 4, 0.01), _measure("fp32", 4, 0.03)]
+MEASURES_BATCH1 = [_measure("bf16", 1, 0.008), _measure("fp32", 1, 0.02)]
+
+
+def _run(n_items=8, batch_size=4, sample=2, bridge_rows=0, counts=None, rules=None, **config):
+    return {"status": "complete", "wall_s": 100.0, "gpu_slots": 1,
+            "config": {"run": "bench", "n_items": n_items, "model": "/nonexistent", "revisions": ["local"],
+                       "precisions": ["bf16", "fp32"], "max_new_tokens": N, "max_stage_tokens": S + 4,
+                       "batch_size": batch_size, "decode_regime": "static", "gpus_per_job": 1,
+                       "bridge": {"n_rows": bridge_rows, "seed": 0}, "batch_invariance": {"sample": sample, "seed": 0},
+                       "cache_differences": {"n_items": 0, "precisions": ["bf16", "fp32"]}, **config},
+            "ledger": {"mean_prompt": P, "mean_stage": S, "mean_suffix": N,
+                       "divergent_share": {"bf16": 0.5, "fp32": 0.0}},
+            "counts": {"num_layers": 28, "decode": {"decode_max_len": 40}, **(counts or {})},
+            "rules": rules if rules is not None else {"reconstruct_prefixes": {"jobs": 2, "s": 40.0},
+                                                      "select_items": {"jobs": 1, "s": 2.0}},
+            "job_times": [{"job": "select_items.tsv", "rule": "select_items", "s": 2.0}]}
+
+
+def _jobs(run, rule):
+    shape = projection.run_shape(run)
+    return [j for j in projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6}) if j.rule == rule]
+
+
+def _steps(jobs, rows):
+    return sum(w.steps.get(rows, 0.0) for j in jobs for w in j.work.values())
+
+
+def test_ledger_rules_count_their_cells_and_double_with_the_items():
+    """At batch 4 every construction of a batch runs the live schedule: S + N - 1 steps at 4 rows; the matched
+    experiment is live x2 + prefill x2, the 2x2 two constructions x2, the audit every one of them once."""
+    cells_per_batch = {"reconstruct_prefixes": 4, "generate_fixed_prefix": 4, "audit_ledger": 4}
+    for rule, cells in cells_per_batch.items():
+        jobs = _jobs(_run(n_items=8), rule)
+        assert [j.loads for j in jobs] == [["bf16"], ["fp32"]]  # one job per precision, each at every precision
+        assert _steps(jobs, 4) == 2 * 2 * cells * (S + N - 1)  # 2 precisions x 2 batches
+        assert _steps(_jobs(_run(n_items=16), rule), 4) == 2 * _steps(jobs, 4)
+        prefill = sum(w.prefill_tokens for j in jobs for w in j.work.values())
+        assert prefill == 2 * 2 * (cells * 4 * P + 2 * 4 * (P + S - 1))  # every cell's prompts; two prefill builds
+    # a partial last batch costs a full batch's steps
+    assert _steps(_jobs(_run(n_items=9), "generate_fixed_prefix"), 4) == 2 * 3 * 4 * (S + N - 1)
+    # the bridge: one incremental cell with its suffix in each batch holding a bridge row (read where recorded)
+    bridged = _run(n_items=8, bridge_rows=3, counts={"bridge": {"bf16": {"batches": 2}, "fp32": {"batches": 1}}})
+    assert _steps(_jobs(bridged, "reconstruct_prefixes"), 4) - _steps(_jobs(_run(), "reconstruct_prefixes"), 4) == (
+        3 * (S + N - 1))
+
+
+def test_the_batch_invariance_control_decodes_its_sample_alone_at_every_precision():
+    jobs = _jobs(_run(sample=2), "check_batch_invariance")
+    assert len(jobs) == 1 and jobs[0].loads == ["bf16", "fp32"]
+    # per item and precision: live alone (S + N - 1 steps) and prefill alone (N steps after a P + S - 1 prefill)
+    assert _steps(jobs, 1) == 2 * 2 * ((S + N - 1) + N) and _steps(jobs, 4) == 0
+    assert _steps(_jobs(_run(sample=4), "check_batch_invariance"), 1) == 2 * _steps(jobs, 1)
+    assert _steps(_jobs(_run(sample=50), "check_batch_invariance"), 1) == 8 / 2 * _steps(jobs, 1)  # at most n items
+    at_batch1 = _jobs(_run(batch_size=1), "check_batch_invariance")
+    assert at_batch1[0].loads == [] and _steps(at_batch1, 1) == 0  # nothing to compare, no model loaded
+
+
+def test_transplants_count_a_rebuild_and_one_recipient_cell_per_spec_and_direction():
+    """The default sweeps are 11 transplants per direction at 28 layers; each batch holding a selected item
+    rebuilds both constructions, then decodes the recipient once per spec and direction."""
+    cell = S + N - 1
+    divergent = _jobs(_run(n_items=8), "transplant_caches")  # divergent share 0.5: 4 items, derived
+    assert divergent[0].loads == ["bf16"]
+    held = projection.batches_holding(4, 8, 4)
+    assert 1 < held < 2
+    assert abs(_steps(divergent, 4) - held * (1 + 11) * 2 * cell) < 1e-9
+    recorded = _run(counts={"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7}})
+    assert _steps(_jobs(recorded, "transplant_caches"), 4) == 2 * (1 + 7) * 2 * cell
+    searched = _run(counts={"minimal": {"items": 3, "batches": 2,
+                                        "rounds_per_direction": {"live->prefill": 5, "prefill->live": 3}}})
+    assert _steps(_jobs(searched, "find_minimal_transplants"), 4) == (2 * 2 + 5 + 3) * cell
+
+
+def test_a_rule_absent_from_the_run_is_reported_absent_and_the_cli_writes_its_json(tmp_path):
+    paths = {name: tmp_path / f"{name}.json" for name in ("run", "measures", "batch1", "out")}
+    paths["run"].write_text(json.dumps(_run()))
+    paths["measures"].write_text(json.dumps({"projection": MEASURES}))
+    paths["batch1"].write_text(json.dumps({"projection": MEASURES_BATCH1}))
+    assert projection.main(["--run", str(paths["run"]), "--measures", str(paths["measures"]), "--measures-batch1",
+                            str(paths["batch1"]), "--overhead-s", "5", "--json", str(paths["out"])]) == 0
+    report = json.loads(paths["out"].read_text())
+    rules = report["rules"]
+    assert rules["transplant_caches"]["status"] == "absent from the run"
+    assert rules["transplant_caches"]["measured_s"] is None
+    assert "transplant_caches" in report["absent_rules"]
+    assert rules["select_items"]["status"] == "not projected" and rules["select_items"]["projected_s"] is None
+    reconstruct = rules["reconstruct_prefixes"]
+    # two jobs of 5 s overhead, each 2 batches of 4 cells of S + N - 1 steps at 10 or 30 ms, and its prefills
+    decode = 2 * 4 * (S + N - 1) * (0.01 + 0.03)
+    prefill = 2 * 2 * (4 * 4 * P + 2 * 4 * (P + S - 1)) / 1000.0
+    assert abs(reconstruct["projected_s"] - (2 * 5 + decode + prefill)) < 1e-9
+    assert abs(reconstruct["ratio"] - reconstruct["projected_s"] / 40.0) < 1e-12
+    assert report["model_jobs"]["measured_s"] == 40.0  # only rules in both are compared
+    assert report["wall"]["relative_error"] is not None  # one model job at a time, a complete run
+    assert report["sources"]["batches"] == "derived" and report["sources"]["decode_max_len"] == "read"
+
+
+def test_the_overhead_counts_the_start_once_and_each_model_loaded():
+    overhead = projection.Overhead.from_json({"start_s": 10.0, "load_s": {"bf16": 1.0, "fp32": 2.0},
+                                              "first_load_extra_s": 3.0})
+    assert overhead.of_job([]) == 10.0 and overhead.of_job(["fp32"]) == 15.0
+    assert overhead.of_job(["bf16", "fp32"]) == 16.0
+    assert projection.Overhead.from_seconds(12.0, 2.0).of_job(["bf16", "fp32"]) == 14.0
+
+
+def test_recorded_minimal_rounds_are_each_batchs_longest_search(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame({"item_index": [0, 1, 2, 0, 1, 2], "direction": ["a->b"] * 3 + ["b->a"] * 3,
+                  "runs": [4, 2, 3, 1, 5, 2]}).to_parquet(tmp_path / "minimal_transplant.parquet")
+    counts = pipeline_run.minimal_counts(tmp_path, {0: 0, 1: 0, 2: 1})  # items 0 and 1 share batch 0
+    assert counts == {"items": 3, "batches": 2, "rounds_per_direction": {"a->b": 4 + 3, "b->a": 5 + 2}}
+
+
+def test_the_wall_adds_the_time_the_log_shows_without_a_model_job():
+    run = _run(rules={"reconstruct_prefixes": {"jobs": 2, "s": 16.0}})
+    run["wall_s"] = 30.0
+    run["log_jobs"] = [{"rule": "select_items", "start_s": 0.0, "end_s": 2.0},
+                       {"rule": "reconstruct_prefixes", "start_s": 2.0, "end_s": 10.0},
+                       {"rule": "reconstruct_prefixes", "start_s": 9.0, "end_s": 12.0},  # overlaps: counted once
+                       {"rule": "gather_ledger", "start_s": 12.0, "end_s": 14.0},
+                       {"rule": "audit_ledger", "start_s": 14.0, "end_s": 20.0}]
+    report = projection.compare(run, MEASURES, projection.Overhead.from_seconds(5.0), MEASURES_BATCH1)
+    wall = report["wall"]
+    assert wall["non_model_s"] == 30.0 - 16.0 and wall["from"] == "the Snakemake log"
+    projected = sum(r["projected_s"] for r in report["rules"].values() if r["projected_s"] is not None)
+    assert abs(wall["predicted_s"] - (projected + 14.0)) < 1e-9
+    assert abs(wall["relative_error"] - (wall["predicted_s"] / 30.0 - 1)) < 1e-12
+    run["gpu_slots"] = 2  # model jobs may share the device: no sum of them is the wall
+    assert projection.compare(run, MEASURES, projection.Overhead.from_seconds(5.0))["wall"]["relative_error"] is None
+
+
+def test_the_snakemake_log_gives_every_jobs_start_and_end(tmp_path):
+    log = tmp_path / "snakemake.log"
+    log.write_text("Building DAG of jobs...\n\n[Tue Dec  1 10:44:54 2026]\nlocalrule select_items:\n    output: x\n"
+                   "    jobid: 1\n    resources: tmpdir=/tmp\n\n[Tue Dec  1 10:44:58 2026]\nrule gather_ledger:\n"
+                   "    jobid: 7\n[Tue Dec  1 10:45:00 2026]\nFinished jobid: 1 (Rule: select_items)\n"
+                   "1 of 2 steps (50%) done\n[Tue Dec  1 10:45:09 2026]\nFinished jobid: 7 (Rule: gather_ledger)\n")
+    assert pipeline_run.log_job_times(log) == [{"rule": "select_items", "start_s": 0.0, "end_s": 6.0},
+                                               {"rule": "gather_ledger", "start_s": 4.0, "end_s": 15.0}]

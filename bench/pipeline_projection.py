@@ -1,0 +1,921 @@
+"""Each rule of a measured workflow run, projected from measured rates, against its measured wall time.
+
+    python bench/pipeline_projection.py --run RUN.json --measures M.json [--measures-batch1 M1.json] \\
+        (--overhead-s O [--load-s L] | --overhead-json OVERHEAD.json) [--json OUT.json]
+    python bench/pipeline_projection.py --measure-overhead MODEL_DIR --precision bf16 fp32 [--prepared-models DIR] \\
+        [--regime cuda_graph --rows 16 --prompt 18 --stage 128 --max-len 258 --marker "~"] [--json OVERHEAD.json]
+
+RUN.json is what ``bench/pipeline_run.py`` writes (it must carry the config it ran with, ``config``, and the counts
+its results record, ``counts``); M.json what ``bench/benchmark.py --only-projection --out DIR`` writes as
+DIR/results.json (its ``projection`` list: per precision, a decode step fitted as a + b * span at ``rows`` rows, a
+one-shot prefill rate in tokens/s, a cache-dump rate); M1.json the same measured with ``--proj-max-rows 1`` (the
+batch-invariance control decodes at batch 1).
+
+The model. Every model job's wall time is its overhead plus the work it decodes. The work is counted from the stage
+code (src/stagereplay/stages, src/stagereplay/experiments, workflow/rules) as
+
+- batched decode steps at a row count, each attending over the decoder's whole buffer L (``decode_max_len``: the
+  static regimes' masked attention reads every buffer position at every step), priced at the measure's
+  a + b * L for that precision and row count (``benchmark.decode_seconds``);
+- one-shot prefill tokens, at the measure's ``prefill_tokens_s``;
+- cache-dump GB, at the measure's ``dump_GB_s``;
+- and, where ``--overhead-json`` gives their rates (``--measure-overhead`` measures them), the greedy loop's host
+  work per decode step (the greedy choice and its device sync), the boundary matcher's text decode per live row
+  and stage step, and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions).
+
+Notation: n items, B = min(batch_size, n) rows a batch, ceil(n / B) batches (a partial last batch costs a full
+batch's steps), P, S, N the ledger's mean prompt, stage and suffix lengths; in lockstep W, S_b, N_b are the mean
+over batches of a batch's longest prompt (its padded width), stage and suffix. d_p is the share of items whose
+matched live and prefill suffixes differ at precision p.
+
+One *cell* is one construction decoded over one batch (``decode_rows``):
+
+- batch > 1 (rows in lockstep, the live schedule for every construction): the prompts in one forward (B * W
+  tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a suffix). ``prefill`` first builds its caches in
+  one forward of B * (W + S_b - 1) tokens; ``chunked`` and ``prefix_cached`` build theirs by per-row forwards of
+  their segments (priced as one batch-1 step each plus their tokens at the prefill rate: not measured as such).
+- batch 1 (one row, which starts at its boundary): ``live`` and ``incremental`` P tokens then S + N - 1 steps at 1
+  row (S - 1 without a suffix); ``prefill`` P + S - 1 tokens then N steps (none without a suffix).
+
+Counts per rule (per job), as the stage code does them:
+
+- reconstruct_prefixes (per precision and shard): per batch, the matched experiment, live x2 and prefill x2 (two
+  replicas each), and one incremental cell with suffix in every batch holding a bridge row (``bridge.n_rows``).
+- generate_fixed_prefix (per precision and shard): per batch, every construction of
+  ``fixed_prefix.constructions`` x2 (replicas), over the reference precision's prefixes.
+- audit_ledger (per precision and shard): per batch, the matched experiment again with one replica (live x1,
+  prefill x1; at every precision, since reconstruct_prefixes ran it at every precision) and every fixed-prefix
+  construction x1.
+- check_batch_invariance (one job, every precision loaded in turn): at batch size 1 nothing (no model loaded).
+  Else per precision, for each of min(``batch_invariance.sample``, n) items alone at batch 1: a live cell and a
+  prefill cell (over the batched row's stage).
+- measure_cache_differences (one job, each of ``cache_differences.precisions`` loaded in turn; none at
+  ``n_items`` 0): per precision, every batch holding one of min(``n_items``, n) sampled items: incremental and
+  prefill cells without a suffix.
+- dump_caches (one job): per precision of the ledger that has items to dump (``dump.items``: divergent, d_p * n
+  items; all; none), one load, and per batch holding one: both constructions of ``transplant.constructions`` rebuilt
+  with their suffixes (live as incremental; the stage's ``Rebuild``), and two caches per item written.
+- transplant_caches (one job at the transplant precision, always loaded): per batch holding a selected item
+  (``transplant.select``: divergent, d * n; sample:k, k; a list), the Rebuild (two cells), then for each transplant
+  spec (``enumerate_sweeps(transplant.sweeps, layers)``: 11 for the default sweeps and 28 layers) one cell per
+  direction, of the recipient's construction (live -> prefill: a prefill cell; prefill -> live: incremental).
+- find_minimal_transplants (one job; no model loaded at budget 0 or without a divergent selected item): per batch
+  holding a searched item (the divergent selected ones), the Rebuild, then per direction one recipient cell per
+  round of the lockstep search (a batch's rounds: the most runs any of its rows used; at most the budget).
+- measure_divergence_onset (one job): per precision of the ledger with divergent items, one load, and per batch
+  holding one, the Rebuild.
+- replay_fixed_prefixes (transplant revisions other than the primary; bench/pipeline_run.py runs none): not
+  projected.
+
+Counts read from the run's results where it recorded them (``counts`` in RUN.json: the batches, the batches
+holding bridge rows, the batch-invariance rows, the cache-difference batches, the dumped items and bytes, the
+transplanted items and specs per direction, the minimal search's rounds per direction, the onset's items, and the
+decode buffer L); derived from the config and the ledger's divergent shares otherwise (a batch holds one of k
+items chosen among n with the hypergeometric chance). The report lists which was which.
+
+Overhead. Every model job pays its process start and imports, and for each model it loads, the load, the decoder
+and the CUDA-graph capture of its first step; its first load also imports the model's code. ``--overhead-s O`` is
+one job with one load, ``--load-s L`` the part of O that a job pays again for each further precision it loads
+(default 0; a job that loads no model is then priced at O - L). ``--overhead-json`` takes them apart (start, first
+load's extra, each precision's load) with the host rates above from ``--measure-overhead``, which times them in a
+fresh Python process as a job's script makes them (``stagereplay.stages.jobs.load``, the decoder, a first step),
+without Snakemake; where Snakemake is installed it also times the import of ``snakemake.script`` (a job's script
+preamble makes it), inside ``start_s``. Snakemake's scheduling and the benchmark wrapper are in none of them.
+
+Not projected (reported with their measured times): the rules that load no model, select_items, gather_ledger,
+gather_bridge, gather_audit, check_audit, select_transplant_items, plot_figures, build_report, build_item_browser,
+and prepare_model (it loads the model source once per precision, but claims no GPU and runs before every model job).
+
+Where this counts otherwise than ``benchmark.project()`` (the paper-scale projection, left as it is): in a batch of
+several rows every construction runs the live schedule, so a prefill cell decodes S + N - 1 steps as the others do,
+besides its one-shot prefill (project() gives it N steps, which holds at batch 1 only); every step attends over the
+whole buffer (the package's decoder; project(bucketed=True) prices bucketed spans); the matched experiment runs
+at every precision, in reconstruct_prefixes and again in the audit (project() counts it at bf16 only); the bridge's
+incremental cell, the batch-invariance control, cache differences, dumps' rebuilds and the divergence onset are
+counted; and jobs are counted one by one, each with its overhead and loads.
+
+The run's wall, with ``--resources gpu=1`` and every model job claiming the GPU (``gpus_per_job: 1``): the model
+jobs run one after another, so the wall is the sum of their projected times plus the time the run spends with no
+model job running, taken as measured (not projected): from the Snakemake log where the run recorded its jobs'
+start and end (``log_jobs``: Snakemake's start, select_items and prepare_model before the first model job,
+gather_ledger between the 2x2 and the audit, the reports after the last, and whatever else ran alone), else the
+benchmarked non-model jobs before the first model job and after the last. Where model jobs could share the device
+(another ``--gpu-slots``, ``gpus_per_job: 0``), the wall is not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/benchmark.py, imported where its rates are priced
+
+BEFORE_MODEL_JOBS = ("select_items", "prepare_model")  # run side by side before the first model job
+# after the last model job: the longer of plot_figures and build_item_browser, then build_report
+AFTER_MODEL_JOBS = (("plot_figures", "build_item_browser"), ("build_report",))
+
+
+# ---- the run's shape: what the counts are functions of ----------------------------------------------------------
+def with_schema_defaults(value: dict, schema: dict) -> dict:
+    """The config with every key it leaves out at the schema's default (as the workflow's validation fills them)."""
+    out = dict(value)
+    for key, sub in schema.get("properties", {}).items():
+        if key not in out and "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+        if isinstance(out.get(key), dict) and "properties" in sub:
+            out[key] = with_schema_defaults(out[key], sub)
+    return out
+
+
+def batches_holding(k: int, n: int, rows: int) -> float:
+    """Expected batches (of ``rows`` rows, the last one partial) holding at least one of ``k`` items drawn from
+    ``n`` without replacement."""
+    if k <= 0 or n <= 0:
+        return 0.0
+    k = min(k, n)
+    sizes = [min(rows, n - start) for start in range(0, n, rows)]
+    return sum(1 - math.comb(n - size, k) / math.comb(n, k) for size in sizes)
+
+
+@dataclass
+class RunShape:
+    """A run's items, batches, lengths and config, and the counts its results recorded (``read``) or that are
+    derived from the config and ledger (``derived``): ``sources`` says which, by name."""
+
+    config: dict
+    n: int
+    rows: int  # rows of a batch (1 without a plan)
+    batches: float
+    P: float
+    S: float
+    N: float
+    W: float  # in lockstep: a batch's longest prompt, stage and suffix (means over batches); else P, S, N
+    S_b: float
+    N_b: float
+    span: float  # positions every decode step attends over
+    divergent: dict
+    recorded: dict
+    sources: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+
+    @property
+    def lockstep(self) -> bool:
+        return self.rows > 1
+
+    @property
+    def precisions(self) -> list[str]:
+        return list(self.config["precisions"])
+
+    @property
+    def transplant_precision(self) -> str:
+        return self.config["transplant"].get("precision") or self.precisions[0]
+
+    @property
+    def boundary_positions(self) -> float:
+        """Positions of one row's boundary cache: the prompt and the stage but its last token."""
+        return self.P + self.S - 1
+
+    def count(self, name: str, read, derive):
+        """``read(recorded)`` where the run recorded it, else ``derive()``; notes the source under ``name``."""
+        try:
+            value = read(self.recorded)
+        except (KeyError, TypeError):
+            value = None
+        self.sources[name] = "read" if value is not None else "derived"
+        return value if value is not None else derive()
+
+    def holding(self, k: float) -> float:
+        """Batches holding one of ``k`` items (each item its own batch without a plan)."""
+        return batches_holding(round(k), self.n, self.rows)
+
+    def shard_share(self, shard: int) -> float:
+        """The share of the batches one shard decodes (shards take whole batches, or items at batch 1)."""
+        shards = self.config["shards"]
+        units = math.ceil(self.n / self.rows)
+        return len(range(shard, units, shards)) / units
+
+
+def run_shape(run: dict) -> RunShape:
+    if "config" not in run:
+        raise ValueError("the run JSON holds no config: it was written before bench/pipeline_run.py stored it; "
+                         "rerun bench/pipeline_run.py")
+    config = with_schema_defaults(run["config"], yaml.safe_load(SCHEMA.read_text()))
+    ledger = run.get("ledger") or {}
+    if "mean_prompt" not in ledger:
+        raise ValueError(f"the run JSON has no ledger lengths ({ledger.get('error', 'no ledger')}): nothing to count")
+    n = int(config["n_items"])
+    rows = min(int(config["batch_size"]), n)
+    recorded = run.get("counts") or {}
+    P, S, N = ledger["mean_prompt"], ledger["mean_stage"], ledger["mean_suffix"]
+    shape = RunShape(config, n, rows, 0.0, P, S, N, P, S, N, 0.0, ledger.get("divergent_share", {}), recorded)
+    if shape.lockstep:
+        shape.W = shape.count("batch_width", lambda _: ledger.get("batch_width"), lambda: P)
+        shape.S_b = shape.count("batch_stage", lambda _: ledger.get("batch_stage"), lambda: S)
+        shape.N_b = shape.count("batch_suffix", lambda _: ledger.get("batch_suffix"), lambda: N)
+    shape.batches = shape.count("batches", lambda r: r["batches"], lambda: math.ceil(n / rows))
+    buffer = shape.count("decode_max_len", lambda r: r["decode"]["decode_max_len"],
+                         lambda: shape.W + config["max_stage_tokens"] + config["max_new_tokens"])
+    regime = config["decode_regime"]
+    if regime == "eager":
+        shape.warnings.append("decode_regime eager: the measures are of the static decoder; eager steps are "
+                              "launch-bound and slower, so the projection is short")
+    # the masked attention reads the whole buffer at every step; the triton one each row's keys up to its position
+    # (cost linear in the position: the mean position of a cell's steps stands for all)
+    shape.span = buffer if config["decode_attention"] == "masked" else shape.W + (shape.S_b + shape.N_b) / 2
+    if config["shards"] > 1 and not shape.lockstep:
+        shape.warnings.append("shards at batch 1: items split by item_index modulo shards, counted as equal shares")
+    return shape
+
+
+# ---- work: what a cell, a job and a rule decode ------------------------------------------------------------------
+@dataclass
+class Work:
+    """Decode work at one precision: batched decode steps by row count, one-shot prefill tokens, rows whose boundary
+    cache is fingerprinted, live rows' stage steps (the boundary matcher's), cache bytes dumped."""
+
+    steps: dict = field(default_factory=dict)  # rows -> steps
+    prefill_tokens: float = 0.0
+    boundary_rows: float = 0.0
+    matcher_row_steps: float = 0.0
+    dump_GB: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        steps = dict(self.steps)
+        for rows, count in other.steps.items():
+            steps[rows] = steps.get(rows, 0.0) + count
+        return Work(steps, self.prefill_tokens + other.prefill_tokens, self.boundary_rows + other.boundary_rows,
+                    self.matcher_row_steps + other.matcher_row_steps, self.dump_GB + other.dump_GB)
+
+    def __mul__(self, k: float) -> "Work":
+        return Work({rows: count * k for rows, count in self.steps.items()}, self.prefill_tokens * k,
+                    self.boundary_rows * k, self.matcher_row_steps * k, self.dump_GB * k)
+
+    __rmul__ = __mul__
+
+
+def total(works) -> Work:
+    out = Work()
+    for work in works:
+        out = out + work
+    return out
+
+
+def rebuilt_as(construction: str) -> str:
+    """The construction that rebuilds ``construction`` from ids (live by its own schedule: incremental)."""
+    from stagereplay.experiments import transplant
+
+    return transplant.rebuilt_as(construction)
+
+
+def segment_forwards(construction: str, tokens: float, chunk: int) -> float:
+    """Per-row forwards of a construction built segment by segment (chunked, prefix_cached), for ``tokens`` ids."""
+    return math.ceil(tokens / chunk) if construction == "chunked" else 2.0
+
+
+def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = False) -> Work:
+    """One construction decoded over one batch (``alone``: one item at batch 1 whatever the run's batch size)."""
+    if construction not in ("live", "incremental", "prefill", "chunked", "prefix_cached"):
+        raise ValueError(f"unknown construction {construction!r}")
+    if shape.lockstep and not alone:
+        rows, W, S, N = shape.rows, shape.W, shape.S_b, shape.N_b
+        work = Work({rows: S - 1 + (N if suffix else 0)}, prefill_tokens=rows * W)  # the live schedule
+        built = rows * (W + S - 1)
+    else:
+        rows, W, S, N = 1, shape.P, shape.S, shape.N
+        if construction in ("live", "incremental"):  # the prompt, then every token one step
+            return Work({1: S - 1 + (N if suffix else 0)}, prefill_tokens=W, boundary_rows=1,
+                        matcher_row_steps=S if construction == "live" else 0.0)
+        work = Work({1: N if suffix else 0.0})  # from the built cache at the boundary
+        built = W + S - 1
+    if construction == "prefill":
+        work.prefill_tokens += built
+    elif construction in ("chunked", "prefix_cached"):
+        forwards = rows * segment_forwards(construction, W + S - 1, shape.config["chunk_size"])
+        work = work + Work({1: forwards}, prefill_tokens=built)
+        note = f"{construction}: its per-row segment forwards are priced as batch-1 steps plus prefill tokens"
+        if note not in shape.warnings:
+            shape.warnings.append(note)
+    work.boundary_rows = rows
+    work.matcher_row_steps = rows * S if construction == "live" else 0.0
+    return work
+
+
+def rebuild(shape: RunShape) -> Work:
+    """Both constructions of ``transplant.constructions`` rebuilt with their suffixes (the stages' ``Rebuild``)."""
+    return total(cell(shape, rebuilt_as(c)) for c in shape.config["transplant"]["constructions"])
+
+
+@dataclass
+class JobWork:
+    rule: str
+    name: str
+    loads: list  # precisions whose model the job loads, in order
+    work: dict  # precision -> Work
+
+
+# ---- counts per rule ---------------------------------------------------------------------------------------------
+def per_precision_jobs(shape: RunShape, rule: str, per_batch) -> list[JobWork]:
+    """One job per precision and shard decoding ``per_batch(precision)`` in each of its batches."""
+    jobs = []
+    for p in shape.precisions:
+        for shard in range(shape.config["shards"]):
+            batches = shape.batches * shape.shard_share(shard)
+            jobs.append(JobWork(rule, f"{rule}_{p}_{shard}", [p], {p: per_batch(p, shard) * batches}))
+    return jobs
+
+
+def reconstruct_prefixes(shape: RunShape) -> list[JobWork]:
+    k = min(shape.config["bridge"]["n_rows"], shape.n)
+
+    def bridge_share(p, shard):
+        held = shape.count(f"bridge_batches_{p}", lambda r: r["bridge"][p]["batches"], lambda: shape.holding(k))
+        return held / shape.batches  # the bridge batches, spread over the batches
+
+    def per_batch(p, shard):
+        matched = 2 * cell(shape, "live") + 2 * cell(shape, "prefill")
+        return matched + bridge_share(p, shard) * cell(shape, "incremental")
+
+    return per_precision_jobs(shape, "reconstruct_prefixes", per_batch)
+
+
+def fixed_prefix_cells(shape: RunShape, replicas: int) -> Work:
+    return replicas * total(cell(shape, c) for c in shape.config["fixed_prefix"]["constructions"])
+
+
+def generate_fixed_prefix(shape: RunShape) -> list[JobWork]:
+    return per_precision_jobs(shape, "generate_fixed_prefix", lambda p, shard: fixed_prefix_cells(shape, 2))
+
+
+def audit_ledger(shape: RunShape) -> list[JobWork]:
+    def per_batch(p, shard):
+        return cell(shape, "live") + cell(shape, "prefill") + fixed_prefix_cells(shape, 1)
+
+    return per_precision_jobs(shape, "audit_ledger", per_batch)
+
+
+def check_batch_invariance(shape: RunShape) -> list[JobWork]:
+    if not shape.lockstep:
+        return [JobWork("check_batch_invariance", "check_batch_invariance", [], {})]
+    k = min(shape.config["batch_invariance"]["sample"], shape.n)
+    work = {}
+    for p in shape.precisions:
+        live = shape.count(f"batch_invariance_live_{p}", lambda r: r["batch_invariance"][p]["live"], lambda: k)
+        prefill = shape.count(f"batch_invariance_prefill_{p}", lambda r: r["batch_invariance"][p]["prefill"],
+                              lambda: k)
+        work[p] = live * cell(shape, "live", alone=True) + prefill * cell(shape, "prefill", alone=True)
+    return [JobWork("check_batch_invariance", "check_batch_invariance", shape.precisions, work)]
+
+
+def measure_cache_differences(shape: RunShape) -> list[JobWork]:
+    settings = shape.config["cache_differences"]
+    k = min(settings["n_items"], shape.n)
+    precisions = list(settings["precisions"]) if k else []
+    work = {}
+    for p in precisions:
+        held = shape.count(f"cache_difference_batches_{p}", lambda r: r["cache_differences"][p]["batches"],
+                           lambda: shape.holding(k))
+        work[p] = held * (cell(shape, "incremental", suffix=False) + cell(shape, "prefill", suffix=False))
+    return [JobWork("measure_cache_differences", "measure_cache_differences", precisions, work)]
+
+
+def divergent_items(shape: RunShape, p: str) -> float:
+    return shape.divergent.get(p, 0.0) * shape.n
+
+
+def dump_caches(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
+    chosen = shape.config["dump"]["items"]
+    work, loads = {}, []
+    for p in shape.precisions:
+        derived = {"divergent": divergent_items(shape, p), "all": shape.n, "none": 0}[chosen]
+        items = shape.count(f"dump_items_{p}", lambda r: r["dump"].get(p, {}).get("items", 0), lambda: derived)
+        if round(items) == 0:
+            continue
+        held = shape.count(f"dump_batches_{p}", lambda r: r["dump"][p]["batches"], lambda: shape.holding(items))
+        gb = shape.count(f"dump_GB_{p}", lambda r: r["dump"][p]["bytes"] / 1e9,
+                         lambda: 2 * items * shape.boundary_positions * kv_GB_per_position[p])
+        loads.append(p)
+        work[p] = held * rebuild(shape) + Work(dump_GB=gb)
+    return [JobWork("dump_caches", "dump_caches", loads, work)]
+
+
+def selected_items(shape: RunShape, divergent_only: bool = False) -> float:
+    """Items ``transplant.select`` picks (and of them, with ``divergent_only``, the divergent ones: expected)."""
+    select, p = shape.config["transplant"]["select"], shape.transplant_precision
+    share = shape.divergent.get(p, 0.0)
+    if select == "divergent":
+        return share * shape.n
+    picked = int(select.split(":")[1]) if isinstance(select, str) else len(select)
+    return picked * (share if divergent_only else 1.0)
+
+
+def transplant_specs(shape: RunShape) -> int:
+    """Transplants per direction the sweeps ask for (each distinct one once), on the model's layers."""
+    from stagereplay.experiments.transplant import enumerate_sweeps
+
+    layers = shape.count("num_layers", lambda r: r["num_layers"], lambda: model_layers(shape))
+    return len(enumerate_sweeps(shape.config["transplant"]["sweeps"], layers))
+
+
+def model_layers(shape: RunShape) -> int:
+    """The layer count in the model folder's config.json; 28 (the 1.5B and 7B shapes'), noted, where unreadable."""
+    try:
+        return int(json.loads((Path(shape.config["model"]) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError):
+        shape.warnings.append("the model's layer count is unknown: transplant specs counted for 28 layers")
+        return 28
+
+
+def recipient_cells(shape: RunShape, runs_per_direction: dict) -> Work:
+    """Runs of each direction ``donor->recipient``, each one cell of the recipient's construction rebuilt."""
+    return total(runs * cell(shape, rebuilt_as(direction.split("->")[1]))
+                 for direction, runs in runs_per_direction.items())
+
+
+def directions(shape: RunShape) -> list[str]:
+    a, b = shape.config["transplant"]["constructions"]
+    return [f"{a}->{b}", f"{b}->{a}"]
+
+
+def transplant_caches(shape: RunShape) -> list[JobWork]:
+    p = shape.transplant_precision
+    items = shape.count("transplant_items", lambda r: r["transplant"]["items"], lambda: selected_items(shape))
+    held = shape.count("transplant_batches", lambda r: r["transplant"]["batches"], lambda: shape.holding(items))
+    specs = shape.count("transplant_specs", lambda r: r["transplant"]["specs_per_direction"],
+                        lambda: transplant_specs(shape))
+    per_batch = rebuild(shape) + recipient_cells(shape, {d: specs for d in directions(shape)})
+    return [JobWork("transplant_caches", "transplant_caches", [p], {p: held * per_batch})]
+
+
+def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
+    p, budget = shape.transplant_precision, shape.config["transplant"]["minimal"]["budget"]
+    items = shape.count("minimal_items", lambda r: r["minimal"]["items"],
+                        lambda: selected_items(shape, divergent_only=True) if budget else 0)
+    if round(items) == 0:
+        return [JobWork("find_minimal_transplants", "find_minimal_transplants", [], {})]
+    held = shape.count("minimal_batches", lambda r: r["minimal"]["batches"], lambda: shape.holding(items))
+    # a recorded direction may be named incremental where the rebuilt live cache was not the ledger's: the same cell
+    rounds = shape.count("minimal_rounds", lambda r: r["minimal"]["rounds_per_direction"] or None,
+                         lambda: {d: budget * held for d in directions(shape)})
+    work = held * rebuild(shape) + recipient_cells(shape, rounds)
+    return [JobWork("find_minimal_transplants", "find_minimal_transplants", [p], {p: work})]
+
+
+def measure_divergence_onset(shape: RunShape) -> list[JobWork]:
+    work, loads = {}, []
+    for p in shape.precisions:
+        items = shape.count(f"onset_items_{p}", lambda r: r["onset"].get(p, {}).get("items", 0),
+                            lambda: divergent_items(shape, p))
+        if round(items) == 0:
+            continue
+        held = shape.count(f"onset_batches_{p}", lambda r: r["onset"][p]["batches"], lambda: shape.holding(items))
+        loads.append(p)
+        work[p] = held * rebuild(shape)
+    return [JobWork("measure_divergence_onset", "measure_divergence_onset", loads, work)]
+
+
+def model_jobs(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
+    """Every model job of the run, with the work it decodes."""
+    jobs = []
+    for rule in (reconstruct_prefixes, generate_fixed_prefix, audit_ledger, check_batch_invariance,
+                 measure_cache_differences, transplant_caches, find_minimal_transplants, measure_divergence_onset):
+        jobs += rule(shape)
+    jobs += dump_caches(shape, kv_GB_per_position)
+    return jobs
+
+
+# ---- rates ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Overhead:
+    """A model job's fixed cost: its start (process, imports) and per model loaded (load, decoder, first graph)."""
+
+    start_s: float
+    load_s: dict  # precision -> seconds of one load, its decoder and first step
+    first_load_extra_s: float = 0.0  # what a job's first load costs more (the model's code imported)
+    greedy_step_s: dict = field(default_factory=dict)  # rows -> host seconds per decode step (greedy choice, sync)
+    matcher_s_per_row_step: float = 0.0
+    fingerprint_GB_s: float | None = None
+
+    @classmethod
+    def from_seconds(cls, overhead_s: float, load_s: float = 0.0) -> "Overhead":
+        """``overhead_s``: a job with one load; ``load_s``: the part of it each further load costs again."""
+        return cls(overhead_s - load_s, {"*": load_s})
+
+    @classmethod
+    def from_json(cls, measured: dict) -> "Overhead":
+        return cls(measured["start_s"], measured["load_s"], measured.get("first_load_extra_s", 0.0),
+                   {int(r): s for r, s in measured.get("greedy_step_s", {}).items()},
+                   measured.get("matcher_s_per_row_step", 0.0), measured.get("fingerprint_GB_s"))
+
+    def of_job(self, loads: list) -> float:
+        """Start, and one load per precision loaded (one not measured: the mean of those measured)."""
+        mean = sum(self.load_s.values()) / len(self.load_s) if self.load_s else 0.0
+        first = self.first_load_extra_s if loads else 0.0
+        return self.start_s + first + sum(self.load_s.get(p, mean) for p in loads)
+
+    def greedy(self, rows: int) -> float:
+        if not self.greedy_step_s:
+            return 0.0
+        nearest = min(self.greedy_step_s, key=lambda r: abs(r - rows))
+        return self.greedy_step_s[nearest]
+
+
+class Rates:
+    """The measures by (precision, rows), and the overhead."""
+
+    def __init__(self, measures: list[dict], overhead: Overhead, warnings: list):
+        self.by = {(m["precision"], int(m["rows"])): m for m in measures}
+        self.overhead, self.warnings = overhead, warnings
+
+    def nearest(self, precision: str, rows: int) -> dict:
+        """The measure at ``precision`` whose row count is nearest ``rows``."""
+        mine = {r: m for (p, r), m in self.by.items() if p == precision}
+        if not mine:
+            raise ValueError(f"no measure at precision {precision!r} (measured: {sorted(set(self.by))})")
+        return mine[min(mine, key=lambda r: abs(r - rows))]
+
+    def step_measure(self, precision: str, rows: int) -> dict:
+        """The measure that prices a step at ``rows`` rows (another row count's, noted, where none was measured)."""
+        m = self.nearest(precision, rows)
+        if int(m["rows"]) != rows:
+            note = f"{precision} steps at {rows} rows priced at the {m['rows']}-row measure (none at {rows} rows)"
+            if note not in self.warnings:
+                self.warnings.append(note)
+        return m
+
+    def kv_GB_per_position(self, precision: str) -> float:
+        m = self.nearest(precision, 1)
+        return m["kv_GB_per_row"] / m["max_len"]
+
+
+def step_seconds(m: dict, span: float) -> float:
+    """One decode step of the measure's batch attending over ``span`` positions: ``benchmark.decode_seconds`` of
+    one step with the span its own bucket (its time per row, times the rows)."""
+    from benchmark import decode_seconds  # bench/benchmark.py
+
+    span = int(round(span))
+    at_span = {**m, "max_len": span, "step_fit": {**m["step_fit"], "bucket": span}}
+    return decode_seconds(at_span, span - 1, 1, bucketed=True) * m["rows"]
+
+
+def price(work: Work, precision: str, shape: RunShape, rates: Rates) -> dict:
+    """Seconds of one precision's work, by part."""
+    steps = {rows: count for rows, count in work.steps.items() if count}
+    decode = sum(count * step_seconds(rates.step_measure(precision, rows), shape.span) for rows, count in steps.items())
+    host = sum(count * rates.overhead.greedy(rows) for rows, count in steps.items())
+    host += work.matcher_row_steps * rates.overhead.matcher_s_per_row_step
+    measure = rates.nearest(precision, shape.rows)  # its prefill and dump rates
+    fingerprint_GB = work.boundary_rows * shape.boundary_positions * rates.kv_GB_per_position(precision)
+    fingerprint = fingerprint_GB / rates.overhead.fingerprint_GB_s if rates.overhead.fingerprint_GB_s else 0.0
+    return {"decode_s": decode, "prefill_s": work.prefill_tokens / measure["prefill_tokens_s"],
+            "dump_s": work.dump_GB / measure["dump_GB_s"], "host_s": host, "fingerprint_s": fingerprint}
+
+
+def job_seconds(job: JobWork, shape: RunShape, rates: Rates) -> dict:
+    parts = {"overhead_s": rates.overhead.of_job(job.loads)}
+    for precision, work in job.work.items():
+        for part, seconds in price(work, precision, shape, rates).items():
+            parts[part] = parts.get(part, 0.0) + seconds
+    return {"s": sum(parts.values()), **parts}
+
+
+# ---- the comparison ------------------------------------------------------------------------------------------------
+def job_rule_times(run: dict) -> dict:
+    """{rule: [job seconds]} (each job's own where the run recorded them, else the rule's mean per job)."""
+    if run.get("job_times"):
+        out = {}
+        for job in run["job_times"]:
+            out.setdefault(job["rule"], []).append(job["s"])
+        return out
+    return {rule: [r["s"] / r["jobs"]] * r["jobs"] for rule, r in run["rules"].items()}
+
+
+def time_without_model_jobs(run: dict, model_rules: set) -> dict:
+    """Measured seconds of the run's wall with no model job running: from the Snakemake log where the run recorded
+    its jobs' times (Snakemake's start, the gathers, checks and reports between and after the model jobs; stamps to
+    the second), else the benchmarked non-model jobs before the first model job and after the last."""
+    intervals = sorted((j["start_s"], j["end_s"]) for j in run.get("log_jobs") or [] if j["rule"] in model_rules)
+    if intervals and run.get("wall_s"):
+        covered, end = 0.0, -math.inf
+        for start, stop in intervals:
+            covered += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        return {"non_model_s": run["wall_s"] - covered, "from": "the Snakemake log"}
+    jobs = job_rule_times(run)
+    before = max((s for rule in BEFORE_MODEL_JOBS for s in jobs.get(rule, [])), default=0.0)
+    after = sum(max((sum(jobs.get(rule, [])) for rule in group), default=0.0) for group in AFTER_MODEL_JOBS)
+    return {"non_model_s": before + after, "from": "benchmark files (the longest of select_items and prepare_model "
+            "before, plot_figures or build_item_browser and build_report after; the gathers and checks left out)"}
+
+
+def compare(run: dict, measures: list[dict], overhead: Overhead, measures_batch1: list[dict] | None = None) -> dict:
+    """Per rule: jobs, measured and projected seconds, their ratio; the model jobs' total and the run's wall."""
+    shape = run_shape(run)
+    rates = Rates(measures + (measures_batch1 or []), overhead, shape.warnings)
+    if shape.lockstep and not measures_batch1:
+        shape.warnings.append("no --measures-batch1: the batch-invariance control's batch-1 steps are priced at "
+                              "the batch measure's step")
+    jobs = model_jobs(shape, {p: rates.kv_GB_per_position(p) for p in shape.precisions})
+    measured = run.get("rules", {})
+    rules = {}
+    for job in jobs:
+        priced = job_seconds(job, shape, rates)
+        rule = rules.setdefault(job.rule, {"jobs_projected": 0, "projected_s": 0.0, "parts": {}})
+        rule["jobs_projected"] += 1
+        rule["projected_s"] += priced["s"]
+        for part, seconds in priced.items():
+            if part != "s":
+                rule["parts"][part] = rule["parts"].get(part, 0.0) + seconds
+    for name, rule in rules.items():
+        got = measured.get(name)
+        rule["status"] = "compared" if got else "absent from the run"
+        rule["jobs_measured"] = got["jobs"] if got else 0
+        rule["measured_s"] = got["s"] if got else None
+        rule["ratio"] = rule["projected_s"] / got["s"] if got and got["s"] else None
+    for name, got in measured.items():
+        if name not in rules:
+            rules[name] = {"status": "not projected", "jobs_measured": got["jobs"], "measured_s": got["s"],
+                           "jobs_projected": None, "projected_s": None, "ratio": None}
+    compared = [r for r in rules.values() if r["status"] == "compared"]
+    model = {"measured_s": sum(r["measured_s"] for r in compared),
+             "projected_s": sum(r["projected_s"] for r in compared)}
+    model["relative_error"] = model["projected_s"] / model["measured_s"] - 1 if model["measured_s"] else None
+    absent = sorted(name for name, r in rules.items() if r["status"] == "absent from the run")
+    return {"rules": rules, "model_jobs": model, "absent_rules": absent, "wall": wall(run, shape, rules),
+            "sources": shape.sources, "warnings": shape.warnings,
+            "shape": {k: getattr(shape, k) for k in ("n", "rows", "batches", "P", "S", "N", "W", "S_b", "N_b", "span")},
+            "overhead": {"start_s": overhead.start_s, "load_s": overhead.load_s,
+                         "first_load_extra_s": overhead.first_load_extra_s}}
+
+
+def wall(run: dict, shape: RunShape, rules: dict) -> dict:
+    """The run's wall against the projected model jobs one after another plus its measured time without them."""
+    one_at_a_time = run.get("gpu_slots") == 1 and shape.config.get("gpus_per_job", 0) >= 1
+    model_rules = {name for name, r in rules.items() if r.get("projected_s") is not None}
+    outside = time_without_model_jobs(run, model_rules)
+    projected = sum(rules[name]["projected_s"] for name in model_rules)
+    measured_model = sum(rules[name]["measured_s"] or 0.0 for name in model_rules)
+    out = {"measured_s": run.get("wall_s"), "predicted_s": projected + outside["non_model_s"], **outside,
+           "status": run.get("status"), "model_jobs_one_at_a_time": one_at_a_time,
+           # about 0 when the model jobs ran one at a time (up to the log's one-second stamps)
+           "residual_s": (run["wall_s"] - measured_model - outside["non_model_s"]) if run.get("wall_s") else None}
+    out["relative_error"] = None
+    if not one_at_a_time:
+        out["why_not_compared"] = "model jobs could share the device (gpu_slots != 1 or gpus_per_job 0)"
+    elif run.get("status") != "complete" or not run.get("wall_s"):
+        out["why_not_compared"] = f"the run did not complete ({run.get('status')})"
+    else:
+        out["relative_error"] = out["predicted_s"] / run["wall_s"] - 1
+    return out
+
+
+def render(report: dict) -> str:
+    def s(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = [f"{'rule':<28} {'jobs':>9} {'measured s':>11} {'projected s':>12} {'ratio':>6} {'overhead s':>11} "
+             f"{'work s':>8}  status"]
+    order = sorted(report["rules"].items(), key=lambda kv: -(kv[1]["measured_s"] or kv[1]["projected_s"] or 0))
+    for name, r in order:
+        jobs = f"{r['jobs_measured']}/{'-' if r['jobs_projected'] is None else r['jobs_projected']}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        overhead = r.get("parts", {}).get("overhead_s")
+        work = None if overhead is None else r["projected_s"] - overhead
+        lines.append(f"{name:<28} {jobs:>9} {s(r['measured_s']):>11} {s(r['projected_s']):>12} {ratio:>6} "
+                     f"{s(overhead):>11} {s(work):>8}  {r['status']}")
+    m = report["model_jobs"]
+    err = "-" if m["relative_error"] is None else f"{m['relative_error']:+.1%}"
+    lines += ["", f"model jobs (rules in both): measured {s(m['measured_s'])} s, projected {s(m['projected_s'])} s, "
+              f"relative error {err}"]
+    w = report["wall"]
+    werr = "-" if w["relative_error"] is None else f"{w['relative_error']:+.1%}"
+    lines.append(f"wall: measured {s(w['measured_s'])} s, predicted {s(w['predicted_s'])} s (model jobs one after "
+                 f"another + {s(w['non_model_s'])} s measured without a model job running, from {w['from']}), "
+                 f"relative error {werr}" + (f" ({w['why_not_compared']})" if w.get("why_not_compared") else "")
+                 + (f"; residual {s(w['residual_s'])} s" if w["residual_s"] is not None else ""))
+    if report["absent_rules"]:
+        lines.append(f"absent from the run: {', '.join(report['absent_rules'])}")
+    derived = sorted(k for k, v in report["sources"].items() if v == "derived")
+    read = sorted(k for k, v in report["sources"].items() if v == "read")
+    lines.append(f"counts read from the run: {', '.join(read) or 'none'}")
+    lines.append(f"counts derived: {', '.join(derived) or 'none'}")
+    lines += [f"note: {w}" for w in report["warnings"]]
+    lines.append("jobs: measured/projected; not projected: rules that load no model (and prepare_model), measured "
+                 "only")
+    return "\n".join(lines)
+
+
+def load_measures(path: str) -> list[dict]:
+    saved = json.loads(Path(path).read_text())
+    measures = saved["projection"] if isinstance(saved, dict) else saved
+    if not measures:
+        raise ValueError(f"{path} holds no projection measures (bench/benchmark.py --only-projection writes them)")
+    return measures
+
+
+# ---- the overhead, measured in a fresh process --------------------------------------------------------------------
+def overhead_child(args) -> dict:
+    """In a fresh process (time from ``args.spawned``, the parent's clock before it started this one): the imports a
+    job's script makes, then per precision the model load and decoder as ``stagereplay.stages.jobs.load`` makes them
+    and their first step (the graph capture), then the first precision once more: a job's first load also imports
+    the model's code, what the second load of the first precision does not pay. Then the host rates of the greedy
+    loop on the last decoder."""
+    started = time.time()
+    try:  # a job's script preamble imports it (not counted where Snakemake is not installed)
+        import snakemake.script  # noqa: F401
+        snakemake_import_s = time.time() - started
+    except ImportError:
+        snakemake_import_s = None
+    import torch  # noqa: F401 - the imports a job's script makes, timed
+    import stagereplay.stages.controls  # noqa: F401
+    import stagereplay.stages.reconstruct  # noqa: F401
+    import stagereplay.stages.transplant  # noqa: F401
+
+    imported = time.time()
+    out = {"python_start_s": started - args.spawned, "imports_s": imported - started,
+           "snakemake_import_s": snakemake_import_s, "start_s": imported - args.spawned, "load_s": {},
+           "first_step_s": {}}
+    cold = None
+    for precision in [*args.precision, args.precision[0]]:
+        job, batch, loaded_s, first_s = timed_load(precision, args)
+        if cold is None:
+            cold = loaded_s + first_s
+        else:  # a warm load: the model's code imported already
+            out["load_s"][precision], out["first_step_s"][precision] = loaded_s + first_s, first_s
+        if precision == args.precision[0] and precision in out["load_s"]:
+            out.update(host_rates(job, batch, args))
+        del job, batch
+        release_device()
+    out["first_load_extra_s"] = max(0.0, cold - out["load_s"][args.precision[0]])
+    return out
+
+
+def timed_load(precision: str, args) -> tuple:
+    """A job's model load and decoder at ``precision`` (``stagereplay.stages.jobs.load``) and its first step:
+    (job, batch, load seconds, first-step seconds)."""
+    from stagereplay.decode.regimes import make_decoder
+    from stagereplay.models.loading import eos_token_ids
+    from stagereplay.stages.jobs import load
+    from stagereplay.stages.settings import ModelSettings
+
+    settings = ModelSettings(model=args.measure_overhead, revision=args.revision, device=args.device,
+                             prepared_models=args.prepared_models, progress=False)
+    t0 = time.perf_counter()
+    job = load(settings, precision, numerics="default", make_decoder=lambda loaded: make_decoder(
+        loaded.model, tuple(eos_token_ids(loaded)), args.regime, max_len=args.max_len, max_rows=args.rows))
+    loaded_s = time.perf_counter() - t0
+    batch, first_s = first_step(job.decoder, args)
+    return job, batch, loaded_s, first_s
+
+
+def prompts_of(args) -> list[list[int]]:
+    return [[5 + (r + j) % 7 for j in range(args.prompt)] for r in range(args.rows)]
+
+
+def first_step(decoder, args) -> tuple:
+    """The decoder's prompts forward and first one-token step at ``args.rows`` rows (a CUDA graph's capture)."""
+    t0 = time.perf_counter()
+    batch, _ = decoder.open(prompts_of(args))
+    decoder.step(batch, [5] * args.rows)
+    synchronize()
+    return batch, time.perf_counter() - t0
+
+
+def host_rates(job, batch, args) -> dict:
+    """Per decode step, the greedy choice and its sync at ``args.rows`` rows and at 1; the boundary matcher's text
+    decode per live row and step, over the ids the model itself generates (mean over stage lengths 1..``args.stage``);
+    the fingerprint rate of the batch's caches."""
+    import torch
+
+    from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, greedy_choice
+    from stagereplay.io.fingerprints import fingerprint_layers
+
+    vocab = job.loaded.model.config.vocab_size
+    out = {"greedy_step_s": {}}
+    for rows in sorted({args.rows, 1}):
+        logits = torch.randn(rows, vocab, device=job.decoder.device)
+        greedy_choice(logits)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            greedy_choice(logits)
+        out["greedy_step_s"][rows] = (time.perf_counter() - t0) / 20
+    layers = [job.decoder.row_layers(batch, r, batch.length) for r in range(args.rows)]
+    size = sum(t.numel() * t.element_size() for row in layers for pair in row for t in pair)
+    t0 = time.perf_counter()
+    for row in layers:
+        fingerprint_layers(row)
+    out["fingerprint_GB_s"] = size / 1e9 / (time.perf_counter() - t0)
+    if args.marker:
+        tokenizer = job.loaded.tokenizer
+        matcher = BoundaryMatcher(args.stage, text=args.marker, decode=tokenizer.decode)
+        budget = max(1, min(2 * args.stage, args.max_len - args.prompt - 1))
+        generated = decode_rows(job.decoder, prompts_of(args)[:1], matcher=matcher, max_stage_tokens=budget,
+                                max_new_tokens=0)[0]
+        ids = generated.stage_ids or generated.suffix_ids
+        t0 = time.perf_counter()
+        for length in range(1, len(ids) + 1):
+            matcher.reached(ids[:length])
+        out["matcher_s_per_row_step"] = (time.perf_counter() - t0) / len(ids)
+        out["matcher_stage_tokens"] = len(ids)
+    return out
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release_device() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_overhead(args) -> dict:
+    """Run :func:`overhead_child` in a fresh Python process and return what it measured, with the process's whole
+    wall time."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--overhead-child", "--measure-overhead",
+               args.measure_overhead, "--precision", *args.precision, "--regime", args.regime, "--rows", str(args.rows),
+               "--prompt", str(args.prompt), "--stage", str(args.stage), "--max-len", str(args.max_len),
+               "--device", args.device, "--revision", args.revision]
+    command += ["--prepared-models", args.prepared_models] if args.prepared_models else []
+    command += ["--marker", args.marker] if args.marker else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    spawned = time.time()
+    done = subprocess.run(command + ["--spawned", repr(spawned)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the overhead measurement failed:\n{done.stderr[-4000:]}")
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured["process_s"] = time.time() - spawned
+    measured["argv"] = sys.argv[1:]
+    return measured
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", help="bench/pipeline_run.py's JSON (with its config and counts)")
+    ap.add_argument("--measures", help="bench/benchmark.py --only-projection's results.json, at the run's batch size")
+    ap.add_argument("--measures-batch1", help="the same measured with --proj-max-rows 1")
+    ap.add_argument("--overhead-s", type=float, help="one model job's start, imports and one model load")
+    ap.add_argument("--load-s", type=float, default=0.0,
+                    help="the part of --overhead-s a job pays again for each further precision it loads")
+    ap.add_argument("--overhead-json", help="--measure-overhead's JSON (start, loads and host rates)")
+    ap.add_argument("--json", help="write the comparison (or the overhead measured) here")
+    over = ap.add_argument_group("--measure-overhead: a model job's fixed cost, timed in a fresh process")
+    over.add_argument("--measure-overhead", metavar="MODEL_DIR", help="the model folder the run's jobs load")
+    over.add_argument("--precision", nargs="+", default=["bf16"])
+    over.add_argument("--prepared-models", help="results/<run>/models/<revision>: load the prepared snapshots, as "
+                      "the workflow's jobs do")
+    over.add_argument("--revision", default="local")
+    over.add_argument("--device", default="auto")
+    over.add_argument("--regime", default="cuda_graph")
+    over.add_argument("--rows", type=int, default=1, help="the decoder's rows (the run's batch size)")
+    over.add_argument("--prompt", type=int, default=16, help="prompt tokens of the first step")
+    over.add_argument("--stage", type=int, default=64, help="stage length of the matcher's timing")
+    over.add_argument("--max-len", type=int, default=256, help="the decoder's buffer (the run's decode_max_len)")
+    over.add_argument("--marker", default=None, help="the boundary marker (times the matcher's text decode)")
+    over.add_argument("--overhead-child", action="store_true", help=argparse.SUPPRESS)
+    over.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.overhead_child:
+        print(json.dumps(overhead_child(args)))
+        return 0
+    if args.measure_overhead:
+        measured = measure_overhead(args)
+        text = json.dumps(measured, indent=1)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+        return 0
+    if not (args.run and args.measures) or (args.overhead_s is None) == (args.overhead_json is None):
+        ap.error("give --run, --measures and one of --overhead-s or --overhead-json (or --measure-overhead MODEL_DIR)")
+    overhead = (Overhead.from_json(json.loads(Path(args.overhead_json).read_text())) if args.overhead_json
+                else Overhead.from_seconds(args.overhead_s, args.load_s))
+    report = compare(json.loads(Path(args.run).read_text()), load_measures(args.measures), overhead,
+                     load_measures(args.measures_batch1) if args.measures_batch1 else None)
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
