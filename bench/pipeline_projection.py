@@ -795,7 +795,7 @@ def first_step(decoder, args) -> tuple:
 def host_rates(job, batch, args) -> dict:
     """Per decode step, the greedy choice and its sync at ``args.rows`` rows and at 1; the boundary matcher's text
     decode per live row and step, over the ids the model itself generates (mean over stage lengths 1..``args.stage``);
-    the fingerprint rate of the batch's caches."""
+    the fingerprint rate of the batch's caches, stepped on to a boundary cache's length (prompt + stage - 1)."""
     import torch
 
     from stagereplay.decode.greedy import BoundaryMatcher, decode_rows, greedy_choice
@@ -810,6 +810,8 @@ def host_rates(job, batch, args) -> dict:
         for _ in range(20):
             greedy_choice(logits)
         out["greedy_step_s"][rows] = (time.perf_counter() - t0) / 20
+    while batch.length < min(args.prompt + args.stage - 1, args.max_len - 1):
+        job.decoder.step(batch, [5] * args.rows)
     layers = [job.decoder.row_layers(batch, r, batch.length) for r in range(args.rows)]
     size = sum(t.numel() * t.element_size() for row in layers for pair in row for t in pair)
     t0 = time.perf_counter()
