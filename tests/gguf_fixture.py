@@ -83,3 +83,65 @@ def write_tiny_gguf(path: Path, seed: int = 0, architecture: str = "qwen2", laye
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def byte_level_merges(regular: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of ``regular`` tokens: GPT-2's 256 byte symbols, then random merged pairs (each
+    with its merge), as a real vocabulary's are laid out; no two tokens alike."""
+    import random
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = random.Random(seed)
+    tokens = [bytes_to_unicode()[b] for b in range(256)]
+    seen, merges = set(tokens), []
+    while len(tokens) < regular:
+        a, b = rng.choice(tokens), rng.choice(tokens[:4096])
+        if len(a) + len(b) > 12 or a + b in seen:
+            continue
+        seen.add(a + b)
+        tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    return tokens, merges
+
+
+def write_vocab_gguf(path: Path, regular: int, seed: int = 0, padding: int = 64):
+    """A one-layer random Qwen2 (F32) whose vocabulary is large: ``regular`` byte-level BPE tokens with their
+    merges, the specials, then ``padding`` unused ``[PADn]`` tokens (as Qwen2's vocabulary of 151,936 pads its
+    151,643 + 22 tokens); what makes a GGUF's metadata slow to read is the size of these arrays."""
+    import gguf
+
+    tokens, merges = byte_level_merges(regular, seed)
+    tokens += SPECIALS + [f"[PAD{i}]" for i in range(padding)]
+    model = tiny_qwen2_model(len(tokens), seed, layers=1)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name("random-qwen2-vocab")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * regular + [gguf.TokenType.CONTROL] * 3
+                           + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.UNUSED] * padding)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

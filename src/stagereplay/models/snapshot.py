@@ -392,10 +392,11 @@ def checked_stand_in(folders, source: ModelSource, source_fingerprint: dict | No
     another format, changed since, or not there yet).
 
     A GGUF source's config and tokenizer are built from its metadata (for a Qwen2 vocabulary about 300,000
-    strings read through gguf-py), which takes the better part of a minute; a snapshot made from the very same
-    file holds them as the ordinary files loading it reads (preparing proved they equal the source's), and
-    reading those takes seconds. Only a snapshot whose manifest names this source and its current fingerprint
-    stands in: any other is passed over, and the source is checked."""
+    strings read through gguf-py and transformers), which takes 6 to 11 s on the 2-core VM even read once
+    (:func:`~stagereplay.models.loading.gguf_read_once`); a snapshot made from the very same file holds them as the
+    ordinary files loading it reads (preparing proved they equal the source's), and reading those takes 4 s. Only a
+    snapshot whose manifest names this source and its current fingerprint stands in: any other is passed over, and
+    the source is checked."""
     if not (source_fingerprint or {}).get("sha256"):
         return None
     for folder in map(Path, folders):
