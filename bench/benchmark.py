@@ -477,7 +477,7 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
         prefill_s = prefill_tokens / m["prefill_tokens_s"]
         dump_s = items * dumped * m["dump_GB"] / m["dump_GB_s"]
         parts[m["precision"]] = {"decode_s": decode_s, "prefill_s": prefill_s, "dump_s": dump_s,
-                                 "decode_steps_per_item": steps}
+                                 "decode_steps_per_item": steps, "prefill_tokens": prefill_tokens}
         if "linear_params" in m:  # the linear maps alone, every row-step and prefill token at the best GEMM rate
             flops = 2 * m["linear_params"] * (items * steps + prefill_tokens)
             parts[m["precision"]]["linear_floor_s"] = flops / (m["gemm_TFLOP_s_large"] * 1e12)
@@ -543,22 +543,44 @@ def run_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: flo
     traffic = the weights read once per batched decode step (row-steps / rows of the batch) plus every row's K/V
     read up to its position, as :func:`fp32_floor` counts it. The run: max(sum of arithmetic, sum of traffic) (the
     arms overlapped perfectly), and the sum of each arm's own bound (the arms in turn); the traffic is also given at
-    the measured copy rate ``copy_TB_s`` (read + write), a rate a run can reach."""
-    peaks = {"fp32": H200_FP32_TFLOPS, "bf16": H200_BF16_TFLOPS, **(peaks_tflops or {})}
+    the measured copy rate ``copy_TB_s`` (read + write), a rate a run can reach. :func:`work_floor` prices the
+    counts; ``bench/pipeline_projection.py`` gives it the counts of its rule-by-rule model instead."""
     projected = project(measures, items, divergent, bucketed=True, **project_kwargs)
-    arms = {}
+    counts = {}
     for m in measures:
         precision = m["precision"]
         part = projected["parts"][precision]
-        flops = part["linear_floor_s"] * m["gemm_TFLOP_s_large"] * 1e12  # 2 x params x (row-steps + prefill tokens)
-        batch_steps = items * part["decode_steps_per_item"] / m["rows"]
-        weight_bytes = batch_steps * m["linear_params"] * ITEMSIZE[precision]
-        per_position = m["kv_GB_per_row"] * 1e9 / m["max_len"]
+        # each row's K/V positions read: project() on a measure whose step costs one unit per attended position
         reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
-                   "step_fit": {"a_s": 0.0, "b_s_per_position": per_position, "bucket": 1}}
-        kv_bytes = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][precision]["decode_s"]
+                   "step_fit": {"a_s": 0.0, "b_s_per_position": 1.0, "bucket": 1}}
+        positions = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][precision][
+            "decode_s"]
+        row_steps = items * part["decode_steps_per_item"]
+        counts[precision] = {"row_steps": row_steps, "batch_steps": row_steps / m["rows"],
+                             "kv_row_positions": positions, "prefill_tokens": part["prefill_tokens"],
+                             "projected_s": part["decode_s"] + part["prefill_s"]}
+    return work_floor(counts, measures, copy_TB_s, peaks_tflops, memory_TB_s)
+
+
+def work_floor(counts: dict, measures: list[dict], copy_TB_s: float, peaks_tflops: dict | None = None,
+               memory_TB_s: float = H200_HBM_TB_S) -> dict:
+    """:func:`run_floor`'s pricing of given counts. ``counts``: {precision: {"row_steps": decode row-steps,
+    "batch_steps": batched decode steps (each reads the weights once), "kv_row_positions": K/V positions read,
+    summed over rows and steps (each row's keys up to its position), "prefill_tokens", "projected_s": the
+    projected GPU seconds of that work}}; ``measures``: one per precision, for the shape's linear parameters and K/V
+    bytes per position."""
+    peaks = {"fp32": H200_FP32_TFLOPS, "bf16": H200_BF16_TFLOPS, **(peaks_tflops or {})}
+    arms = {}
+    for m in measures:
+        precision = m["precision"]
+        if precision not in counts or precision in arms:
+            continue
+        c = counts[precision]
+        flops = 2 * m["linear_params"] * (c["row_steps"] + c["prefill_tokens"])
+        weight_bytes = c["batch_steps"] * m["linear_params"] * ITEMSIZE[precision]
+        kv_bytes = c["kv_row_positions"] * m["kv_GB_per_row"] * 1e9 / m["max_len"]
         arms[precision] = {"arithmetic_s": flops / (peaks[precision] * 1e12), "weights_GB": weight_bytes / 1e9,
-                           "kv_GB": kv_bytes / 1e9, "projected_s": part["decode_s"] + part["prefill_s"]}
+                           "kv_GB": kv_bytes / 1e9, "projected_s": c["projected_s"]}
     arithmetic = sum(a["arithmetic_s"] for a in arms.values())
     traffic_bytes = sum((a["weights_GB"] + a["kv_GB"]) * 1e9 for a in arms.values())
     out = {"arms": arms, "arithmetic_s": arithmetic, "traffic_s": traffic_bytes / (memory_TB_s * 1e12),

@@ -4,6 +4,10 @@
         (--overhead-s O [--load-s L] | --overhead-json OVERHEAD.json) [--json OUT.json]
     python bench/pipeline_projection.py --measure-overhead MODEL_DIR --precision bf16 fp32 [--prepared-models DIR] \\
         [--regime cuda_graph --rows 16 --prompt 18 --stage 128 --max-len 258 --marker "~"] [--json OVERHEAD.json]
+    python bench/pipeline_projection.py --config CONFIG.yaml [--set KEY=VALUE ...] --prompt P --stage S --suffix N \\
+        --divergent bf16=0.83,fp32=0 --layers 48 --measures M.json [--measures-batch1 M1.json] \\
+        (--overhead-s O [--load-s L] | --overhead-json OVERHEAD.json [--weights-GB bf16=28,fp32=56 --load-GB-s 2] \\
+        [--fingerprint-GB-s F]) [--non-model-s C] [--compare-project [MEASURES.json ...]] [--json OUT.json]
 
 RUN.json is what ``bench/pipeline_run.py`` writes (it must carry the config it ran with, ``config``, and the counts
 its results record, ``counts``); M.json what ``bench/benchmark.py --only-projection --out DIR`` writes as
@@ -14,19 +18,22 @@ batch-invariance control decodes at batch 1).
 The model. Every model job's wall time is its overhead plus the work it decodes. The work is counted from the stage
 code (src/stagereplay/stages, src/stagereplay/experiments, workflow/rules) as
 
-- batched decode steps at a row count, each attending over the decoder's whole buffer L (``decode_max_len``: the
-  static regimes' masked attention reads every buffer position at every step), priced at the measure's
-  a + b * L for that precision and row count (``benchmark.decode_seconds``);
+- batched decode steps at a row count, priced at the measure's a + b * span for that precision and row count
+  (``benchmark.decode_seconds``): for a measure of the masked attention every step at the decoder's whole buffer L
+  (``decode_max_len``: the masked attention reads every buffer position at every step); for a measure of the
+  triton attention (its ``step_fit`` bucket is 1: each row's keys up to its position) each step at its own
+  position, summed over a cell's steps from the cache length it starts at (a row count measured at neither: the
+  fit interpolated linearly in the rows between the two measured row counts around it);
 - one-shot prefill tokens, at the measure's ``prefill_tokens_s``;
 - cache-dump GB, at the measure's ``dump_GB_s``;
 - and, where ``--overhead-json`` gives their rates (``--measure-overhead`` measures them), the greedy loop's host
   work per decode step (the greedy choice and its device sync), the boundary matcher's text decode per live row
   and stage step, and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions).
 
-Notation: n items, B = min(batch_size, n) rows a batch, ceil(n / B) batches (a partial last batch costs a full
-batch's steps), P, S, N the ledger's mean prompt, stage and suffix lengths; in lockstep W, S_b, N_b are the mean
-over batches of a batch's longest prompt (its padded width), stage and suffix. d_p is the share of items whose
-matched live and prefill suffixes differ at precision p.
+Notation: n items, B = min(batch_size, n) rows a batch, ceil(n / B) batches (a partial last batch decodes a full
+batch's steps at its own, fewer rows), P, S, N the ledger's mean prompt, stage and suffix lengths; in lockstep W,
+S_b, N_b are the mean over batches of a batch's longest prompt (its padded width), stage and suffix. d_p is the
+share of items whose matched live and prefill suffixes differ at precision p.
 
 One *cell* is one construction decoded over one batch (``decode_rows``):
 
@@ -82,14 +89,27 @@ fresh Python process as a job's script makes them (``stagereplay.stages.jobs.loa
 without Snakemake; where Snakemake is installed it also times the import of ``snakemake.script`` (a job's script
 preamble makes it), inside ``start_s``. Snakemake's scheduling and the benchmark wrapper are in none of them.
 
+A run not made (``--config``): the same counts, all derived from a workflow config (the schema's defaults filled
+as the workflow fills them, ``--set`` overriding keys) and the given lengths (a batch's longest prompt, stage and
+suffix taken equal to the means), divergent shares and layer count; the decode buffer L = the longest prompt +
+``max_stage_tokens`` + ``max_new_tokens``, as ``reconstruct_prefixes`` sets it. Each model job priced as above;
+the wall for one GPU is the model jobs one after another plus ``--non-model-s``, a stated constant for the jobs
+that load no model (default 0: not counted). ``--weights-GB`` with ``--load-GB-s`` prices each precision's load
+as its weights read once at that rate (an assumption where the shape's load was not measured). Where the
+measures carry the shape's linear parameters and their file the copy rate, the report gives the floor of the
+same work (``benchmark.work_floor``: ``run_floor``'s pricing of these counts); ``--compare-project`` splits
+``benchmark.project(bucketed=True)``'s count of the same variant by rule (``project_by_rule``).
+
 Not projected (reported with their measured times): the rules that load no model, select_items, gather_ledger,
 gather_bridge, gather_audit, check_audit, select_transplant_items, plot_figures, build_report, build_item_browser,
 and prepare_model (it loads the model source once per precision, but claims no GPU and runs before every model job).
 
 Where this counts otherwise than ``benchmark.project()`` (the paper-scale projection, left as it is): in a batch of
 several rows every construction runs the live schedule, so a prefill cell decodes S + N - 1 steps as the others do,
-besides its one-shot prefill (project() gives it N steps, which holds at batch 1 only); every step attends over the
-whole buffer (the package's decoder; project(bucketed=True) prices bucketed spans); the matched experiment runs
+besides its one-shot prefill (project() gives it N steps, which holds at batch 1 only); a step attends over the
+whole buffer for a masked-attention measure, over its own position for a triton one (project(bucketed=True) prices
+bucketed spans, a bucket of one position for the triton attention); the items fill whole batches, the last one
+partial (project() prices 200 rows as 200/62 batches at the 62-row rate); the matched experiment runs
 at every precision, in reconstruct_prefixes and again in the audit (project() counts it at bf16 only); the bridge's
 incremental cell, the batch-invariance control, cache differences, dumps' rebuilds and the divergence onset are
 counted; and jobs are counted one by one, each with its overhead and loads.
@@ -164,7 +184,7 @@ class RunShape:
     W: float  # in lockstep: a batch's longest prompt, stage and suffix (means over batches); else P, S, N
     S_b: float
     N_b: float
-    span: float  # positions every decode step attends over
+    span: float  # the decode buffer L: positions a masked-attention step attends over
     divergent: dict
     recorded: dict
     sources: dict = field(default_factory=dict)
@@ -196,15 +216,47 @@ class RunShape:
         self.sources[name] = "read" if value is not None else "derived"
         return value if value is not None else derive()
 
-    def holding(self, k: float) -> float:
-        """Batches holding one of ``k`` items (each item its own batch without a plan)."""
-        return batches_holding(round(k), self.n, self.rows)
+    def batch_sizes(self, shard: int | None = None) -> list[int]:
+        """Rows of each batch of the plan (the last one partial where ``rows`` does not divide n; each item its own
+        batch without a plan); of one shard's batches where ``shard`` is given (shards take whole batches, or items
+        at batch 1)."""
+        sizes = [min(self.rows, self.n - start) for start in range(0, self.n, self.rows)]
+        return sizes if shard is None else sizes[shard::self.config["shards"]]
 
-    def shard_share(self, shard: int) -> float:
-        """The share of the batches one shard decodes (shards take whole batches, or items at batch 1)."""
-        shards = self.config["shards"]
-        units = math.ceil(self.n / self.rows)
-        return len(range(shard, units, shards)) / units
+    def kinds(self, shard: int | None = None) -> dict:
+        """{rows: batches}: the batches (of one shard) by their row count. A partial last batch is its own kind,
+        decoded at its own rows. Where the run recorded another number of batches than the plan's, scaled to it."""
+        out = {}
+        for size in self.batch_sizes(shard):
+            out[size] = out.get(size, 0) + 1
+        units = len(self.batch_sizes())
+        if self.batches != units:
+            out = {rows: count * self.batches / units for rows, count in out.items()}
+        return out
+
+    def holding(self, k: float) -> dict:
+        """{rows: expected batches of that size holding at least one of ``k`` items drawn from the n}."""
+        k = min(round(k), self.n)
+        out = {}
+        for size in self.batch_sizes():
+            chance = 0.0 if k <= 0 else 1 - math.comb(self.n - size, k) / math.comb(self.n, k)
+            out[size] = out.get(size, 0.0) + chance
+        return out
+
+    def held(self, name: str, read, k: float) -> dict:
+        """{rows: batches holding one of ``k`` items}: the number the run recorded (``read``), spread over the batch
+        sizes as the derived chances spread it, else derived."""
+        derived = self.holding(k)
+        return spread(self.count(name, read, lambda: sum(derived.values())), derived, self.rows)
+
+
+def spread(total: float, like: dict, rows: int) -> dict:
+    """``total`` over the keys of ``like`` in proportion to its values (all of it at ``like``'s one key, or at
+    ``rows`` where ``like`` is empty or all zero)."""
+    weight = sum(like.values())
+    if len(like) == 1 or not weight:
+        return {next(iter(like)) if len(like) == 1 else rows: total}
+    return {key: total * value / weight for key, value in like.items()}
 
 
 def run_shape(run: dict) -> RunShape:
@@ -231,9 +283,9 @@ def run_shape(run: dict) -> RunShape:
     if regime == "eager":
         shape.warnings.append("decode_regime eager: the measures are of the static decoder; eager steps are "
                               "launch-bound and slower, so the projection is short")
-    # the masked attention reads the whole buffer at every step; the triton one each row's keys up to its position
-    # (cost linear in the position: the mean position of a cell's steps stands for all)
-    shape.span = buffer if config["decode_attention"] == "masked" else shape.W + (shape.S_b + shape.N_b) / 2
+    # The whole buffer: what the masked attention reads at every step. A measure of the triton attention (its
+    # step_fit's bucket is 1) prices each step at its own position instead (``price``), up to this buffer.
+    shape.span = buffer
     if config["shards"] > 1 and not shape.lockstep:
         shape.warnings.append("shards at batch 1: items split by item_index modulo shards, counted as equal shares")
     return shape
@@ -243,26 +295,39 @@ def run_shape(run: dict) -> RunShape:
 @dataclass
 class Work:
     """Decode work at one precision: batched decode steps by row count, one-shot prefill tokens, rows whose boundary
-    cache is fingerprinted, live rows' stage steps (the boundary matcher's), cache bytes dumped."""
+    cache is fingerprinted, live rows' stage steps (the boundary matcher's), cache bytes dumped. ``segments`` holds
+    the same steps by where they run, {(rows, start, count): how many times}: ``count`` steps from cache length
+    ``start`` (what a measure of the triton attention prices step by step)."""
 
     steps: dict = field(default_factory=dict)  # rows -> steps
     prefill_tokens: float = 0.0
     boundary_rows: float = 0.0
     matcher_row_steps: float = 0.0
     dump_GB: float = 0.0
+    segments: dict = field(default_factory=dict)  # (rows, start, count) -> multiplicity
 
     def __add__(self, other: "Work") -> "Work":
         steps = dict(self.steps)
         for rows, count in other.steps.items():
             steps[rows] = steps.get(rows, 0.0) + count
+        segments = dict(self.segments)
+        for key, times in other.segments.items():
+            segments[key] = segments.get(key, 0.0) + times
         return Work(steps, self.prefill_tokens + other.prefill_tokens, self.boundary_rows + other.boundary_rows,
-                    self.matcher_row_steps + other.matcher_row_steps, self.dump_GB + other.dump_GB)
+                    self.matcher_row_steps + other.matcher_row_steps, self.dump_GB + other.dump_GB, segments)
 
     def __mul__(self, k: float) -> "Work":
         return Work({rows: count * k for rows, count in self.steps.items()}, self.prefill_tokens * k,
-                    self.boundary_rows * k, self.matcher_row_steps * k, self.dump_GB * k)
+                    self.boundary_rows * k, self.matcher_row_steps * k, self.dump_GB * k,
+                    {key: times * k for key, times in self.segments.items()})
 
     __rmul__ = __mul__
+
+
+def decoded(rows: int, start: float, count: float, times: float = 1.0, **rest) -> Work:
+    """``times`` x ``count`` decode steps at ``rows`` rows from cache length ``start`` (the first step attends
+    ``start`` + 1 positions), with the rest of a Work's fields."""
+    return Work({rows: count * times}, segments={(rows, start, count): times} if count else {}, **rest)
 
 
 def total(works) -> Work:
@@ -284,26 +349,28 @@ def segment_forwards(construction: str, tokens: float, chunk: int) -> float:
     return math.ceil(tokens / chunk) if construction == "chunked" else 2.0
 
 
-def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = False) -> Work:
-    """One construction decoded over one batch (``alone``: one item at batch 1 whatever the run's batch size)."""
+def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = False, rows: int | None = None) -> Work:
+    """One construction decoded over one batch of ``rows`` rows (the run's batch size unless given: a partial last
+    batch has fewer); ``alone``: one item at batch 1 whatever the run's batch size."""
     if construction not in ("live", "incremental", "prefill", "chunked", "prefix_cached"):
         raise ValueError(f"unknown construction {construction!r}")
     if shape.lockstep and not alone:
-        rows, W, S, N = shape.rows, shape.W, shape.S_b, shape.N_b
-        work = Work({rows: S - 1 + (N if suffix else 0)}, prefill_tokens=rows * W)  # the live schedule
+        rows, W, S, N = rows or shape.rows, shape.W, shape.S_b, shape.N_b
+        work = decoded(rows, W, S - 1 + (N if suffix else 0), prefill_tokens=rows * W)  # the live schedule
         built = rows * (W + S - 1)
     else:
         rows, W, S, N = 1, shape.P, shape.S, shape.N
         if construction in ("live", "incremental"):  # the prompt, then every token one step
-            return Work({1: S - 1 + (N if suffix else 0)}, prefill_tokens=W, boundary_rows=1,
-                        matcher_row_steps=S if construction == "live" else 0.0)
-        work = Work({1: N if suffix else 0.0})  # from the built cache at the boundary
+            return decoded(1, W, S - 1 + (N if suffix else 0), prefill_tokens=W, boundary_rows=1,
+                           matcher_row_steps=S if construction == "live" else 0.0)
+        work = decoded(1, W + S - 1, N if suffix else 0.0)  # from the built cache at the boundary
         built = W + S - 1
     if construction == "prefill":
         work.prefill_tokens += built
     elif construction in ("chunked", "prefix_cached"):
         forwards = rows * segment_forwards(construction, W + S - 1, shape.config["chunk_size"])
-        work = work + Work({1: forwards}, prefill_tokens=built)
+        # each forward priced as one step at the boundary cache's end (its keys: the prompt and the stage)
+        work = work + decoded(1, W + S - 2, 1, times=forwards, prefill_tokens=built)
         note = f"{construction}: its per-row segment forwards are priced as batch-1 steps plus prefill tokens"
         if note not in shape.warnings:
             shape.warnings.append(note)
@@ -312,9 +379,9 @@ def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = 
     return work
 
 
-def rebuild(shape: RunShape) -> Work:
+def rebuild(shape: RunShape, rows: int | None = None) -> Work:
     """Both constructions of ``transplant.constructions`` rebuilt with their suffixes (the stages' ``Rebuild``)."""
-    return total(cell(shape, rebuilt_as(c)) for c in shape.config["transplant"]["constructions"])
+    return total(cell(shape, rebuilt_as(c), rows=rows) for c in shape.config["transplant"]["constructions"])
 
 
 @dataclass
@@ -327,40 +394,46 @@ class JobWork:
 
 # ---- counts per rule ---------------------------------------------------------------------------------------------
 def per_precision_jobs(shape: RunShape, rule: str, per_batch) -> list[JobWork]:
-    """One job per precision and shard decoding ``per_batch(precision)`` in each of its batches."""
+    """One job per precision and shard decoding ``per_batch(precision, shard, rows)`` in each of its batches."""
     jobs = []
     for p in shape.precisions:
         for shard in range(shape.config["shards"]):
-            batches = shape.batches * shape.shard_share(shard)
-            jobs.append(JobWork(rule, f"{rule}_{p}_{shard}", [p], {p: per_batch(p, shard) * batches}))
+            work = total(per_batch(p, shard, rows) * batches for rows, batches in shape.kinds(shard).items())
+            jobs.append(JobWork(rule, f"{rule}_{p}_{shard}", [p], {p: work}))
     return jobs
+
+
+def by_kind(held: dict, per_batch) -> Work:
+    """``per_batch(rows)`` in each of the batches ``held`` counts by their rows."""
+    return total(per_batch(rows) * batches for rows, batches in held.items())
 
 
 def reconstruct_prefixes(shape: RunShape) -> list[JobWork]:
     k = min(shape.config["bridge"]["n_rows"], shape.n)
+    everything = shape.kinds()
 
-    def bridge_share(p, shard):
-        held = shape.count(f"bridge_batches_{p}", lambda r: r["bridge"][p]["batches"], lambda: shape.holding(k))
-        return held / shape.batches  # the bridge batches, spread over the batches
+    def bridge_share(p, rows):
+        held = shape.held(f"bridge_batches_{p}", lambda r: r["bridge"][p]["batches"], k)
+        return held.get(rows, 0.0) / everything[rows]  # a batch's chance of a bridge row, by its size
 
-    def per_batch(p, shard):
-        matched = 2 * cell(shape, "live") + 2 * cell(shape, "prefill")
-        return matched + bridge_share(p, shard) * cell(shape, "incremental")
+    def per_batch(p, shard, rows):
+        matched = 2 * cell(shape, "live", rows=rows) + 2 * cell(shape, "prefill", rows=rows)
+        return matched + bridge_share(p, rows) * cell(shape, "incremental", rows=rows)
 
     return per_precision_jobs(shape, "reconstruct_prefixes", per_batch)
 
 
-def fixed_prefix_cells(shape: RunShape, replicas: int) -> Work:
-    return replicas * total(cell(shape, c) for c in shape.config["fixed_prefix"]["constructions"])
+def fixed_prefix_cells(shape: RunShape, replicas: int, rows: int | None = None) -> Work:
+    return replicas * total(cell(shape, c, rows=rows) for c in shape.config["fixed_prefix"]["constructions"])
 
 
 def generate_fixed_prefix(shape: RunShape) -> list[JobWork]:
-    return per_precision_jobs(shape, "generate_fixed_prefix", lambda p, shard: fixed_prefix_cells(shape, 2))
+    return per_precision_jobs(shape, "generate_fixed_prefix", lambda p, shard, rows: fixed_prefix_cells(shape, 2, rows))
 
 
 def audit_ledger(shape: RunShape) -> list[JobWork]:
-    def per_batch(p, shard):
-        return cell(shape, "live") + cell(shape, "prefill") + fixed_prefix_cells(shape, 1)
+    def per_batch(p, shard, rows):
+        return cell(shape, "live", rows=rows) + cell(shape, "prefill", rows=rows) + fixed_prefix_cells(shape, 1, rows)
 
     return per_precision_jobs(shape, "audit_ledger", per_batch)
 
@@ -384,9 +457,9 @@ def measure_cache_differences(shape: RunShape) -> list[JobWork]:
     precisions = list(settings["precisions"]) if k else []
     work = {}
     for p in precisions:
-        held = shape.count(f"cache_difference_batches_{p}", lambda r: r["cache_differences"][p]["batches"],
-                           lambda: shape.holding(k))
-        work[p] = held * (cell(shape, "incremental", suffix=False) + cell(shape, "prefill", suffix=False))
+        held = shape.held(f"cache_difference_batches_{p}", lambda r: r["cache_differences"][p]["batches"], k)
+        work[p] = by_kind(held, lambda rows: cell(shape, "incremental", suffix=False, rows=rows)
+                          + cell(shape, "prefill", suffix=False, rows=rows))
     return [JobWork("measure_cache_differences", "measure_cache_differences", precisions, work)]
 
 
@@ -402,11 +475,11 @@ def dump_caches(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
         items = shape.count(f"dump_items_{p}", lambda r: r["dump"].get(p, {}).get("items", 0), lambda: derived)
         if round(items) == 0:
             continue
-        held = shape.count(f"dump_batches_{p}", lambda r: r["dump"][p]["batches"], lambda: shape.holding(items))
+        held = shape.held(f"dump_batches_{p}", lambda r: r["dump"][p]["batches"], items)
         gb = shape.count(f"dump_GB_{p}", lambda r: r["dump"][p]["bytes"] / 1e9,
                          lambda: 2 * items * shape.boundary_positions * kv_GB_per_position[p])
         loads.append(p)
-        work[p] = held * rebuild(shape) + Work(dump_GB=gb)
+        work[p] = by_kind(held, lambda rows: rebuild(shape, rows)) + Work(dump_GB=gb)
     return [JobWork("dump_caches", "dump_caches", loads, work)]
 
 
@@ -437,9 +510,9 @@ def model_layers(shape: RunShape) -> int:
         return 28
 
 
-def recipient_cells(shape: RunShape, runs_per_direction: dict) -> Work:
+def recipient_cells(shape: RunShape, runs_per_direction: dict, rows: int | None = None) -> Work:
     """Runs of each direction ``donor->recipient``, each one cell of the recipient's construction rebuilt."""
-    return total(runs * cell(shape, rebuilt_as(direction.split("->")[1]))
+    return total(runs * cell(shape, rebuilt_as(direction.split("->")[1]), rows=rows)
                  for direction, runs in runs_per_direction.items())
 
 
@@ -451,11 +524,12 @@ def directions(shape: RunShape) -> list[str]:
 def transplant_caches(shape: RunShape) -> list[JobWork]:
     p = shape.transplant_precision
     items = shape.count("transplant_items", lambda r: r["transplant"]["items"], lambda: selected_items(shape))
-    held = shape.count("transplant_batches", lambda r: r["transplant"]["batches"], lambda: shape.holding(items))
+    held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items)
     specs = shape.count("transplant_specs", lambda r: r["transplant"]["specs_per_direction"],
                         lambda: transplant_specs(shape))
-    per_batch = rebuild(shape) + recipient_cells(shape, {d: specs for d in directions(shape)})
-    return [JobWork("transplant_caches", "transplant_caches", [p], {p: held * per_batch})]
+    work = by_kind(held, lambda rows: rebuild(shape, rows)
+                   + recipient_cells(shape, {d: specs for d in directions(shape)}, rows))
+    return [JobWork("transplant_caches", "transplant_caches", [p], {p: work})]
 
 
 def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
@@ -464,11 +538,14 @@ def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
                         lambda: selected_items(shape, divergent_only=True) if budget else 0)
     if round(items) == 0:
         return [JobWork("find_minimal_transplants", "find_minimal_transplants", [], {})]
-    held = shape.count("minimal_batches", lambda r: r["minimal"]["batches"], lambda: shape.holding(items))
+    held = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items)
     # a recorded direction may be named incremental where the rebuilt live cache was not the ledger's: the same cell
     rounds = shape.count("minimal_rounds", lambda r: r["minimal"]["rounds_per_direction"] or None,
-                         lambda: {d: budget * held for d in directions(shape)})
-    work = held * rebuild(shape) + recipient_cells(shape, rounds)
+                         lambda: {d: budget * sum(held.values()) for d in directions(shape)})
+    by_rows = {d: spread(runs, held, shape.rows) for d, runs in rounds.items()}  # each batch's rounds, by its size
+    work = total(batches * rebuild(shape, rows)
+                 + recipient_cells(shape, {d: r.get(rows, 0.0) for d, r in by_rows.items()}, rows)
+                 for rows, batches in held.items())
     return [JobWork("find_minimal_transplants", "find_minimal_transplants", [p], {p: work})]
 
 
@@ -479,9 +556,9 @@ def measure_divergence_onset(shape: RunShape) -> list[JobWork]:
                             lambda: divergent_items(shape, p))
         if round(items) == 0:
             continue
-        held = shape.count(f"onset_batches_{p}", lambda r: r["onset"][p]["batches"], lambda: shape.holding(items))
+        held = shape.held(f"onset_batches_{p}", lambda r: r["onset"][p]["batches"], items)
         loads.append(p)
-        work[p] = held * rebuild(shape)
+        work[p] = by_kind(held, lambda rows: rebuild(shape, rows))
     return [JobWork("measure_divergence_onset", "measure_divergence_onset", loads, work)]
 
 
@@ -546,12 +623,29 @@ class Rates:
         return mine[min(mine, key=lambda r: abs(r - rows))]
 
     def step_measure(self, precision: str, rows: int) -> dict:
-        """The measure that prices a step at ``rows`` rows (another row count's, noted, where none was measured)."""
-        m = self.nearest(precision, rows)
-        if int(m["rows"]) != rows:
-            note = f"{precision} steps at {rows} rows priced at the {m['rows']}-row measure (none at {rows} rows)"
+        """The measure that prices a step at ``rows`` rows: the one measured there; else, between two measured row
+        counts of the same attention, their fit interpolated linearly in the rows (a partial last batch); else the
+        nearest row count's (noted)."""
+        mine = {r: m for (p, r), m in self.by.items() if p == precision}
+        if rows in mine:
+            return mine[rows]
+        below = max((r for r in mine if r < rows), default=None)
+        above = min((r for r in mine if r > rows), default=None)
+        if below is not None and above is not None and (
+                mine[below]["step_fit"]["bucket"] == mine[above]["step_fit"]["bucket"]):
+            lo, hi, t = mine[below], mine[above], (rows - below) / (above - below)
+            fit = {key: lo["step_fit"][key] + t * (hi["step_fit"][key] - lo["step_fit"][key])
+                   for key in ("a_s", "b_s_per_position")}
+            note = (f"{precision} steps at {rows} rows priced by the step fit interpolated between the {below}- and "
+                    f"{above}-row measures")
             if note not in self.warnings:
                 self.warnings.append(note)
+            return {**hi, "rows": rows, "step_fit": {**fit, "bucket": hi["step_fit"]["bucket"]},
+                    "step_s": lo["step_s"] + t * (hi["step_s"] - lo["step_s"])}
+        m = self.nearest(precision, rows)
+        note = f"{precision} steps at {rows} rows priced at the {m['rows']}-row measure (none at {rows} rows)"
+        if note not in self.warnings:
+            self.warnings.append(note)
         return m
 
     def kv_GB_per_position(self, precision: str) -> float:
@@ -569,10 +663,36 @@ def step_seconds(m: dict, span: float) -> float:
     return decode_seconds(at_span, span - 1, 1, bucketed=True) * m["rows"]
 
 
+def by_position(m: dict) -> bool:
+    """Whether the measure is of an attention that reads each row's keys up to its position (the triton attention:
+    ``bench/benchmark.py`` records its bucket as 1 position), so a step costs what its own position costs."""
+    return m["step_fit"]["bucket"] == 1
+
+
+def steps_seconds(m: dict, start: float, count: float, buffer: float) -> float:
+    """``count`` decode steps of the measure's batch from cache length ``start``, each at its own position (up to
+    the buffer): ``benchmark.decode_seconds(bucketed=True)`` with a bucket of one position sums a + b * span over
+    the steps. Fractional lengths (a ledger's means): the steps' mean cost at the rounded lengths, times ``count``."""
+    from benchmark import decode_seconds  # bench/benchmark.py
+
+    whole = max(1, round(count))
+    at = {**m, "max_len": int(round(buffer)), "step_fit": {**m["step_fit"], "bucket": 1}}
+    return decode_seconds(at, int(round(start)), whole, bucketed=True) * m["rows"] * count / whole
+
+
 def price(work: Work, precision: str, shape: RunShape, rates: Rates) -> dict:
-    """Seconds of one precision's work, by part."""
+    """Seconds of one precision's work, by part. A decode step is priced at the measure for its rows: at the whole
+    buffer (``shape.span``) for a measure of the masked attention, at its own position for one of the triton
+    attention (``by_position``)."""
     steps = {rows: count for rows, count in work.steps.items() if count}
-    decode = sum(count * step_seconds(rates.step_measure(precision, rows), shape.span) for rows, count in steps.items())
+    decode = 0.0
+    for rows, count in steps.items():
+        m = rates.step_measure(precision, rows)
+        if by_position(m):
+            decode += sum(times * steps_seconds(m, start, n, shape.span)
+                          for (r, start, n), times in work.segments.items() if r == rows and n and times)
+        else:
+            decode += count * step_seconds(m, shape.span)
     host = sum(count * rates.overhead.greedy(rows) for rows, count in steps.items())
     host += work.matcher_row_steps * rates.overhead.matcher_s_per_row_step
     measure = rates.nearest(precision, shape.rows)  # its prefill and dump rates
@@ -619,15 +739,25 @@ def time_without_model_jobs(run: dict, model_rules: set) -> dict:
             "before, plot_figures or build_item_browser and build_report after; the gathers and checks left out)"}
 
 
-def compare(run: dict, measures: list[dict], overhead: Overhead, measures_batch1: list[dict] | None = None) -> dict:
-    """Per rule: jobs, measured and projected seconds, their ratio; the model jobs' total and the run's wall."""
-    shape = run_shape(run)
+def rates_for(shape: RunShape, measures: list[dict], overhead: Overhead, measures_batch1: list[dict] | None) -> Rates:
+    """The rates, with a note where a measure's attention is not the config's."""
     rates = Rates(measures + (measures_batch1 or []), overhead, shape.warnings)
     if shape.lockstep and not measures_batch1:
         shape.warnings.append("no --measures-batch1: the batch-invariance control's batch-1 steps are priced at "
                               "the batch measure's step")
+    attention = shape.config["decode_attention"]
+    for (precision, rows), m in sorted(rates.by.items()):
+        if by_position(m) != (attention == "triton"):
+            shape.warnings.append(
+                f"the {precision} {rows}-row measure is of the {'triton' if by_position(m) else 'masked'} attention, "
+                f"the config's is {attention}: its steps priced " + ("each at its position" if by_position(m) else
+                                                                     "at the whole buffer"))
+    return rates
+
+
+def projected_rules(shape: RunShape, rates: Rates) -> tuple[dict, list[JobWork]]:
+    """{rule: jobs, projected seconds and their parts} and the jobs."""
     jobs = model_jobs(shape, {p: rates.kv_GB_per_position(p) for p in shape.precisions})
-    measured = run.get("rules", {})
     rules = {}
     for job in jobs:
         priced = job_seconds(job, shape, rates)
@@ -637,6 +767,15 @@ def compare(run: dict, measures: list[dict], overhead: Overhead, measures_batch1
         for part, seconds in priced.items():
             if part != "s":
                 rule["parts"][part] = rule["parts"].get(part, 0.0) + seconds
+    return rules, jobs
+
+
+def compare(run: dict, measures: list[dict], overhead: Overhead, measures_batch1: list[dict] | None = None) -> dict:
+    """Per rule: jobs, measured and projected seconds, their ratio; the model jobs' total and the run's wall."""
+    shape = run_shape(run)
+    rates = rates_for(shape, measures, overhead, measures_batch1)
+    rules, _ = projected_rules(shape, rates)
+    measured = run.get("rules", {})
     for name, rule in rules.items():
         got = measured.get(name)
         rule["status"] = "compared" if got else "absent from the run"
@@ -714,6 +853,189 @@ def render(report: dict) -> str:
     lines.append("jobs: measured/projected; not projected: rules that load no model (and prepare_model), measured "
                  "only")
     return "\n".join(lines)
+
+
+# ---- a run not made: projected from its config --------------------------------------------------------------------
+def load_config(path: str, overrides: list[str] = ()) -> dict:
+    """A workflow config with ``KEY.SUB=VALUE`` overrides (VALUE read as YAML), the schema's defaults filled as the
+    workflow fills them (``snakemake.utils.validate(set_default=True)``, which also refuses an invalid config; the
+    schema walk ``with_schema_defaults`` where Snakemake is not installed)."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: give KEY=VALUE (a dotted key, a YAML value)")
+        *parents, last = key.split(".")
+        node = config
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[last] = yaml.safe_load(value)
+    try:
+        from snakemake.utils import validate
+    except ImportError:
+        return with_schema_defaults(config, yaml.safe_load(SCHEMA.read_text()))
+    validate(config, str(SCHEMA), set_default=True)
+    return config
+
+
+def config_run(config: dict, prompt: float, stage: float, suffix: float, divergent: dict, layers: int) -> dict:
+    """What ``run_shape`` reads of a run, for one not made: the config, the ledger's lengths (a batch's longest prompt,
+    stage and suffix taken equal to the means), the divergent shares and the model's layer count; no counts recorded,
+    so every other count is derived from the config (the decode buffer as ``reconstruct_prefixes`` sets it: the
+    longest prompt + max_stage_tokens + max_new_tokens)."""
+    ledger = {"mean_prompt": prompt, "mean_stage": stage, "mean_suffix": suffix, "batch_width": prompt,
+              "batch_stage": stage, "batch_suffix": suffix, "divergent_share": dict(divergent)}
+    return {"config": config, "ledger": ledger, "counts": {"num_layers": layers}}
+
+
+def arm_counts(jobs: list[JobWork], shape: RunShape, rates: Rates) -> dict:
+    """Per precision, the work the jobs decode as ``benchmark.work_floor`` counts it (row-steps, batched steps, K/V
+    positions read by each row up to its position, prefill tokens) and its projected GPU seconds (decode and
+    prefill)."""
+    out = {}
+    for job in jobs:
+        for precision, work in job.work.items():
+            arm = out.setdefault(precision, {"row_steps": 0.0, "batch_steps": 0.0, "kv_row_positions": 0.0,
+                                             "prefill_tokens": 0.0, "projected_s": 0.0})
+            for (rows, start, count), times in work.segments.items():
+                arm["row_steps"] += times * rows * count
+                arm["batch_steps"] += times * count
+                arm["kv_row_positions"] += times * rows * (count * start + count * (count + 1) / 2)
+            arm["prefill_tokens"] += work.prefill_tokens
+            priced = price(work, precision, shape, rates)
+            arm["projected_s"] += priced["decode_s"] + priced["prefill_s"]
+    return out
+
+
+def project_config(run: dict, measures: list[dict], overhead: Overhead, measures_batch1: list[dict] | None = None,
+                   non_model_s: float = 0.0, copy_TB_s: float | None = None) -> dict:
+    """Each rule of a run not made (``config_run``), projected: jobs, seconds and their parts; the model jobs one
+    after another plus ``non_model_s`` (a stated constant for the jobs that load no model: 0 leaves them out); the
+    floor of the same work at the datasheet rates (``benchmark.work_floor``) where ``copy_TB_s`` is given."""
+    shape = run_shape(run)
+    if shape.S > shape.config["max_stage_tokens"] or shape.N > shape.config["max_new_tokens"]:
+        shape.warnings.append(f"the lengths (stage {shape.S}, suffix {shape.N}) exceed the config's budgets "
+                              f"(max_stage_tokens {shape.config['max_stage_tokens']}, max_new_tokens "
+                              f"{shape.config['max_new_tokens']})")
+    rates = rates_for(shape, measures, overhead, measures_batch1)
+    rules, jobs = projected_rules(shape, rates)
+    shape.sources.update({name: "given" for name in ("num_layers", "batch_width", "batch_stage", "batch_suffix")})
+    model_s = sum(r["projected_s"] for r in rules.values())
+    report = {"rules": rules, "model_jobs": {"jobs": len(jobs), "projected_s": model_s},
+              "wall": {"model_jobs_s": model_s, "non_model_s": non_model_s, "predicted_s": model_s + non_model_s,
+                       "counted": "the model jobs one after another (one GPU, every model job claiming it) plus "
+                                  "non_model_s for the rules that load no model (prepare_model, the gathers, checks "
+                                  "and reports)"},
+              "arms": arm_counts(jobs, shape, rates), "sources": shape.sources, "warnings": shape.warnings,
+              "shape": {k: getattr(shape, k) for k in ("n", "rows", "batches", "P", "S", "N", "W", "S_b", "N_b",
+                                                       "span")},
+              "batches_by_rows": shape.kinds(),
+              "overhead": {"start_s": overhead.start_s, "load_s": overhead.load_s,
+                           "first_load_extra_s": overhead.first_load_extra_s,
+                           "fingerprint_GB_s": overhead.fingerprint_GB_s}}
+    if copy_TB_s and all("linear_params" in m for m in measures):
+        from benchmark import work_floor  # bench/benchmark.py
+
+        report["floor"] = work_floor(report["arms"], measures, copy_TB_s)
+    return report
+
+
+def project_by_rule(measures: list[dict], items: int, divergent: float, transplant_specs: int = 1,
+                    minimal_budget: int = 0, model_jobs: int = 0, job_overhead_s: float = 0.0) -> dict:
+    """``benchmark.project(bucketed=True)``'s count and pricing, split by the rule whose work each part stands for
+    (its total is project()'s ``total_s``): {rule: seconds}, the job overhead under "job overhead". project() counts
+    per item at the measure's P, S, N: the 2x2 at every precision (generate_fixed_prefix), the matched experiment's
+    live x2 at bf16 only (reconstruct_prefixes; its prefill rows taken to be the 2x2's), the audit (2 cells at
+    bf16, 1 at fp32), and at bf16 the transplants in a share 1 - (1 - divergent) ** rows of the items' batches
+    (transplant_caches: the rebuild and a cell per spec; find_minimal_transplants: the rebuild and a cell per run
+    of the budget). A cell: incremental (S + N steps from P, a P prefill) and prefill (N steps from P + S - 1, a
+    P + S prefill)."""
+    from benchmark import decode_seconds  # bench/benchmark.py
+
+    rules = {}
+    for m in measures:
+        P, S, N, precision = m["P"], m["S"], m["N"], m["precision"]
+
+        def put(rule, decode_s, tokens):
+            rules[rule] = rules.get(rule, 0.0) + items * decode_s + items * tokens / m["prefill_tokens_s"]
+
+        cell = decode_seconds(m, P, S + N, True) + decode_seconds(m, P + S - 1, N, True)
+        cell_tokens = P + (P + S)
+        put("generate_fixed_prefix", 2 * cell, 2 * (P + S) + 2 * P)
+        if precision == "bf16":
+            share = 1 - (1 - divergent) ** m["rows"]
+            put("reconstruct_prefixes", 2 * decode_seconds(m, P, S + N, True), 2 * P)
+            put("transplant_caches", share * (1 + transplant_specs) * cell,
+                share * (1 + transplant_specs) * cell_tokens)
+            if minimal_budget:
+                put("find_minimal_transplants", share * (1 + minimal_budget) * cell,
+                    share * (1 + minimal_budget) * cell_tokens)
+        cells = 2 if precision == "bf16" else 1
+        put("audit_ledger", cells * cell, cells * cell_tokens)
+    rules["job overhead"] = model_jobs * job_overhead_s
+    return rules
+
+
+def render_projection(report: dict, old: dict | None = None) -> str:
+    """The rule-by-rule projection of a run not made (minutes), with project()'s split of the same run where given."""
+    def mins(x):
+        return "-" if x is None else f"{x / 60:.1f}"
+
+    head = (f"{'rule':<28} {'jobs':>4} {'overhead':>9} {'decode':>8} {'prefill':>8} {'host+fp':>8} {'dump':>6} "
+            f"{'total':>8}")
+    names = list(report["rules"])
+    if old:
+        head += "".join(f" {label[:14]:>14}" for label in old)
+        for table in old.values():
+            names += [n for n in table if n not in names]
+    lines = [head + "   (minutes)"]
+    if old:
+        lines.insert(0, "last columns: benchmark.project(bucketed=True) of the same variant, split by rule, on "
+                     + ", ".join(old))
+    for name in names:
+        r = report["rules"].get(name)
+        parts = r["parts"] if r else {}
+        row = (f"{name:<28} {r['jobs_projected'] if r else '-':>4} {mins(parts.get('overhead_s')):>9} "
+               f"{mins(parts.get('decode_s')):>8} {mins(parts.get('prefill_s')):>8} "
+               f"{mins((parts.get('host_s', 0) + parts.get('fingerprint_s', 0)) if r else None):>8} "
+               f"{mins(parts.get('dump_s')):>6} {mins(r['projected_s'] if r else None):>8}")
+        if old:
+            row += "".join(f" {mins(table.get(name)):>14}" for table in old.values())
+        lines.append(row)
+    m = report["model_jobs"]
+    total = f"{'model jobs':<28} {m['jobs']:>4} {'':>9} {'':>8} {'':>8} {'':>8} {'':>6} {mins(m['projected_s']):>8}"
+    if old:
+        total += "".join(f" {mins(sum(table.values())):>14}" for table in old.values())
+    lines.append(total)
+    w = report["wall"]
+    lines.append(f"wall, one GPU: {w['predicted_s'] / 3600:.2f} h = model jobs one after another "
+                 f"{w['model_jobs_s'] / 3600:.2f} h + {w['non_model_s']:.0f} s stated for the jobs that load no model")
+    for precision, arm in report["arms"].items():
+        lines.append(f"{precision}: {arm['row_steps'] / 1e6:.2f} M decode row-steps in "
+                     f"{arm['batch_steps'] / 1e3:.1f} k "
+                     f"batched steps, {arm['prefill_tokens'] / 1e6:.2f} M prefill tokens; GPU work projected "
+                     f"{mins(arm['projected_s'])} min")
+    if report.get("floor"):
+        f = report["floor"]
+        lines.append(f"floor of this work (datasheet rates): {mins(f['floor_s'])} min with the arms overlapped "
+                     f"(arithmetic {mins(f['arithmetic_s'])}, traffic {mins(f['traffic_s'])} at "
+                     f"{f['memory_TB_s']} TB/s), {mins(f['floor_arms_in_turn_s'])} min with the arms in turn; "
+                     f"projected GPU work {mins(f['projected_gpu_s'])} min")
+    derived = sorted(k for k, v in report["sources"].items() if v == "derived")
+    lines.append(f"counts derived from the config: {', '.join(derived) or 'none'}")
+    lines += [f"note: {w}" for w in report["warnings"]]
+    return "\n".join(lines)
+
+
+def parse_shares(text: str) -> dict:
+    """``bf16=0.83,fp32=0`` -> {"bf16": 0.83, "fp32": 0.0}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r}: give PRECISION=VALUE")
+        out[key.strip()] = float(value)
+    return out
 
 
 def load_measures(path: str) -> list[dict]:
@@ -871,6 +1193,46 @@ def measure_overhead(args) -> dict:
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------
+def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
+    """--config: project a run not made, rule by rule."""
+    lengths = (args.prompt, args.stage, args.suffix)
+    if None in lengths or args.layers is None:
+        ap.error("--config needs --prompt, --stage, --suffix and --layers")
+    if args.weights_GB:
+        if not args.load_GB_s:
+            ap.error("--weights-GB needs --load-GB-s")
+        first_step = measured.get("first_step_s", {})
+        overhead.load_s = {p: gb / args.load_GB_s + first_step.get(p, 0.0)
+                           for p, gb in parse_shares(args.weights_GB).items()}
+    if args.fingerprint_GB_s:
+        overhead.fingerprint_GB_s = args.fingerprint_GB_s
+    config = load_config(args.config, args.set)
+    run = config_run(config, *lengths, parse_shares(args.divergent), args.layers)
+    measures = load_measures(args.measures)
+    saved = json.loads(Path(args.measures).read_text())
+    copy_TB_s = saved.get("meta", {}).get("copy_TB_s") if isinstance(saved, dict) else None
+    report = project_config(run, measures, overhead, load_measures(args.measures_batch1) if args.measures_batch1
+                            else None, non_model_s=args.non_model_s, copy_TB_s=copy_TB_s)
+    report["config"] = config
+    report["argv"] = sys.argv[1:]
+    old = None
+    if args.compare_project is not None:
+        from stagereplay.experiments.transplant import enumerate_sweeps
+
+        kwargs = {"transplant_specs": len(enumerate_sweeps(config["transplant"]["sweeps"], args.layers)),
+                  "minimal_budget": config["transplant"]["minimal"]["budget"],
+                  "model_jobs": args.project_model_jobs, "job_overhead_s": args.project_job_overhead_s}
+        share = parse_shares(args.divergent).get("bf16", 0.0)
+        old = {Path(path).stem: project_by_rule(load_measures(path), config["n_items"], share, **kwargs)
+               for path in (args.compare_project or [args.measures])}
+        report["project_by_rule"] = {"arguments": {"items": config["n_items"], "divergent": share, **kwargs},
+                                     **{label: table for label, table in old.items()}}
+    print(render_projection(report, old))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", help="bench/pipeline_run.py's JSON (with its config and counts)")
@@ -881,6 +1243,26 @@ def main(argv=None) -> int:
                     help="the part of --overhead-s a job pays again for each further precision it loads")
     ap.add_argument("--overhead-json", help="--measure-overhead's JSON (start, loads and host rates)")
     ap.add_argument("--json", help="write the comparison (or the overhead measured) here")
+    made = ap.add_argument_group("--config: a run not made, projected from its config and lengths")
+    made.add_argument("--config", help="a workflow config (YAML); the schema's defaults filled as the workflow does")
+    made.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (dotted, VALUE as YAML), e.g. transplant.minimal.budget=0")
+    made.add_argument("--suffix", type=float, help="suffix tokens (mean = a batch's longest); --prompt and --stage "
+                      "give the prompt and stage tokens")
+    made.add_argument("--divergent", default="", help="share of items whose matched suffixes differ, by precision: "
+                      "bf16=0.83,fp32=0")
+    made.add_argument("--layers", type=int, help="the model's layer count (the transplant sweeps' specs)")
+    made.add_argument("--non-model-s", type=float, default=0.0,
+                      help="a stated constant for the jobs that load no model (default 0: not counted)")
+    made.add_argument("--weights-GB", default="", help="with --load-GB-s: each precision's load is its weights read "
+                      "once at that rate (plus the measured first step), e.g. bf16=28,fp32=56")
+    made.add_argument("--load-GB-s", type=float, help="the disk rate of --weights-GB's loads")
+    made.add_argument("--fingerprint-GB-s", type=float, help="the fingerprint rate (instead of --overhead-json's)")
+    made.add_argument("--compare-project", nargs="*", metavar="MEASURES.json",
+                      help="also split benchmark.project(bucketed=True)'s count of the same variant by rule, on "
+                           "these measures (default: --measures)")
+    made.add_argument("--project-model-jobs", type=int, default=12, help="project()'s model jobs (12 in RESULTS)")
+    made.add_argument("--project-job-overhead-s", type=float, default=15.0, help="project()'s seconds a job")
     over = ap.add_argument_group("--measure-overhead: a model job's fixed cost, timed in a fresh process")
     over.add_argument("--measure-overhead", metavar="MODEL_DIR", help="the model folder the run's jobs load")
     over.add_argument("--precision", nargs="+", default=["bf16"])
@@ -890,13 +1272,18 @@ def main(argv=None) -> int:
     over.add_argument("--device", default="auto")
     over.add_argument("--regime", default="cuda_graph")
     over.add_argument("--rows", type=int, default=1, help="the decoder's rows (the run's batch size)")
-    over.add_argument("--prompt", type=int, default=16, help="prompt tokens of the first step")
-    over.add_argument("--stage", type=int, default=64, help="stage length of the matcher's timing")
+    over.add_argument("--prompt", type=float, default=None, help="prompt tokens of the first step (default 16; "
+                      "with --config: the projected run's prompt, mean = a batch's longest)")
+    over.add_argument("--stage", type=float, default=None, help="stage length of the matcher's timing (default 64; "
+                      "with --config: the projected run's stage, mean = a batch's longest)")
     over.add_argument("--max-len", type=int, default=256, help="the decoder's buffer (the run's decode_max_len)")
     over.add_argument("--marker", default=None, help="the boundary marker (times the matcher's text decode)")
     over.add_argument("--overhead-child", action="store_true", help=argparse.SUPPRESS)
     over.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.overhead_child or args.measure_overhead:
+        args.prompt = 16 if args.prompt is None else int(args.prompt)
+        args.stage = 64 if args.stage is None else int(args.stage)
     if args.overhead_child:
         print(json.dumps(overhead_child(args)))
         return 0
@@ -907,10 +1294,14 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(text + "\n")
         return 0
-    if not (args.run and args.measures) or (args.overhead_s is None) == (args.overhead_json is None):
-        ap.error("give --run, --measures and one of --overhead-s or --overhead-json (or --measure-overhead MODEL_DIR)")
-    overhead = (Overhead.from_json(json.loads(Path(args.overhead_json).read_text())) if args.overhead_json
+    if not ((args.run or args.config) and args.measures) or (args.overhead_s is None) == (args.overhead_json is None):
+        ap.error("give --run or --config, --measures and one of --overhead-s or --overhead-json (or "
+                 "--measure-overhead MODEL_DIR)")
+    measured = json.loads(Path(args.overhead_json).read_text()) if args.overhead_json else {}
+    overhead = (Overhead.from_json(measured) if args.overhead_json
                 else Overhead.from_seconds(args.overhead_s, args.load_s))
+    if args.config:
+        return main_config(args, ap, overhead, measured)
     report = compare(json.loads(Path(args.run).read_text()), load_measures(args.measures), overhead,
                      load_measures(args.measures_batch1) if args.measures_batch1 else None)
     print(render(report))

@@ -146,8 +146,9 @@ def test_ledger_rules_count_their_cells_and_double_with_the_items():
         assert _steps(_jobs(_run(n_items=16), rule), 4) == 2 * _steps(jobs, 4)
         prefill = sum(w.prefill_tokens for j in jobs for w in j.work.values())
         assert prefill == 2 * 2 * (cells * 4 * P + 2 * 4 * (P + S - 1))  # every cell's prompts; two prefill builds
-    # a partial last batch costs a full batch's steps
-    assert _steps(_jobs(_run(n_items=9), "generate_fixed_prefix"), 4) == 2 * 3 * 4 * (S + N - 1)
+    # a partial last batch decodes a full batch's steps at its own rows (9 items in batches of 4: the last has 1)
+    partial = _jobs(_run(n_items=9), "generate_fixed_prefix")
+    assert _steps(partial, 4) == 2 * 2 * 4 * (S + N - 1) and _steps(partial, 1) == 2 * 1 * 4 * (S + N - 1)
     # the bridge: one incremental cell with its suffix in each batch holding a bridge row (read where recorded)
     bridged = _run(n_items=8, bridge_rows=3, counts={"bridge": {"bf16": {"batches": 2}, "fp32": {"batches": 1}}})
     assert _steps(_jobs(bridged, "reconstruct_prefixes"), 4) - _steps(_jobs(_run(), "reconstruct_prefixes"), 4) == (

@@ -1,0 +1,232 @@
+"""bench/pipeline_projection.py --config: a run not made, projected rule by rule from its config; measures of the
+triton attention priced step by step at each step's position, those of the masked attention at the whole buffer as
+before; benchmark.project()'s count split by rule; the floor of the per-rule work."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _projection():
+    spec = importlib.util.spec_from_file_location("pipeline_projection", REPO / "bench/pipeline_projection.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+projection = _projection()  # puts bench/ on sys.path
+import benchmark  # noqa: E402  bench/benchmark.py
+
+P, S, N = 10, 20, 8  # prompt, stage, suffix (mean = a batch's longest)
+STAGE_BUDGET = 24  # max_stage_tokens: the buffer is P + 24 + N, not P + S + N
+KV_GB_PER_POSITION = 64e-6 / 64
+
+
+def _measure(precision, rows, a, b, bucket):
+    """A measure of bench/benchmark.py's layout: a step of a + b * span."""
+    return {"shape": "tiny", "precision": precision, "rows": rows, "max_len": 64, "kv_GB_per_row": 64e-6,
+            "P": P, "S": S, "N": N, "linear_params": 1e6, "gemm_TFLOP_s_large": 1.0,
+            "step_fit": {"a_s": a, "b_s_per_position": b, "bucket": bucket}, "step_s": a + b * 64,
+            "prefill_tokens_s": 1000.0, "dump_GB": 1e-3, "dump_GB_s": 1.0}
+
+
+def _measures(bucket):
+    return [_measure("bf16", 4, 0.01, 1e-4, bucket), _measure("fp32", 4, 0.03, 3e-4, bucket),
+            _measure("bf16", 1, 0.008, 2e-5, bucket), _measure("fp32", 1, 0.02, 5e-5, bucket)]
+
+
+MASKED, TRITON = _measures(16), _measures(1)
+SMALL = {"run": "small", "n_items": 8, "model": "/nonexistent", "revisions": ["local"], "precisions": ["bf16", "fp32"],
+         "max_stage_tokens": STAGE_BUDGET, "max_new_tokens": N, "batch_size": 4, "decode_regime": "static",
+         "gpus_per_job": 1, "bridge": {"n_rows": 8, "seed": 0}, "batch_invariance": {"sample": 2, "seed": 0},
+         "cache_differences": {"n_items": 8, "precisions": ["bf16", "fp32"]}, "transplant": {"minimal": {"budget": 4}}}
+DIVERGENT = {"bf16": 1.0, "fp32": 0.0}
+# what bench/pipeline_run.py records of a run of SMALL where every bf16 item diverged and every search used its budget
+RECORDED = {"batches": 2, "decode": {"decode_max_len": P + STAGE_BUDGET + N}, "num_layers": 28,
+            "bridge": {p: {"items": 8, "batches": 2} for p in ("bf16", "fp32")},
+            "batch_invariance": {p: {"live": 2, "prefill": 2} for p in ("bf16", "fp32")},
+            "cache_differences": {p: {"items": 8, "batches": 2} for p in ("bf16", "fp32")},
+            "dump": {"bf16": {"items": 8, "batches": 2, "bytes": 2 * 8 * (P + S - 1) * KV_GB_PER_POSITION * 1e9}},
+            "transplant": {"items": 8, "batches": 2, "directions": ["live->prefill", "prefill->live"],
+                           "specs_per_direction": 11},
+            "minimal": {"items": 8, "batches": 2, "rounds_per_direction": {"live->prefill": 8, "prefill->live": 8}},
+            "onset": {"bf16": {"items": 8, "batches": 2}}}
+
+
+def _config_run(tmp_path, config=SMALL, overrides=()):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return projection.config_run(projection.load_config(str(path), list(overrides)), P, S, N, DIVERGENT, 28)
+
+
+def _recorded_run():
+    ledger = {"mean_prompt": P, "mean_stage": S, "mean_suffix": N, "batch_width": P, "batch_stage": S,
+              "batch_suffix": N, "divergent_share": DIVERGENT}
+    return {"status": "complete", "wall_s": 100.0, "gpu_slots": 1, "config": SMALL, "ledger": ledger,
+            "counts": RECORDED, "rules": {}}
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.12g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
+def _jobs(shape):
+    jobs = projection.model_jobs(shape, {"bf16": KV_GB_PER_POSITION, "fp32": 2 * KV_GB_PER_POSITION})
+    return [(j.rule, j.name, j.loads, {p: _rounded(vars(w)) for p, w in j.work.items()}) for j in jobs]
+
+
+def test_the_config_mode_derives_the_counts_a_run_records(tmp_path):
+    made = projection.run_shape(_config_run(tmp_path))
+    recorded = projection.run_shape(_recorded_run())
+    assert made.config == recorded.config  # the schema's defaults filled alike (snakemake's validate, the schema walk)
+    assert made.span == recorded.span == P + STAGE_BUDGET + N  # the buffer: longest prompt + both budgets
+    made_jobs, recorded_jobs = _jobs(made), _jobs(recorded)
+    counted = {name for name, source in recorded.sources.items()}
+    assert all(source == "read" for source in recorded.sources.values())
+    given = {"num_layers", "batch_width", "batch_stage", "batch_suffix"}  # --layers, --prompt, --stage, --suffix
+    assert {name for name, s in made.sources.items() if s == "derived"} == counted - given
+    assert made_jobs == recorded_jobs and len(made_jobs) == 12
+    # and priced alike: the config mode's total is the run mode's projection
+    overhead = projection.Overhead.from_seconds(5.0, 1.0)
+    report = projection.project_config(_config_run(tmp_path), MASKED, overhead, non_model_s=7.0)
+    compared = projection.compare(_recorded_run(), MASKED, overhead)
+    for rule, r in report["rules"].items():
+        assert abs(r["projected_s"] - compared["rules"][rule]["projected_s"]) < 1e-9, rule
+    assert abs(report["wall"]["predicted_s"] - report["model_jobs"]["projected_s"] - 7.0) < 1e-9
+    # a derived count follows the config: a larger bridge sample of fewer items, no search at budget 0
+    no_search = projection.run_shape(_config_run(tmp_path, overrides=["transplant.minimal.budget=0"]))
+    minimal = [j for j in projection.model_jobs(no_search, {"bf16": 1e-6, "fp32": 2e-6})
+               if j.rule == "find_minimal_transplants"]
+    assert minimal[0].loads == [] and minimal[0].work == {}
+
+
+def test_a_partial_last_batch_is_its_own_kind_and_its_steps_are_priced_between_the_measured_rows():
+    shape = projection.run_shape(projection.config_run(
+        projection.load_config(str(REPO / "config/paper-scale-14b.yaml")), 256, 2048, 1024, {"bf16": 0.83}, 48))
+    assert shape.kinds() == {62: 3, 14: 1} and shape.span == 256 + 2048 + 1024
+    held = shape.holding(166)  # 166 divergent items of 200: every batch holds one
+    assert abs(held[62] - 3) < 1e-12 and abs(held[14] - 1) < 1e-9
+    rates = projection.Rates(TRITON, projection.Overhead.from_seconds(0.0), [])
+    m = rates.step_measure("bf16", 2)  # between the 1- and 4-row measures
+    assert m["rows"] == 2 and abs(m["step_fit"]["a_s"] - (0.008 + (0.01 - 0.008) / 3)) < 1e-15
+
+
+def test_a_triton_measure_prices_each_step_at_its_position_and_a_masked_one_at_the_whole_buffer(tmp_path):
+    shape = projection.run_shape(_recorded_run())
+    live = projection.cell(shape, "live")  # 4 rows in lockstep: S - 1 + N steps from the batch's prompt width P
+    overhead = projection.Overhead.from_seconds(0.0)
+    by_position = projection.price(live, "bf16", shape, projection.Rates(TRITON, overhead, []))["decode_s"]
+    whole = projection.price(live, "bf16", shape, projection.Rates(MASKED, overhead, []))["decode_s"]
+    a, b, buffer = 0.01, 1e-4, P + STAGE_BUDGET + N
+    assert abs(by_position - sum(a + b * (p + 1) for p in range(P, P + S - 1 + N))) < 1e-12
+    assert abs(whole - (S - 1 + N) * (a + b * buffer)) < 1e-12  # every step over the whole buffer, as before
+    assert by_position < whole
+    # a prefill cell alone (batch 1) decodes its suffix from the boundary: positions P + S - 1 on
+    alone = projection.cell(shape, "prefill", alone=True)
+    priced = projection.price(alone, "fp32", shape, projection.Rates(TRITON, overhead, []))["decode_s"]
+    assert abs(priced - sum(0.02 + 5e-5 * (p + 1) for p in range(P + S - 1, P + S - 1 + N))) < 1e-12
+
+
+def _measures_from_log(path):
+    """The 1.5B run's measures (its results.json was not kept) from the benchmark's log, rounded as logged."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        step = re.search(r"projection 1.5B (\w+): (\d+) rows x max_len (\d+): step ms by span \{(.*)\}", line)
+        if step:
+            precision, rows, max_len = step.group(1), int(step.group(2)), int(step.group(3))
+            spans = {int(k): float(v) / 1e3 for k, v in (kv.split(":") for kv in step.group(4).split(","))}
+            xs, ys = list(spans), list(spans.values())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            out[precision] = {"precision": precision, "rows": rows, "max_len": max_len, "step_s": spans[max(spans)],
+                              "kv_GB_per_row": 2 * 28 * 2 * 128 * {"bf16": 2, "fp32": 4}[precision] * max_len / 1e9,
+                              "step_fit": {"a_s": my - slope * mx, "b_s_per_position": slope, "bucket": 64}}
+        rate = re.search(r"projection 1.5B (\w+): prefill .* \((\d+) tok/s\)", line)
+        if rate:
+            out[rate.group(1)]["prefill_tokens_s"] = float(rate.group(2))
+        dump = re.search(r"projection 1.5B (\w+): cache dump .* at ([\d.]+) GB/s", line)
+        if dump:
+            out[dump.group(1)]["dump_GB_s"] = float(dump.group(2))
+    return list(out.values())
+
+
+def test_the_measured_1_5b_run_is_priced_as_before():
+    """The masked-attention measures of the 1.5B run (bench/RESULTS.md, "The workflow against its projection, rule
+    by rule"), rebuilt from their logs: every rule's projection is the one the module gave before the triton pricing
+    and the partial batches (the numbers below, computed by it on the same rebuilt measures)."""
+    folder = REPO / "bench/runs/pipeline_h200/run32"
+    before = {"reconstruct_prefixes": 63.998143056325894, "generate_fixed_prefix": 57.73417114772738,
+              "audit_ledger": 58.379198091730274, "check_batch_invariance": 36.758757269664585,
+              "measure_cache_differences": 30.38921276764396, "transplant_caches": 50.31544609311683,
+              "find_minimal_transplants": 29.775843969680597, "measure_divergence_onset": 18.038928470574177,
+              "dump_caches": 18.303169622574178}
+    report = projection.compare(json.loads((folder / "run32.json").read_text()),
+                                _measures_from_log(folder / "meas16.log"),
+                                projection.Overhead.from_json(json.loads((folder / "overhead.json").read_text())),
+                                _measures_from_log(folder / "meas1.log"))
+    for rule, seconds in before.items():
+        assert abs(report["rules"][rule]["projected_s"] - seconds) < 1e-9 * seconds, rule
+
+
+def test_project_by_rule_splits_project_without_losing_any_of_it():
+    measures = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())["projection"]
+    for specs, budget in ((1, 0), (11, 0), (11, 24)):
+        kwargs = {"transplant_specs": specs, "minimal_budget": budget, "model_jobs": 12, "job_overhead_s": 15.0}
+        split = projection.project_by_rule(measures, 200, 166 / 200, **kwargs)
+        whole = benchmark.project(measures, 200, 166 / 200, bucketed=True, **kwargs)["total_s"]
+        assert abs(sum(split.values()) - whole) < 1e-9 * whole
+        assert ("find_minimal_transplants" in split) == bool(budget)
+    # the numbers bench/RESULTS.md quotes: 1.81 h, 2.58 h, 4.49 h
+    assert round(sum(projection.project_by_rule(measures, 200, 166 / 200, 11, 24, 12, 15.0).values()) / 3600, 2) == 4.49
+
+
+def test_the_cli_projects_a_config_and_writes_its_json(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump({**SMALL, "decode_attention": "triton", "decode_regime": "cuda_graph"}))
+    measures, batch1, out = tmp_path / "m.json", tmp_path / "m1.json", tmp_path / "out.json"
+    measures.write_text(json.dumps({"projection": TRITON[:2], "meta": {"copy_TB_s": 4.0}}))
+    batch1.write_text(json.dumps({"projection": TRITON[2:]}))
+    argv = ["--config", str(config), "--prompt", str(P), "--stage", str(S), "--suffix", str(N), "--divergent",
+            "bf16=1,fp32=0", "--layers", "28", "--measures", str(measures), "--measures-batch1", str(batch1),
+            "--overhead-s", "5", "--non-model-s", "30", "--compare-project", "--json", str(out)]
+    assert projection.main(argv + ["--set", "transplant.sweeps=[all]"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["transplant"]["sweeps"] == ["all"] and report["config"]["decode_attention"] == "triton"
+    assert report["model_jobs"]["jobs"] == 12 and report["wall"]["non_model_s"] == 30.0
+    assert abs(report["wall"]["predicted_s"] - sum(r["projected_s"] for r in report["rules"].values()) - 30) < 1e-9
+    assert report["floor"]["floor_s"] <= report["floor"]["projected_gpu_s"]
+    assert set(report["project_by_rule"]) == {"arguments", "m"}
+    assert report["project_by_rule"]["arguments"]["transplant_specs"] == 1
+    study = report["rules"]["transplant_caches"]["projected_s"]
+    assert projection.main(argv) == 0  # the default sweeps: 11 transplants a direction, not 1
+    assert json.loads(out.read_text())["rules"]["transplant_caches"]["projected_s"] > study
+
+
+def test_the_per_rule_work_of_the_paper_config_has_a_higher_floor_than_project_s_count():
+    """The floor of the same study-transplants run, counted rule by rule (the matched experiment at both
+    precisions and in the audit, lockstep prefill cells decoding the whole schedule, the controls) against
+    run_floor of project()'s count, on the same 14B measures."""
+    folder = REPO / "bench/runs/h200_run8_paper_rates"
+    saved = json.loads((folder / "m14_rows62.json").read_text())
+    run = projection.config_run(projection.load_config(str(REPO / "config/paper-scale-14b.yaml"),
+                                                       ["transplant.sweeps=[all]", "transplant.minimal.budget=0"]),
+                                256, 2048, 1024, {"bf16": 0.83, "fp32": 0.0}, 48)
+    batch1 = json.loads((folder / "m14_rows1.json").read_text())["projection"]
+    report = projection.project_config(run, saved["projection"], projection.Overhead.from_seconds(15.0), batch1,
+                                       copy_TB_s=saved["meta"]["copy_TB_s"])
+    old = benchmark.run_floor(saved["projection"], 200, 0.83, saved["meta"]["copy_TB_s"])
+    assert report["floor"]["floor_s"] > old["floor_s"]
+    for precision in ("bf16", "fp32"):
+        assert report["arms"][precision]["row_steps"] > 200 * benchmark.project(
+            saved["projection"], 200, 0.83, bucketed=True)["parts"][precision]["decode_steps_per_item"]
