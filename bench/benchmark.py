@@ -590,8 +590,8 @@ def work_floor(counts: dict, measures: list[dict], copy_TB_s: float, peaks_tflop
     out["floor_s"] = max(out["arithmetic_s"], out["traffic_s"])
     out["floor_at_copy_rate_s"] = max(out["arithmetic_s"], out["traffic_at_copy_rate_s"])
     # the arms one after another (as model jobs that take the GPU in turn run them): each at its own bound
-    out["floor_arms_in_turn_s"] = sum(max(a["arithmetic_s"], (a["weights_GB"] + a["kv_GB"]) * 1e9 / (memory_TB_s * 1e12))
-                                      for a in arms.values())
+    out["floor_arms_in_turn_s"] = sum(
+        max(a["arithmetic_s"], (a["weights_GB"] + a["kv_GB"]) * 1e9 / (memory_TB_s * 1e12)) for a in arms.values())
     return out
 
 

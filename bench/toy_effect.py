@@ -63,9 +63,11 @@ def measure(model: str, config: str = "config.yaml", precisions=("bf16", "fp32")
         decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), "eager")
         prompter = Prompter(tok)
         matcher = matcher_from_config(cfg["boundary"], tok)
-        settings = RunSettings("x", precision, int(cfg["max_stage_tokens"]), max_new_tokens or int(cfg["max_new_tokens"]))
+        settings = RunSettings("x", precision, int(cfg["max_stage_tokens"]),
+                               max_new_tokens or int(cfg["max_new_tokens"]))
         t0, per_item, tokens = time.time(), [], 0
-        plan = batch_plan([i["item_id"] for i in items], batch_size, int(cfg.get("batch_seed", cfg["seed"]) if cfg.get("batch_seed") is not None else cfg["seed"]))
+        seed = cfg["seed"] if cfg.get("batch_seed") is None else cfg["batch_seed"]  # as reconstruct_prefixes plans
+        plan = batch_plan([i["item_id"] for i in items], batch_size, int(seed))
         if regime != "eager":
             budget = int(cfg["max_stage_tokens"]) + (max_new_tokens or int(cfg["max_new_tokens"]))
             longest = max(len(prompter(i["question"])) for i in items)

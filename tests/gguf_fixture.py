@@ -47,27 +47,36 @@ def write_tiny_gguf(path: Path, seed: int = 0, architecture: str = "qwen2", laye
 
     ``architecture`` is written as the file's ``general.architecture`` (tests write an unsupported one).
     """
-    import gguf
-
     tokens, merges = byte_level_vocab()
     model = tiny_qwen2_model(len(tokens), seed, layers)
+    normal = len(tokens) - len(SPECIALS)
+    write_qwen2_gguf(path, model, tokens, merges, normal, "tiny-random-qwen2", architecture, rope_base=10000.0)
+    return model
+
+
+def write_qwen2_gguf(path: Path, model, tokens: list[str], merges: list[str], normal: int, name: str,
+                     architecture: str = "qwen2", rope_base: float = 10000.0, unused: int = 0) -> None:
+    """``model``'s tensors (F32) and a byte-level BPE tokenizer as llama.cpp's converter lays a Qwen2 GGUF out:
+    ``tokens`` are ``normal`` regular tokens, then the specials, then ``unused`` padding tokens."""
+    import gguf
+
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_name("tiny-random-qwen2")
+    writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS))
-                           + [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] * 2)
+    writer.add_token_types([gguf.TokenType.NORMAL] * normal + [gguf.TokenType.CONTROL] * 3
+                           + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.UNUSED] * unused)
     writer.add_token_merges(merges)
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(tokens.index("<|endoftext|>"))
@@ -75,14 +84,13 @@ def write_tiny_gguf(path: Path, seed: int = 0, architecture: str = "qwen2", laye
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        base, suffix = name.rsplit(".", 1)
+    for tensor_name, tensor in model.state_dict().items():
+        base, suffix = tensor_name.rsplit(".", 1)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model
 
 
 def byte_level_merges(regular: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -109,39 +117,7 @@ def write_vocab_gguf(path: Path, regular: int, seed: int = 0, padding: int = 64)
     """A one-layer random Qwen2 (F32) whose vocabulary is large: ``regular`` byte-level BPE tokens with their
     merges, the specials, then ``padding`` unused ``[PADn]`` tokens (as Qwen2's vocabulary of 151,936 pads its
     151,643 + 22 tokens); what makes a GGUF's metadata slow to read is the size of these arrays."""
-    import gguf
-
     tokens, merges = byte_level_merges(regular, seed)
     tokens += SPECIALS + [f"[PAD{i}]" for i in range(padding)]
     model = tiny_qwen2_model(len(tokens), seed, layers=1)
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name("random-qwen2-vocab")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(1000000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * regular + [gguf.TokenType.CONTROL] * 3
-                           + [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.UNUSED] * padding)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        base, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_qwen2_gguf(path, model, tokens, merges, regular, "random-qwen2-vocab", rope_base=1000000.0, unused=padding)
