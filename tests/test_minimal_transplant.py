@@ -11,10 +11,8 @@ from stagereplay.experiments.minimal_transplant import Box, candidates, search, 
 from stagereplay.experiments.transplant import TransplantSpec, position_range, transplant_edit
 
 REPO = Path(__file__).resolve().parents[1]
-N_NEW = 12
-# Items of the default selection (200 of the synthetic set, seed 0) whose live and prefill continuations differ at
-# bf16 on the embedded toy within N_NEW tokens (found by the default run), and one whose do not.
-DIVERGENT, AGREEING = (63, 99), 0
+# the suffix budget of the toy tests: items of the default selection split within it (tests/toy_divergence.py)
+N_NEW = 16
 
 
 def planted(layers=None, component=None, positions=None):
@@ -106,7 +104,10 @@ def test_explicit_position_spans_write_only_their_positions():
 # ---- on the embedded toy: the stages, through the one recipe ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def divergent_ledger(tmp_path_factory):
-    """A bf16 ledger of two items whose constructions diverge and one whose do not, as the workflow makes it."""
+    """A bf16 ledger of two items whose constructions diverge and one whose do not, as the workflow makes it; and the
+    divergent items (which ones split depends on the CPU's bf16 kernels: tests/toy_divergence.py)."""
+    from toy_divergence import toy_items
+
     from stagereplay.io.parquet import read_parquet, write_parquet
     from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
     from stagereplay.stages.select import select_items
@@ -116,14 +117,15 @@ def divergent_ledger(tmp_path_factory):
     model = dict(model=str(REPO / "data/toy"), revision="primary", device="cpu", progress=False)
     select_items({"source": "synthetic", "size": 5000, "seed": 0}, 200, 0, str(folder / "all.parquet"))
     items = read_parquet(folder / "all.parquet")
-    items = items[items["item_index"].isin([*DIVERGENT, AGREEING])].reset_index(drop=True)
+    divergent, agreeing = toy_items(N_NEW)
+    items = items[items["item_index"].isin([*divergent, agreeing])].reset_index(drop=True)
     write_parquet(items, folder / "items.parquet", {"stage": "test: three items of the default selection"})
     reconstruct_prefixes(str(folder / "items.parquet"), str(folder / "part.parquet"), str(folder / "prefixes.parquet"),
                          str(folder / "bridge.parquet"), from_params(ReconstructSettings, dict(
                              model, precision="bf16", boundary={"marker": ";"}, max_stage_tokens=32,
                              max_new_tokens=N_NEW)))
     gather_ledger([str(folder / "part.parquet")], str(folder / "ledger.parquet"))
-    return folder, model
+    return folder, model, divergent
 
 
 @pytest.mark.slow
@@ -137,16 +139,16 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     from stagereplay.stages.settings import MinimalTransplantSettings, OnsetSettings, from_params
     from stagereplay.stages.transplant import select_transplant_items
 
-    folder, model = divergent_ledger
+    folder, model, divergent = divergent_ledger
     ledger = str(folder / "ledger.parquet")
     selection = select_transplant_items(ledger, str(tmp_path / "selection.parquet"), revision="primary",
                                         precision="bf16", select="sample:3", seed=0)
-    assert set(selection.loc[selection["divergent"], "item_index"]) == set(DIVERGENT), "the toy changed: update ids"
+    assert set(selection.loc[selection["divergent"], "item_index"]) == set(divergent)
     out = tmp_path / "minimal_transplant.parquet"
     df = find_minimal_transplants(str(tmp_path / "selection.parquet"), ledger, str(out), from_params(
         MinimalTransplantSettings, dict(model, precision="bf16", max_new_tokens=N_NEW, budget=24)))
     assert list(pd.read_parquet(out).columns) == MINIMAL_TRANSPLANT_SCHEMA.names
-    assert len(df) == 2 * 2 and set(df["item_index"]) == set(DIVERGENT)  # the agreeing item is not searched
+    assert len(df) == 2 * len(divergent) and set(df["item_index"]) == set(divergent)  # the agreeing item is not searched
     assert df["full_sufficient"].all() and (df["runs"] <= 24).all() and (df["runs"] == df["trials"].map(len)).all()
     for r in df.itertuples():
         assert r.trial_outcomes[0] == "donor" and r.trials[0].startswith("layers all · KV")
@@ -164,9 +166,9 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     onset = measure_divergence_onset(ledger, str(onset_path), from_params(OnsetSettings, dict(
         model, max_new_tokens=N_NEW)))
     assert list(pd.read_parquet(onset_path).columns) == ONSET_SCHEMA.names
-    assert set(onset["item_index"]) == set(DIVERGENT) and set(onset["precision"]) == {"bf16"}
+    assert set(onset["item_index"]) == set(divergent) and set(onset["precision"]) == {"bf16"}
     items = onset_items(onset)
-    assert len(items) == 2 and items["margin_a"].notna().all() and items["first_divergence"].notna().all()
+    assert len(items) == len(divergent) and items["margin_a"].notna().all() and items["first_divergence"].notna().all()
     for r in items.itertuples():  # the onset is the first layer and position whose bytes differ
         rows = onset[(onset["item_index"] == r.item_index) & ~onset["bit_equal"]]
         assert r.onset_layer == rows["layer"].min()
@@ -176,10 +178,10 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     assert (coverage["included"] <= coverage["n"]).all() and coverage["included"].sum() > 0
     data = RevisionData("primary", {"minimal_transplant": str(out), "divergence_onset": str(onset_path)})
     lines, numbers = minimal_transplant_section(data)
-    assert numbers["budget"] == 24 and numbers["cells"]["bf16"]["live->prefill"]["n"] == 2
+    assert numbers["budget"] == 24 and numbers["cells"]["bf16"]["live->prefill"]["n"] == len(divergent)
     assert "not a global minimum" in "\n".join(lines)
     lines, numbers = divergence_onset_section(data)
-    assert numbers["bf16"]["n"] == 2 and "Spearman" in "\n".join(lines)
+    assert numbers["bf16"]["n"] == len(divergent) and "Spearman" in "\n".join(lines)
 
 
 # ---- the report's sections on synthetic tables ------------------------------------------------------------------------
