@@ -3,6 +3,7 @@ and greedy decoding that no generation_config can change."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,17 @@ def test_gguf_runs_through_the_reconstruct_stage(gguf_dir, tmp_path):
     prov = read_provenance(tmp_path / "ledger.parquet")
     assert prov["model_source"].endswith("tiny-qwen2.gguf") and prov["model_type"] == "qwen2"
     assert prov["gpu_slot"] == {**prov["gpu_slot"], "device": "cpu", "claimed": False}
+
+
+def test_the_cpu_device_name_names_the_kernels_and_bf16_features():
+    """The toy's bf16 split depends on the CPU's bf16 kernels, so provenance names them (README, the quickstart)."""
+    import platform
+
+    from stagereplay.models.loading import BF16_CPU_FLAGS, device_name
+
+    name = device_name(torch.device("cpu"))
+    assert name.startswith(f"cpu:{platform.machine()} {torch.backends.cpu.get_cpu_capability()}")
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    for flag in BF16_CPU_FLAGS:
+        assert (flag in name) == (flag in flags)

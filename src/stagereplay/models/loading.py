@@ -94,12 +94,25 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+# CPU features that change how bf16 matrix products are computed (oneDNN picks its kernels by them), so that the
+# toy's bf16 split between live and prefill differs between processors that have them and those that do not
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
 def device_name(device: torch.device) -> str:
+    """The device as provenance records it: the GPU's name, or for a CPU its architecture, the kernels torch picks
+    (``AVX512``, ``AVX2``, ...) and the bf16 features present (read from /proc/cpuinfo where there is one)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     import platform
 
-    return f"cpu:{platform.machine()}"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    present = [f for f in BF16_CPU_FLAGS if f in flags]
+    return (f"cpu:{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+            + (f" ({', '.join(present)})" if present else ""))
 
 
 @dataclass
