@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_scripts import load_bench
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -93,31 +95,10 @@ def write_qwen2_gguf(path: Path, model, tokens: list[str], merges: list[str], no
     writer.close()
 
 
-def byte_level_merges(regular: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """A byte-level BPE vocabulary of ``regular`` tokens: GPT-2's 256 byte symbols, then random merged pairs (each
-    with its merge), as a real vocabulary's are laid out; no two tokens alike."""
-    import random
-
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    rng = random.Random(seed)
-    tokens = [bytes_to_unicode()[b] for b in range(256)]
-    seen, merges = set(tokens), []
-    while len(tokens) < regular:
-        a, b = rng.choice(tokens), rng.choice(tokens[:4096])
-        if len(a) + len(b) > 12 or a + b in seen:
-            continue
-        seen.add(a + b)
-        tokens.append(a + b)
-        merges.append(f"{a} {b}")
-    return tokens, merges
-
-
 def write_vocab_gguf(path: Path, regular: int, seed: int = 0, padding: int = 64):
     """A one-layer random Qwen2 (F32) whose vocabulary is large: ``regular`` byte-level BPE tokens with their
     merges, the specials, then ``padding`` unused ``[PADn]`` tokens (as Qwen2's vocabulary of 151,936 pads its
     151,643 + 22 tokens); what makes a GGUF's metadata slow to read is the size of these arrays."""
-    tokens, merges = byte_level_merges(regular, seed)
-    tokens += SPECIALS + [f"[PAD{i}]" for i in range(padding)]
+    tokens, merges = load_bench("prepared_load").byte_level_tokens(regular, regular + len(SPECIALS) + padding, seed)
     model = tiny_qwen2_model(len(tokens), seed, layers=1)
     write_qwen2_gguf(path, model, tokens, merges, regular, "random-qwen2-vocab", rope_base=1000000.0, unused=padding)

@@ -6,13 +6,14 @@ or sha256 fingerprints of the cache bytes; the one tolerance (the static forward
 where it is used.
 """
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from bench_scripts import load_bench
 
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
@@ -369,9 +370,7 @@ def test_pipeline_stage_records_the_regime(tmp_path):
 
 
 def test_benchmark_script_runs_every_section(tmp_path):
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "bench/benchmark.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("benchmark")
     bench.main(["--tiny", "--out", str(tmp_path), "--precisions", "bf16"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert not results["errors"]

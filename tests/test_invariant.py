@@ -16,6 +16,7 @@ from snakemake.utils import validate
 from stagereplay.models import invariant
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.io.fingerprints import tensor_bytes
+from bench_scripts import load_bench
 from invariant_helpers import PROMPT, constructions
 from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, set_determinism
 
@@ -222,12 +223,9 @@ def test_config_key_defaults_to_default_and_is_validated():
 
 
 def test_cost_benchmark_runs_and_checks_the_regime(tiny_model_dir, tmp_path):
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("invariant_cost", REPO / "bench/invariant_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("invariant_cost")
     out = tmp_path / "cost.json"
     result = bench.main(["--model", str(tiny_model_dir), "--precision", "fp32", "--prefill-len", "12",
                          "--decode-steps", "2", "--repeats", "1", "--out", str(out)])

@@ -2,26 +2,16 @@
 triton attention priced step by step at each step's position, those of the masked attention at the whole buffer as
 before; benchmark.project()'s count split by rule; the floor of the per-rule work."""
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import yaml
 
+from bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _projection():
-    spec = importlib.util.spec_from_file_location("pipeline_projection", REPO / "bench/pipeline_projection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-projection = _projection()  # puts bench/ on sys.path
+projection = load_bench("pipeline_projection")  # puts bench/ on sys.path
 import benchmark  # noqa: E402  bench/benchmark.py
 
 P, S, N = 10, 20, 8  # prompt, stage, suffix (mean = a batch's longest)

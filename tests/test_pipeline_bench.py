@@ -2,18 +2,16 @@
 files into per-rule times (the whole run it measures is a GPU benchmark, recorded in bench/RESULTS.md)."""
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import yaml
 from snakemake.utils import validate
 
+from bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("pipeline_run", REPO / "bench/pipeline_run.py")
-pipeline_run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pipeline_run)
+pipeline_run = load_bench("pipeline_run")
 
 
 def test_the_written_config_is_valid_and_has_the_asked_scale(tmp_path):
@@ -50,10 +48,7 @@ def test_benchmark_files_are_summed_by_rule(tmp_path):
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "bench/benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("benchmark")
 
 
 def test_the_projection_counts_every_transplant_run_as_a_cell_of_the_batch():
@@ -88,15 +83,7 @@ def test_the_fp32_floor_counts_the_projected_work_at_the_datasheet_rate():
 
 
 # ---- bench/pipeline_projection.py: each rule of a workflow run projected from measured rates ----------------------
-def _projection():
-    spec = importlib.util.spec_from_file_location("pipeline_projection", REPO / "bench/pipeline_projection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-projection = _projection()
+projection = load_bench("pipeline_projection")
 P, S, N = 10, 20, 8  # the ledger's mean prompt, stage and suffix
 
 

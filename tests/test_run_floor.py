@@ -1,21 +1,17 @@
 """bench/benchmark.py run_floor: the whole projected run's floor counts the work project() counts, at the
 datasheet rates, and sits below the projection."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 SAVED = REPO / "bench/runs/h200_run7_projection_shared_rows.json"
 
 
 def _benchmark():
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("benchmark_for_floor", REPO / "bench/benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("benchmark")
 
 
 def test_the_run_floor_is_the_longer_of_arithmetic_and_traffic_and_below_the_projection():
