@@ -228,6 +228,16 @@ def fetch_hub_snapshot(source: ModelSource, offline: bool, allow_pickle: bool = 
     return ModelSource("local", folder), Path(folder).name
 
 
+def _require_gguf():
+    """gguf-py, or the error that names the optional packages to install."""
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs the optional packages gguf and accelerate: "
+                             "pip install 'stagereplay[gguf]'") from exc
+    return gguf
+
+
 def _plain_gguf_reader_class():
     """gguf-py's ``GGUFReader`` over the file's bytes as a plain numpy array instead of a ``numpy.memmap``.
 
@@ -322,12 +332,9 @@ def gguf_read_once():
     if _GGUF_ONCE is not None:  # inside another: share its cache
         yield
         return
-    try:
-        import gguf
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError as exc:
-        raise ModelLoadError("loading a GGUF file needs the optional packages gguf and accelerate: "
-                             "pip install 'stagereplay[gguf]'") from exc
+    gguf = _require_gguf()
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     original_reader, original_checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
 
     def reader(path, mode="r"):
@@ -349,11 +356,7 @@ def gguf_architecture(path: str | Path) -> str:
 
     gguf-py's reader parses the metadata and the tensor table and maps every tensor: a file cut short anywhere
     (in the metadata, the table or the tensor data) does not parse."""
-    try:
-        import gguf  # noqa: F401
-    except ImportError as exc:
-        raise ModelLoadError("loading a GGUF file needs the optional packages gguf and accelerate: "
-                             "pip install 'stagereplay[gguf]'") from exc
+    _require_gguf()
     try:
         field = _gguf_reader(path).get_field("general.architecture")
     except Exception as exc:
