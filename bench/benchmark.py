@@ -497,24 +497,31 @@ def project(measures: list[dict], items: int, divergent: float, bucketed: bool =
 H200_FP32_TFLOPS = 67.0
 
 
+def kv_positions_read(m: dict, items: int, divergent: float, **project_kwargs) -> float:
+    """The K/V positions the decode steps :func:`project` counts for ``m``'s precision read, summed over rows and
+    steps (each row's keys up to its position): :func:`project` on a measure whose step costs one unit per attended
+    position and nothing else."""
+    reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
+               "step_fit": {"a_s": 0.0, "b_s_per_position": 1.0, "bucket": 1}}
+    return project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][m["precision"]]["decode_s"]
+
+
 def fp32_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: float,
                peak_tflops: float = H200_FP32_TFLOPS, **project_kwargs) -> dict:
     """The floor of the fp32 arm of :func:`project` (the same work, counted the same way): its linear maps
     at ``peak_tflops`` (every decode row-step and prefill token, 2 x parameters FLOPs each) plus its decode
     attention reading each row's K/V up to its position once at the copy rate; against the projected arm.
 
-    The attention term reuses :func:`project` on a measure whose "step" costs nothing but one row's K/V bytes per
-    attended position at ``copy_TB_s``, so both count exactly the same rows, steps and spans."""
+    The attention term counts the K/V positions read as :func:`kv_positions_read` does, so both count exactly the
+    same rows, steps and spans."""
     out = {}
     arms = project(measures, items, divergent, bucketed=True, **project_kwargs)["parts"]
     for m in measures:
         if "linear_params" not in m or m["precision"] != "fp32":  # the datasheet rate is fp32's
             continue
         per_position = m["kv_GB_per_row"] * 1e9 / m["max_len"]  # one row's K and V of every layer, one position
-        reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
-                   "step_fit": {"a_s": 0.0, "b_s_per_position": per_position / (copy_TB_s * 1e12), "bucket": 1}}
-        attention_s = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][m["precision"]][
-            "decode_s"]
+        attention_s = (kv_positions_read(m, items, divergent, **project_kwargs) * per_position
+                       / (copy_TB_s * 1e12))
         arm = arms[m["precision"]]
         linear_at_best = arm["linear_floor_s"]  # at the best GEMM rate measured in the run
         linear_at_peak = linear_at_best * m["gemm_TFLOP_s_large"] / peak_tflops
@@ -550,11 +557,7 @@ def run_floor(measures: list[dict], items: int, divergent: float, copy_TB_s: flo
     for m in measures:
         precision = m["precision"]
         part = projected["parts"][precision]
-        # each row's K/V positions read: project() on a measure whose step costs one unit per attended position
-        reading = {**m, "rows": 1, "prefill_tokens_s": float("inf"), "dump_GB": 0.0,
-                   "step_fit": {"a_s": 0.0, "b_s_per_position": 1.0, "bucket": 1}}
-        positions = project([reading], items, divergent, bucketed=True, **project_kwargs)["parts"][precision][
-            "decode_s"]
+        positions = kv_positions_read(m, items, divergent, **project_kwargs)
         row_steps = items * part["decode_steps_per_item"]
         counts[precision] = {"row_steps": row_steps, "batch_steps": row_steps / m["rows"],
                              "kv_row_positions": positions, "prefill_tokens": part["prefill_tokens"],
