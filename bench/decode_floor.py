@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import (PRECISIONS, SHAPES, build_model, copy_rate, prompts_for, rate_device_loop,  # noqa: E402
                        rate_engine, weight_bytes)
 
+import stagereplay.decode.greedy as greedy  # noqa: E402
 from stagereplay.decode.static import StaticDecoder  # noqa: E402
 from stagereplay.models.loading import set_determinism  # noqa: E402
 
@@ -127,14 +128,10 @@ def step_profile(decoder: StaticDecoder, prompt: list[int], steps: int = 5) -> d
             "top": [(n, round(t / steps, 1)) for n, t in names.most_common(14)]}
 
 
-ORIGINAL_CHOICE = None
+ORIGINAL_CHOICE = greedy.greedy_choice
 
 
 def main() -> None:
-    global ORIGINAL_CHOICE
-    import stagereplay.decode.greedy as greedy
-
-    ORIGINAL_CHOICE = greedy.greedy_choice
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="14B", choices=list(SHAPES))
     ap.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
@@ -161,8 +158,6 @@ def main() -> None:
           f"{floor:.1f} tok/s", flush=True)
     first, reference_ids = None, None
     for attention in args.attentions.split(","):
-        import stagereplay.decode.greedy as greedy
-
         greedy.greedy_choice = greedy_choice_one_transfer if "onesync" in attention else ORIGINAL_CHOICE
         kind = FusedKernelsDecoder if "fused" in attention else StaticDecoder
         decoder = kind(model, (), max_len=args.prompt_len + args.new_tokens + 8, max_rows=1, regime="cuda_graph",
