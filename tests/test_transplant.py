@@ -285,6 +285,17 @@ def test_selection_is_decided_from_token_ids_only():
         choose_transplant_items(pairs_frame(), "largest_margin")
 
 
+def test_divergent_n_draws_among_divergent_items_only():
+    frame = pd.DataFrame({"item_index": range(8), "item_id": list("abcdefgh"),
+                          "suffix_a": [[1, 2]] * 8, "suffix_b": [[1, 2], [1, 5]] * 4})  # b, d, f, h diverge
+    draws = {tuple(choose_transplant_items(frame, "divergent:2", seed=s)["item_id"]) for s in range(20)}
+    assert all(len(d) == 2 and set(d) <= set("bdfh") and list(d) == sorted(d) for d in draws)
+    assert len(draws) > 1  # the seed decides which, not the order of the items
+    assert choose_transplant_items(frame, "divergent:2", seed=3).equals(choose_transplant_items(frame, "divergent:2", seed=3))
+    # N at or above the divergent count: every divergent item, as 'divergent' gives
+    assert choose_transplant_items(frame, "divergent:9").equals(choose_transplant_items(frame, "divergent"))
+
+
 @pytest.mark.parametrize("fixture", ["loaded_bf16", "loaded_fp32"])
 def test_dump_reload_continues_bit_for_bit(fixture, request, tmp_path):
     loaded = request.getfixturevalue(fixture)

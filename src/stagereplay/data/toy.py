@@ -5,7 +5,7 @@ Everything here is reproducible from a seed and needs no network. The toy model 
 the pipeline takes on it is the one a real checkpoint takes.
 
 A trajectory reads ``Q:37+45-12=<think>37+45=82;82-12=70;</think>A:70<eos>``; the stage boundary of the
-default config is the first ``;`` (the end of the first reasoning step).
+default config is the second ``;`` (the end of the second reasoning step).
 
 This module knows nothing of caches, constructions or the ledger.
 """
@@ -150,12 +150,14 @@ def train_toy(
     spec: ToyTrainingSpec = ToyTrainingSpec(),
     init_from: str | Path | None = None,
     progress: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Train (or continue training) the toy model and save it in Hugging Face format.
 
     Training data are drawn from seed ``10_000 + spec.seed`` so they never overlap the evaluation set's
-    default seed. Bit-reproducible for the same torch build and ``spec.threads``. Returns the record
-    written beside the weights (spec, loss, sha256 of ``model.safetensors``).
+    default seed. Bit-reproducible for the same torch build, CPU and ``spec.threads`` (``device`` cpu; another
+    device, e.g. cuda for a quick search over specs, is recorded and makes no such promise). Returns the record
+    written beside the weights (spec, loss, device, sha256 of ``model.safetensors``).
     """
     import torch
     from tqdm import tqdm
@@ -170,6 +172,7 @@ def train_toy(
         model = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
     else:
         model = Qwen2ForCausalLM(toy_config(spec, len(tokenizer)))
+    model.to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.98))
     data_seed = 10_000 + spec.seed
@@ -180,7 +183,7 @@ def train_toy(
         for group in opt.param_groups:
             group["lr"] = spec.lr * lr_scale
         items = [make_item(step * spec.batch_size + j, data_seed) for j in range(spec.batch_size)]
-        ids, labels, mask = _batch(tokenizer, items)
+        ids, labels, mask = (t.to(device) for t in _batch(tokenizer, items))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -190,6 +193,7 @@ def train_toy(
         if step % 100 == 0:
             bar.set_postfix(loss=f"{sum(losses[-100:]) / len(losses[-100:]):.4f}")
     model.eval()
+    model.to("cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
     # Saved beside out_dir, then each file renamed into it: a crash never leaves a half-written weights file.
@@ -203,6 +207,7 @@ def train_toy(
         "final_loss": sum(losses[-100:]) / max(1, len(losses[-100:])),
         "model_safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
         "torch": torch.__version__,
+        "device": device,
     }
     (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     for path in sorted(staging.iterdir(), key=lambda p: p.name == "training.json"):  # the record last
@@ -211,10 +216,15 @@ def train_toy(
     return record
 
 
+# The shipped toy's shape: narrow and six layers deep, trained briefly, so that it stays unsure of its arithmetic
+# (a few percent of answers right). Its near-ties are what a cache's bf16 bits can tip: toys trained until they
+# are sure split on almost no items (bench/RESULTS.md, "How strongly the embedded toy shows the effect").
+TOY_SHAPE = {"hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 6}
+
 # The two shipped revisions under data/toy/: "later" continues training "primary" on fresh data.
 TOY_REVISIONS = {
-    "primary": (None, ToyTrainingSpec(seed=0, steps=600, batch_size=64, warmup=50)),
-    "later": ("primary", ToyTrainingSpec(seed=1, steps=400, batch_size=64, lr=1e-3, warmup=20)),
+    "primary": (None, ToyTrainingSpec(seed=0, steps=600, batch_size=64, warmup=50, **TOY_SHAPE)),
+    "later": ("primary", ToyTrainingSpec(seed=1, steps=400, batch_size=64, lr=1e-3, warmup=20, **TOY_SHAPE)),
 }
 
 

@@ -14,7 +14,8 @@ recipient's own), else ``neither``; where donor and recipient agree with each ot
 equal suffix counts as ``donor`` and the row's ``divergent`` is false.
 
 Selection never looks at correctness or at transplant outcomes: ``divergent`` compares the two constructions' suffix
-token ids, ``sample:N`` draws N items with a seed, an explicit list names item ids.
+token ids, ``divergent:N`` draws N of those with a seed, ``sample:N`` draws N items with a seed, an explicit
+list names item ids.
 
 Knows nothing of Parquet paths or Snakemake (:mod:`stagereplay.stages.transplant` does the files).
 """
@@ -248,6 +249,7 @@ def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[li
 
 
 _SAMPLE = re.compile(r"^sample:([1-9][0-9]*)$")
+_DIVERGENT_SAMPLE = re.compile(r"^divergent:([1-9][0-9]*)$")
 
 
 def choose_transplant_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.DataFrame:
@@ -256,6 +258,7 @@ def choose_transplant_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.Da
     ``pairs`` has one row per candidate item (both constructions ok) with ``item_index``, ``item_id``,
     ``suffix_a`` and ``suffix_b`` (the two constructions' suffix ids). Returns the selected rows, sorted by
     item_index, with ``divergent`` and ``first_divergence`` (from token ids only). ``select`` is ``divergent``,
+    ``divergent:N`` (N of the divergent items drawn with ``seed``; all of them when there are N or fewer),
     ``sample:N`` or a list of item ids.
     """
     pairs = pairs.copy()
@@ -264,6 +267,14 @@ def choose_transplant_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.Da
     pairs = pairs.sort_values("item_index", kind="stable").reset_index(drop=True)
     if isinstance(select, str) and select == "divergent":
         chosen = pairs[pairs["divergent"]]
+    elif isinstance(select, str) and _DIVERGENT_SAMPLE.match(select):
+        n = int(_DIVERGENT_SAMPLE.match(select).group(1))
+        divergent = pairs[pairs["divergent"]]
+        if len(divergent) <= n:
+            chosen = divergent
+        else:
+            rng = np.random.default_rng(seed)
+            chosen = divergent.iloc[sorted(rng.choice(len(divergent), size=n, replace=False).tolist())]
     elif isinstance(select, str) and _SAMPLE.match(select):
         n = int(_SAMPLE.match(select).group(1))
         if n > len(pairs):
@@ -280,5 +291,6 @@ def choose_transplant_items(pairs: pd.DataFrame, select, seed: int = 0) -> pd.Da
                              "constructions both ran (status ok); check the ids against the ledger")
         chosen = pairs[pairs["item_id"].isin(set(select))]
     else:
-        raise ValueError(f"transplant.select must be 'divergent', 'sample:N' or a list of item ids, got {select!r}")
+        raise ValueError(f"transplant.select must be 'divergent', 'divergent:N', 'sample:N' or a list of item ids, "
+                         f"got {select!r}")
     return chosen.drop(columns=["suffix_a", "suffix_b"]).reset_index(drop=True)
