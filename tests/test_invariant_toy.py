@@ -35,8 +35,7 @@ def run_matched(selection, indexes: list[int], numerics: str):
     write_parquet(items[items["item_index"].isin(indexes)], chosen, {"stage": "test"})
     ledger = folder / f"ledger_{numerics}.parquet"
     reconstruct_prefixes(
-        str(chosen), str(ledger), str(folder / f"prefixes_{occurrence}_{numerics}.parquet"),
-        str(folder / f"bridge_{occurrence}_{numerics}.parquet"),
+        str(chosen), str(ledger), str(folder / f"prefixes_{numerics}.parquet"), str(folder / f"bridge_{numerics}.parquet"),
         ReconstructSettings(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
                             boundary={"marker": ";", "occurrence": 2}, max_stage_tokens=32,
                             max_new_tokens=48, device="cpu", attn_implementation="sdpa", stage_end="</think>",
