@@ -13,7 +13,7 @@ from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA
 from test_minimal_transplant import N_NEW
 from test_transplant_workflow import jobs_planned
 from toy_divergence import toy_items
-from workflow_runner import snakemake, tiny_config
+from workflow_runner import DEFAULT_BOUNDARY, snakemake, tiny_config
 
 
 def three_items(path, divergent, agreeing):
@@ -32,7 +32,8 @@ def test_minimal_transplants_and_onset_in_the_workflow(tmp_path):
     divergent, agreeing = toy_items(N_NEW)  # which items split depends on the CPU (tests/toy_divergence.py)
     three_items(tmp_path / "items.jsonl", divergent, agreeing)
     tiny_config(tmp_path, n_items=3, max_new_tokens=N_NEW, precisions=["bf16"], dataset={"source": "jsonl", "path": "items.jsonl"},
-                cache_differences={"n_items": 1, "precisions": ["bf16"]}, transplant={"sweeps": ["all"]})
+                cache_differences={"n_items": 1, "precisions": ["bf16"]}, transplant={"sweeps": ["all"]},
+                boundary=DEFAULT_BOUNDARY)  # toy_items' boundary
     snakemake(tmp_path, "--cores", "2")
     res = tmp_path / "results/tiny"
 

@@ -28,10 +28,17 @@ def snakemake(workdir, *args, check=True, configfile=None) -> subprocess.Complet
     return proc
 
 
+# The tiny runs test the workflow's mechanics and cut the stage at the first ';' (about 9 stage tokens, not the
+# default's 17); the effect itself is the default run's, and tests that need divergent items ask
+# tests/toy_divergence.py, at the default config's boundary.
+TINY_BOUNDARY = {"marker": ";", "occurrence": 1}
+DEFAULT_BOUNDARY = yaml.safe_load((REPO / "config.yaml").read_text())["boundary"]
+
+
 def tiny_config(workdir, **overrides) -> dict:
     """The default config, cut to a few items and tokens on the CPU, with ``overrides``; written to workdir."""
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    cfg.update(run="tiny", n_items=6, max_new_tokens=12, device="cpu",
+    cfg.update(run="tiny", n_items=6, max_new_tokens=12, device="cpu", boundary=TINY_BOUNDARY,
                dataset={"source": "synthetic", "size": 100, "seed": 0}, cache_differences={"n_items": 2})
     cfg.update(overrides)
     Path(workdir).mkdir(parents=True, exist_ok=True)
