@@ -17,6 +17,7 @@ from stagereplay.stages.select import select_items
 from stagereplay.stages.settings import ReconstructSettings
 
 from toy_divergence import toy_items
+from workflow_runner import DEFAULT_BOUNDARY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def run_matched(selection, indexes: list[int], numerics: str):
     reconstruct_prefixes(
         str(chosen), str(ledger), str(folder / f"prefixes_{numerics}.parquet"), str(folder / f"bridge_{numerics}.parquet"),
         ReconstructSettings(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
-                            boundary={"marker": ";", "occurrence": 2}, max_stage_tokens=32,
+                            boundary=DEFAULT_BOUNDARY, max_stage_tokens=32,
                             max_new_tokens=48, device="cpu", attn_implementation="sdpa", stage_end="</think>",
                             numerics=numerics, progress=False))
     return read_parquet(ledger), read_provenance(ledger)
