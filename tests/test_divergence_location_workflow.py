@@ -12,8 +12,8 @@ from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA
 
 from test_minimal_transplant import N_NEW
 from test_transplant_workflow import jobs_planned
-from toy_divergence import toy_items
-from workflow_runner import DEFAULT_BOUNDARY, snakemake, tiny_config
+from toy_divergence import DEFAULT_BOUNDARY, toy_items
+from workflow_runner import snakemake, tiny_config
 
 
 def three_items(path, divergent, agreeing):

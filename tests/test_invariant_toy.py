@@ -16,8 +16,7 @@ from stagereplay.stages.reconstruct import reconstruct_prefixes
 from stagereplay.stages.select import select_items
 from stagereplay.stages.settings import ReconstructSettings
 
-from toy_divergence import toy_items
-from workflow_runner import DEFAULT_BOUNDARY
+from toy_divergence import DEFAULT_BOUNDARY, toy_items
 
 REPO = Path(__file__).resolve().parents[1]
 

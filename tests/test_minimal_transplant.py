@@ -106,7 +106,7 @@ def test_explicit_position_spans_write_only_their_positions():
 def divergent_ledger(tmp_path_factory):
     """A bf16 ledger of two items whose constructions diverge and one whose do not, as the workflow makes it; and the
     divergent items (which ones split depends on the CPU's bf16 kernels: tests/toy_divergence.py)."""
-    from toy_divergence import toy_items
+    from toy_divergence import DEFAULT_BOUNDARY, toy_items
 
     from stagereplay.io.parquet import read_parquet, write_parquet
     from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
@@ -122,7 +122,7 @@ def divergent_ledger(tmp_path_factory):
     write_parquet(items, folder / "items.parquet", {"stage": "test: three items of the default selection"})
     reconstruct_prefixes(str(folder / "items.parquet"), str(folder / "part.parquet"), str(folder / "prefixes.parquet"),
                          str(folder / "bridge.parquet"), from_params(ReconstructSettings, dict(
-                             model, precision="bf16", boundary={"marker": ";"}, max_stage_tokens=32,
+                             model, precision="bf16", boundary=DEFAULT_BOUNDARY, max_stage_tokens=32,
                              max_new_tokens=N_NEW)))
     gather_ledger([str(folder / "part.parquet")], str(folder / "ledger.parquet"))
     return folder, model, divergent

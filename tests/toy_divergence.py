@@ -12,7 +12,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
+DEFAULT_BOUNDARY = DEFAULT_CONFIG["boundary"]  # where toy_items cuts: a test that rebuilds its items cuts there too
 KNOWN = (15, 18, 22, 23, 38)  # divergent early in the suffix on an AMX machine (2026-12-01), tried first
 
 
@@ -23,7 +27,6 @@ def toy_items(max_new_tokens: int, want: int = 2) -> tuple[tuple[int, ...], int]
     one whose do not. Fails the test, naming the machine's kernels, if no item of the selection splits."""
     import pytest
     import torch
-    import yaml
 
     from stagereplay.data.datasets import choose_items, load_synthetic
     from stagereplay.data.prompts import Prompter
@@ -33,7 +36,7 @@ def toy_items(max_new_tokens: int, want: int = 2) -> tuple[tuple[int, ...], int]
     from stagereplay.experiments.rows import RunSettings
     from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
 
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = DEFAULT_CONFIG
     ds = cfg["dataset"]
     selection = choose_items(load_synthetic(int(ds["size"]), int(ds["seed"])), int(cfg["n_items"]), int(cfg["seed"]))
     questions = dict(zip(selection["item_index"], selection["question"]))
@@ -43,7 +46,7 @@ def toy_items(max_new_tokens: int, want: int = 2) -> tuple[tuple[int, ...], int]
         loaded = load_model(resolve_source(str(REPO / cfg["model"]), cfg["revisions"][0]), "bf16", "cpu",
                             cfg["attn_implementation"])
         decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), "eager")
-        prompter, matcher = Prompter(loaded.tokenizer), matcher_from_config(cfg["boundary"], loaded.tokenizer)
+        prompter, matcher = Prompter(loaded.tokenizer), matcher_from_config(DEFAULT_BOUNDARY, loaded.tokenizer)
         settings = RunSettings("primary", "bf16", int(cfg["max_stage_tokens"]), max_new_tokens)
         divergent, agreeing = [], None
         order = list(KNOWN) + [i for i in sorted(questions) if i not in KNOWN]

@@ -30,9 +30,8 @@ def snakemake(workdir, *args, check=True, configfile=None) -> subprocess.Complet
 
 # The tiny runs test the workflow's mechanics and cut the stage at the first ';' (about 9 stage tokens, not the
 # default's 17); the effect itself is the default run's, and tests that need divergent items ask
-# tests/toy_divergence.py, at the default config's boundary.
+# tests/toy_divergence.py, at the default config's boundary (its DEFAULT_BOUNDARY).
 TINY_BOUNDARY = {"marker": ";", "occurrence": 1}
-DEFAULT_BOUNDARY = yaml.safe_load((REPO / "config.yaml").read_text())["boundary"]
 
 
 def tiny_config(workdir, **overrides) -> dict:
