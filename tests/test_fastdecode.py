@@ -214,7 +214,8 @@ def test_regime_errors_are_clear(models):
     eager = make_decoder(models["fp32"], (), "eager")
     assert isinstance(eager, EagerDecoder) and isinstance(eager, Decoder) and isinstance(decoder, Decoder)
     assert decoder.record() == {"decode_regime": "static", "decode_max_len": 12, "decode_max_rows": 1,
-                                "decode_attention": "masked", "decode_prefill_group": None}
+                                "decode_attention": "masked", "decode_prefill_group": None,
+                                "decode_kernels": "library"}
     rebuilt = decoder_from_record(models["fp32"], (), decoder.record())
     assert isinstance(rebuilt, StaticDecoder) and rebuilt.record() == decoder.record()
     assert isinstance(decoder_from_record(models["fp32"], (), eager.record()), EagerDecoder)
@@ -224,9 +225,16 @@ def test_regime_errors_are_clear(models):
         make_decoder(models["fp32"], (), "eager", prefill_group=2)
     with pytest.raises(RegimeError, match="need decode_regime static or cuda_graph"):
         make_decoder(models["fp32"], (), "eager", attention="triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":  # the triton attention on a CPU model, outside the interpreter
+    with pytest.raises(RegimeError, match="need decode_regime static or cuda_graph"):
+        make_decoder(models["fp32"], (), "eager", kernels="fused")
+    with pytest.raises(RegimeError, match=r"decode_kernels 'triton' is not one of \['library', 'fused'\]"):
+        make_decoder(models["fp32"], (), "static", max_len=8, kernels="triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # Triton kernels on a CPU model, outside the interpreter
         with pytest.raises(RegimeError, match="use decode_attention masked there"):
             make_decoder(models["fp32"], (), "static", max_len=8, attention="triton")
+        with pytest.raises(RegimeError, match="use decode_kernels library there"):
+            make_decoder(models["fp32"], (), "static", max_len=8, kernels="fused")
+    assert not decoder.lookahead  # only the cuda_graph regime launches a step before the host reads the last
     assert decoder.span(1) == decoder.span(12) == 12  # every step attends over the whole buffer
 
 

@@ -11,6 +11,7 @@ import torch
 
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
+from stagereplay.decode.protocol import RegimeError
 from stagereplay.decode.regimes import decoder_from_record
 from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
@@ -122,3 +123,11 @@ def test_a_prefill_in_row_groups_is_recorded_and_reproduces(tiny_model_dir, nume
     assert prefill_rows(grouped) == prefill_rows(rebuilt)
     if numerics == "invariant":
         assert prefill_rows(grouped) == prefill_rows(whole)
+
+
+def test_fused_kernels_are_refused_under_invariant_numerics(tiny_model_dir):
+    """The invariant regime computes every operation through its own kernels: decode_kernels fused would replace
+    some of them with kernels outside its contract, so it is refused before any work."""
+    model = model_for(tiny_model_dir, "fp32", "invariant")
+    with pytest.raises(RegimeError, match="decode_kernels: fused is an option of numerics: default"):
+        StaticDecoder(model, (), max_len=16, kernels="fused")

@@ -77,13 +77,15 @@ def test_toy_constructions_are_byte_identical_with_triton(tiny_model_dir, precis
     assert len({repr(s) for s in suffixes.values()}) == 1
 
 
-def static_checks(device: str, model_dir: Path = REPO / "data/toy/primary") -> dict:
-    return run_checks("triton_static_checks.py", str(model_dir), device, timeout=900)
+def static_checks(device: str, model_dir: Path = REPO / "data/toy/primary", options: dict | None = None) -> dict:
+    return run_checks("triton_static_checks.py", str(model_dir), device, json.dumps(options or {"attention": "triton"}),
+                      timeout=900)
 
 
-def assert_static_checks(results: dict):
+def assert_static_checks(results: dict, attention: str = "triton", kernels: str = "library"):
     for precision, r in results.items():
-        assert r["attention"] == "triton" and r["status"] == "ok" and r["stage_tokens"] == 68
+        assert (r["attention"], r["kernels"]) == (attention, kernels)
+        assert r["status"] == "ok" and r["stage_tokens"] == 68
         assert r["replicas_equal"] and r["bridge_bit_exact"], (precision, r)  # exact within the regime
         # another regime than the masked attention, but the same model: rounding-sized differences
         assert r["prefill_logits_vs_masked"] <= (1e-4 if precision == "fp32" else 0.1), (precision, r)
@@ -103,3 +105,20 @@ def test_static_decoder_with_triton_attention_in_the_interpreter(tmp_path):
 @needs_cuda
 def test_static_decoder_with_triton_attention_on_cuda():
     assert_static_checks(static_checks("cuda"))
+
+
+@pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
+                    reason="Triton's interpreter before 3.7 fails under numpy 2 (int() of a 1-element array)")
+def test_static_decoder_with_fused_kernels_in_the_interpreter(tmp_path):
+    """decode_kernels "fused": residual add with RMSNorm, RoPE with the K/V write, the SiLU gate, one kernel each.
+    Prefill and one-token steps run the same kernels, so the bridge holds byte for byte; against the library
+    forward the logits differ by rounding only."""
+    assert_static_checks(static_checks("cpu", make_tiny_model(tmp_path / "model", layers=2), {"kernels": "fused"}),
+                         attention="masked", kernels="fused")
+
+
+@needs_cuda
+@pytest.mark.parametrize("attention", ["masked", "triton"])
+def test_static_decoder_with_fused_kernels_on_cuda(attention):
+    assert_static_checks(static_checks("cuda", options={"kernels": "fused", "attention": attention}),
+                         attention=attention, kernels="fused")

@@ -1,9 +1,11 @@
-"""The static decoder with ``attention="triton"`` (default numerics), run as a script so that TRITON_INTERPRET can
-be set before Triton compiles anything: ``python tests/triton_static_checks.py MODEL_DIR DEVICE`` prints JSON.
+"""The static decoder with Triton kernels in default numerics (``attention="triton"``, ``kernels="fused"`` or
+both), run as a script so that TRITON_INTERPRET can be set before Triton compiles anything:
+``python tests/triton_static_checks.py MODEL_DIR DEVICE [OPTIONS_JSON]`` prints JSON. OPTIONS_JSON holds the
+decoder's options under test (default ``{"attention": "triton"}``).
 
 Checks, per precision: replicas bit-exact, the bridge (incremental rebuild == live, every layer's bytes), the
-same greedy tokens and logits within rounding of the masked attention, and batched left-padded rows within
-rounding of the same rows alone.
+same greedy tokens and logits within rounding of the library forward with the masked attention, and batched
+left-padded rows within rounding of the same rows alone.
 """
 
 import json
@@ -11,6 +13,7 @@ import os
 import sys
 
 MODEL, DEVICE = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu"
+OPTIONS = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {"attention": "triton"}
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -41,7 +44,7 @@ out = {}
 # one precision covers; on CUDA both precisions run the compiled kernels
 for precision in (("fp32", "bf16") if DEVICE == "cuda" else ("fp32",)):
     model = load_model(ModelSource("local", MODEL), precision, DEVICE).model
-    fast = StaticDecoder(model, (), max_len=96, max_rows=3, attention="triton")
+    fast = StaticDecoder(model, (), max_len=96, max_rows=3, **OPTIONS)
     masked = StaticDecoder(model, (), max_len=96, max_rows=3)
     stop = AtLength(68)  # the boundary: the 68th generated token (the cache crosses a 64-key block)
     runs = [decode_rows(fast, [PROMPT], matcher=stop, max_stage_tokens=70, max_new_tokens=8, keep={0})[0]
@@ -66,5 +69,6 @@ for precision in (("fp32", "bf16") if DEVICE == "cuda" else ("fp32",)):
         "prefill_logits_vs_masked": (la - lb).abs().max().item(),
         "batched_vs_alone": max((rows[i] - alone[i]).abs().max().item() for i in range(3)),
         "attention": fast.record()["decode_attention"],
+        "kernels": fast.record()["decode_kernels"],
     }
 print(json.dumps(out))

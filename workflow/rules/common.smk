@@ -47,6 +47,7 @@ check_decode_settings(
     config["decode_regime"],
     config["decode_attention"],
     config["decode_prefill_group"],
+    config["decode_kernels"],
 )
 if config["boundary"].get("token_id") is not None:
     # The user gave no marker with it (check_boundary): the default's marker does not apply.
@@ -144,6 +145,7 @@ def generation_kwargs(revision):
         decode_regime=config["decode_regime"],
         decode_attention=config["decode_attention"],
         decode_prefill_group=config["decode_prefill_group"],
+        decode_kernels=config["decode_kernels"],
         batch_size=config["batch_size"],
         batch_seed=config["batch_seed"],
         numerics=config["numerics"],

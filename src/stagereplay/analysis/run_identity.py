@@ -124,7 +124,8 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     regime = {name: _values(everything, *path) for name, path in (
         ("numerics", ("config", "numerics")), ("numerics_regime", ("numerics_regime",)),
         ("decode_regime", ("config", "decode_regime")), ("decode_attention", ("config", "decode_attention")),
-        ("decode_prefill_group", ("config", "decode_prefill_group")), ("batch_size", ("config", "batch_size")),
+        ("decode_prefill_group", ("config", "decode_prefill_group")),
+        ("decode_kernels", ("config", "decode_kernels")), ("batch_size", ("config", "batch_size")),
         ("batch_seed", ("config", "batch_seed")))}
     add("numerics and decode regime", "regime", "; ".join(f"{k} {_show(v)}" for k, v in regime.items()), regime)
     flags = _values(everything, "numerics")

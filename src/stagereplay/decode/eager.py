@@ -29,8 +29,13 @@ class EagerDecoder:
         self.n_layers = int(model.config.num_hidden_layers)
         self.numerics = "invariant" if invariant.is_invariant(model) else "default"
 
+    lookahead = False  # the greedy loop reads each step's choice before it feeds the next (see rewind)
+
     def record(self) -> dict:
         return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1}
+
+    def rewind(self, batch: EagerBatch) -> None:
+        raise NotImplementedError("the eager regime does not take steps back (its lookahead is off)")
 
     def independent_rows(self, rows: int) -> bool:
         return True

@@ -10,6 +10,13 @@ schedules chosen by the decoder (:meth:`~stagereplay.decode.protocol.Decoder.ind
   built cache for that row is written over the row's positions and the row continues. Every construction of a batch
   is thus decoded in one layout: the same rows, padding, positions and steps; only the boundary cache differs.
 
+A decoder with ``lookahead`` (the ``cuda_graph`` regime) lets the loop hide its host work behind the device's: the
+next step is launched from the device's own greedy choice (or the teacher-forced id) before the host has read the
+choice, and the host checks the step while it runs. Where the host must change the cache before the next step (a
+row's boundary, with a construction's cache to swap in or an edit to apply), it takes the step back
+(``rewind``) and feeds it again; a row that has finished is fed its greedy choice instead of padding, which no row
+reads. The ids, margins and caches are those of the plain loop (tested).
+
 At each row's boundary, after the construction's cache is in place and before the pending token is fed, ``edit``
 may change the row's cache in place (a transplant), and the row's boundary fingerprints are taken from the very
 tensors the continuation reads. The loop knows nothing of tokenizers beyond the matcher it is given, nothing of the
@@ -102,6 +109,50 @@ def greedy_choice(logits: torch.Tensor):
     return choice.cpu(), (top.values[:, 0] - top.values[:, 1]).cpu(), finite.cpu()
 
 
+class _Lookahead:
+    """The greedy choice read back asynchronously, and the next step's ids guessed on the device meanwhile.
+
+    ``read(logits)`` queues each row's choice, margin and finiteness (the values :func:`greedy_choice` gives) and
+    their copy to the host; ``guess(i)`` is iteration ``i``'s feed as the device knows it (a teacher-forced id
+    while the row is in its given stage, else the greedy choice); ``wait()`` blocks until the copy is done.
+    """
+
+    def __init__(self, rows: list, device: torch.device):
+        width = max([len(row.forced) for row in rows if row.forced is not None], default=1)
+        forced, lengths = [[0] * width for _ in rows], [0] * len(rows)
+        for r, row in enumerate(rows):
+            if row.forced is not None and not row.generated:  # teacher-forced from the loop's first iteration
+                forced[r][:len(row.forced)] = row.forced
+                lengths[r] = len(row.forced)
+        self.forced = torch.tensor(forced, dtype=torch.long, device=device)
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.width = width
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty((3, len(rows)), dtype=torch.float64, pin_memory=True)
+            self.event = torch.cuda.Event()
+
+    def read(self, logits: torch.Tensor) -> None:
+        top = torch.topk(logits, 2, dim=-1)
+        self.choice = torch.argmax(logits, dim=-1)
+        # ids and fp32 margins are exact in float64: one copy brings all three
+        packed = torch.stack([self.choice.double(), (top.values[:, 0] - top.values[:, 1]).double(),
+                              torch.isfinite(logits).all(dim=-1).double()])
+        if self.cuda:
+            self.host.copy_(packed, non_blocking=True)
+            self.event.record()
+        else:
+            self.host = packed
+
+    def guess(self, i: int) -> torch.Tensor:
+        return torch.where(self.lengths > i, self.forced[:, min(i, self.width - 1)], self.choice)
+
+    def wait(self):
+        if self.cuda:
+            self.event.synchronize()
+        return self.host[0].long(), self.host[1].float(), self.host[2].bool()
+
+
 @dataclass
 class _Row:
     forced: list[int] | None
@@ -162,10 +213,27 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         built = None if stages is None or build.schedule else decoder.build(prompts, cut, plan)
         batch, logits = decoder.open(prompts)
     steps = max_stage_tokens + max_new_tokens
-    for _ in range(steps + 1):
+    ahead = _Lookahead(rows, logits.device) if getattr(decoder, "lookahead", False) else None
+    # iterations whose boundaries change a row's cache before the next step: known for teacher-forced rows
+    changes_cache = built is not None or edit is not None
+    forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and not row.generated}
+    for i in range(steps + 1):
         if all(row.done for row in rows):
             break
-        choice, margin, finite = greedy_choice(logits)
+        launched = False
+        if ahead is None:
+            choice, margin, finite = greedy_choice(logits)
+        else:
+            ahead.read(logits)
+            # launch the next step now unless the host must change a cache first, or every row is certain to
+            # finish in this iteration (a step past the last one the plain loop takes could overrun the buffer)
+            if i < steps and not (changes_cache and i in forced_boundaries) and not all(
+                    row.done or (row.boundary_at is not None
+                                 and len(row.generated) - row.boundary_at >= max_new_tokens) for row in rows):
+                next_logits = decoder.step(batch, ahead.guess(i))
+                launched = True
+            choice, margin, finite = ahead.wait()
+        changed = False
         tokens: list[int | None] = [None] * n
         for r, row in enumerate(rows):
             if row.done:
@@ -189,6 +257,7 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                                 k.copy_(bk)
                                 v.copy_(bv)
                     results_at[r] = _at_boundary(decoder, batch, r, end, edit, keep)
+                    changed = changed or changes_cache
                     if not max_new_tokens:  # the boundary cache was all that was asked for
                         row.done = "max_new_tokens"
                 elif not teacher and (len(row.generated) >= max_stage_tokens or token in decoder.eos_ids):
@@ -202,6 +271,11 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                 tokens[r] = token
         if all(row.done for row in rows):
             break
+        if launched and not changed:  # the step launched ahead fed what the host would feed (finished rows aside)
+            logits = next_logits
+            continue
+        if launched:  # a cache changed under the step launched ahead: take it back and feed it again
+            decoder.rewind(batch)
         logits = decoder.step(batch, tokens)
     out = []
     for r, row in enumerate(rows):

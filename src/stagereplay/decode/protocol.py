@@ -29,6 +29,7 @@ class Decoder(Protocol):
     eos_ids: tuple[int, ...]
     n_layers: int
     numerics: str  # default | invariant: the regime of the model the decoder drives
+    lookahead: bool  # whether the greedy loop may launch a step from device-side ids and take it back (rewind)
 
     def record(self) -> dict:
         """The regime as results record it (``decode_regime``, buffer length, rows, attention, ...)."""
@@ -41,7 +42,11 @@ class Decoder(Protocol):
         """A new batch with each row's prompt fed in one forward; the last position's fp32 logits (rows, vocab)."""
 
     def step(self, batch: Any, tokens: list[int | None]) -> torch.Tensor:
-        """Feed one token per row (None: an idle row, whose result no longer matters); fp32 logits (rows, vocab)."""
+        """Feed one token per row (None: an idle row, whose result no longer matters); fp32 logits (rows, vocab).
+        With ``lookahead``, ``tokens`` may also be a (rows,) id tensor on the model's device."""
+
+    def rewind(self, batch: Any) -> None:
+        """Take back the last ``step`` (with ``lookahead`` only): the next step feeds the same positions again."""
 
     def build(self, prompts: list[list[int]], cached: list[list[int] | None],
               segments: list[list[int]] | None) -> Any:

@@ -13,29 +13,31 @@ from stagereplay.decode.static import StaticDecoder
 REGIMES = ("eager", "static", "cuda_graph")
 
 
-def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None) -> None:
+def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None,
+                         kernels: str = "library") -> None:
     """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
     workflow's parse-time check both call this)."""
-    if regime == "eager" and (attention != "masked" or prefill_group is not None):
+    if regime == "eager" and (attention != "masked" or prefill_group is not None or kernels != "library"):
         raise RegimeError(
-            f"decode_attention: {attention} and decode_prefill_group: {prefill_group} set the forward over the static "
-            "K/V buffer, which decode_regime: eager does not have: they need decode_regime static or cuda_graph; set "
-            "decode_regime: static or cuda_graph, or leave them at their defaults (masked, null)")
+            f"decode_attention: {attention}, decode_prefill_group: {prefill_group} and decode_kernels: {kernels} set "
+            "the forward over the static K/V buffer, which decode_regime: eager does not have: they need "
+            "decode_regime static or cuda_graph; set decode_regime: static or cuda_graph, or leave them at their "
+            "defaults (masked, null, library)")
 
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
-                 attention: str = "masked", prefill_group: int | None = None) -> Decoder:
+                 attention: str = "masked", prefill_group: int | None = None, kernels: str = "library") -> Decoder:
     """The eager decoder, or a static one for ``static``/``cuda_graph`` (a buffer of ``max_len`` positions for
     ``max_rows`` rows)."""
     if regime not in REGIMES:
         raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
-    check_static_options(regime, attention, prefill_group)
+    check_static_options(regime, attention, prefill_group, kernels)
     if regime == "eager":
         return EagerDecoder(model, tuple(eos_ids))
     if max_len is None:
         raise RegimeError(f"decode_regime {regime!r} needs max_len (prompt + stage + suffix budget)")
     return StaticDecoder(model, tuple(eos_ids), max_len=max_len, max_rows=max_rows, regime=regime,
-                         attention=attention, prefill_group=prefill_group)
+                         attention=attention, prefill_group=prefill_group, kernels=kernels)
 
 
 def decoder_from_record(model, eos_ids, record: dict) -> Decoder:
@@ -43,4 +45,5 @@ def decoder_from_record(model, eos_ids, record: dict) -> Decoder:
     return make_decoder(model, tuple(eos_ids), record.get("decode_regime") or "eager",
                         max_len=record.get("decode_max_len"), max_rows=int(record.get("decode_max_rows") or 1),
                         attention=record.get("decode_attention") or "masked",
-                        prefill_group=record.get("decode_prefill_group"))
+                        prefill_group=record.get("decode_prefill_group"),
+                        kernels=record.get("decode_kernels") or "library")

@@ -18,6 +18,11 @@ Rows therefore cannot start their continuations at different positions (``indepe
 row): :func:`stagereplay.decode.greedy.decode_rows` runs every construction in the live run's own schedule and
 swaps a built boundary cache in at each row's boundary.
 
+``decode_kernels`` (``library`` or ``fused``) says how the forward's small operations run: torch's own ops, or
+three one-launch Triton kernels per layer (:mod:`stagereplay.decode.fused_kernels`: residual add with RMSNorm,
+RoPE with the K/V write, the SiLU gate), which leave a decode step fewer kernels to launch. Another regime
+parameter: the two give different bits.
+
 Under ``numerics: invariant`` (a model switched by :func:`stagereplay.models.invariant.apply`) the forward computes
 through the regime's row-invariant kernels (Triton on CUDA) and the attention reads each row's own keys only, in
 blocks aligned at its first real key: a row's bits then depend neither on its padding nor on the other rows.
@@ -36,6 +41,7 @@ from stagereplay.decode.protocol import Layers, RegimeError
 from stagereplay.models.invariant import describe as describe_invariant
 
 ATTENTIONS = ("masked", "triton")  # the static forward's attention; another regime parameter
+KERNELS = ("library", "fused")  # how the forward's small operations run; another regime parameter
 TRITON_ATTENTION_BLOCK = 64
 
 @contextmanager
@@ -86,7 +92,7 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
                  regime: str = "static", pad_id: int = 0, attention: str = "masked",
-                 prefill_group: int | None = None):
+                 prefill_group: int | None = None, kernels: str = "library"):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
         self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
@@ -110,15 +116,33 @@ class StaticDecoder:
         # memory of a prefill's attention grows with rows x tokens x span. A regime parameter (in the default
         # numerics a row's bits may depend on the rows it is computed with); None: every row in one forward
         self.prefill_group = int(prefill_group) if prefill_group else None
-        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks 
-            if next(model.parameters()).device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RegimeError("decode_attention 'triton' runs Triton kernels on a CUDA device and the model is "
-                                  "on the CPU: use decode_attention masked there (TRITON_INTERPRET=1 runs the "
-                                  "kernels in Triton's slow interpreter, for tests)")
-            
+        if kernels not in KERNELS:
+            raise RegimeError(f"decode_kernels {kernels!r} is not one of {list(KERNELS)}")
+        self.decode_kernels = kernels
+        self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
+        if kernels == "fused" and self.kernels is not None:
+            raise RegimeError("decode_kernels: fused is an option of numerics: default; numerics: invariant computes "
+                              "every operation through its own row-invariant kernels: leave decode_kernels at "
+                              "library")
+        for option, value in (("decode_attention", attention), ("decode_kernels", kernels)):
+            if value not in ("triton", "fused"):
+                continue
+            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                default = ATTENTIONS[0] if option == "decode_attention" else KERNELS[0]
+                raise RegimeError(f"{option} {value!r} runs Triton kernels on a CUDA device and the model is on the "
+                                  f"CPU: use {option} {default} there (TRITON_INTERPRET=1 runs the kernels in "
+                                  "Triton's slow interpreter, for tests)")
+        if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks
             from stagereplay.models.invariant_triton import TritonKernels  # optional dependency: Triton
 
             self._triton = TritonKernels()
+        if kernels == "fused":
+            if "silu" not in type(model.model.layers[0].mlp.act_fn).__name__.lower():
+                raise RegimeError(f"decode_kernels: fused implements the SiLU-gated MLP only, not "
+                                  f"{type(model.model.layers[0].mlp.act_fn).__name__}: use decode_kernels library")
+            from stagereplay.decode.fused_kernels import FusedKernels  # optional dependency: Triton
+
+            self._fused_ops = FusedKernels()
         self.dtype = next(model.parameters()).dtype
         shape = (self.max_rows, self.n_kv, self.max_len, self.head_dim)  # (rows, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
@@ -129,10 +153,11 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, span) -> (graph, ids, index, logits)
         self.cache_kw = "static"
         self.fused = [fuse_layer(layer) for layer in model.model.layers]
-        self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
         self.numerics = "invariant" if self.kernels is not None else "default"
+        self.lookahead = regime == "cuda_graph"  # see step(): the greedy loop may launch a step before it syncs
         if self.kernels is not None:
             self.block_size = int(describe_invariant(model)["attention_block_size"])
+        if self.kernels is not None or kernels == "fused":
             with torch.no_grad():  # the regime's rotary table, gathered by position in the forward (no host sync)
                 probe = torch.empty(0, dtype=self.dtype, device=self.device)
                 cos, sin = model.model.rotary_emb(probe, self.positions[None])
@@ -141,7 +166,7 @@ class StaticDecoder:
     def record(self) -> dict:
         return {"decode_regime": self.regime, "decode_max_len": self.max_len, "decode_max_rows": self.max_rows,
                 "decode_attention": self.attention,
-                "decode_prefill_group": self.prefill_group}
+                "decode_prefill_group": self.prefill_group, "decode_kernels": self.decode_kernels}
 
     def span(self, end: int) -> int:
         """How many buffer positions a forward ending at ``end`` (exclusive) attends over: the whole buffer, so that
@@ -184,6 +209,8 @@ class StaticDecoder:
         """
         if self.kernels is not None:
             return self._forward_invariant(ids, index, rows, row0)
+        if self.decode_kernels == "fused":
+            return self._forward_fused(ids, index, rows, span, row0)
         inner = self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
@@ -196,13 +223,7 @@ class StaticDecoder:
         half = D // 2
         cos = cos[:, None]
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]  # (rows, 1, T, D)
-        if self.attention == "masked":
-            keys = self.positions[None, None, :span]  # (1, 1, span)
-            allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
-            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed,
-                                                                                                 float("-inf"))
-            # (rows*KV, group*T, span): the query heads sharing a K/V head side by side, T innermost
-            bias = bias[:, None, None].expand(rows, KV, group, T, span).reshape(rows * KV, group * T, span)
+        bias = self._mask(pads, index, span) if self.attention == "masked" else None
         hidden = h.shape[-1]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
@@ -222,12 +243,8 @@ class StaticDecoder:
                 out = self._triton.attention_rows(q.transpose(1, 2), kb, vb, pads, index, attn.scaling,
                                                   TRITON_ATTENTION_BLOCK).reshape(rows, T, H * D)
             else:
-                qg = q.reshape(rows * KV, group * T, D)
-                kspan = kb.view(rows * KV, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
-                scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=attn.scaling)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-                out = torch.bmm(probs, vb.view(rows * KV, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
-                out = out.view(rows, H, T, D).transpose(1, 2).reshape(rows, T, H * D)
+                out = self._masked_attention(q.reshape(rows * KV, group * T, D), kb, vb, bias, span,
+                                             attn.scaling).reshape(rows, T, H * D)
             h = h + attn.o_proj(out)
             norm = layer.post_attention_layernorm
             x = torch.nn.functional.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
@@ -236,6 +253,68 @@ class StaticDecoder:
         norm = inner.norm
         h = torch.nn.functional.rms_norm(h[:, -1:], (hidden,), norm.weight, norm.variance_epsilon)
         return self.model.lm_head(h)[:, 0].float()  # (rows, vocab)
+
+    def _mask(self, pads: torch.Tensor, index: torch.Tensor, span: int) -> torch.Tensor:
+        """The masked attention's additive mask, (rows*KV, group*T, span): keys at or after the row's padding and
+        at or before the query's position (a padding query sees itself only); the query heads sharing a K/V head
+        side by side, T innermost."""
+        rows, T = pads.shape[0], index.shape[0]
+        group = self.n_heads // self.n_kv
+        keys = self.positions[None, None, :span]  # (1, 1, span)
+        allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        return bias[:, None, None].expand(rows, self.n_kv, group, T, span).reshape(rows * self.n_kv, group * T, span)
+
+    def _masked_attention(self, qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor,
+                          span: int, scaling: float) -> torch.Tensor:
+        """Queries ``qg`` (rows*KV, group*T, D) over the first ``span`` buffer positions of ``kb``/``vb`` under
+        ``bias``: one batched GEMM with the scale and mask folded in, an fp32 softmax, one batched GEMM.
+        Returns (rows, T, H, D)."""
+        rows, D = kb.shape[0], self.head_dim
+        T = qg.shape[1] // (self.n_heads // self.n_kv)
+        kspan = kb.view(rows * self.n_kv, self.max_len, D)[:, :span]  # (rows*KV, span, D), strided
+        scores = torch.baddbmm(bias, qg, kspan.transpose(1, 2), alpha=scaling)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        out = torch.bmm(probs, vb.view(rows * self.n_kv, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
+        return out.view(rows, self.n_heads, T, D).transpose(1, 2)
+
+    def _forward_fused(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int,
+                       row0: int = 0) -> torch.Tensor:
+        """``_forward`` under ``decode_kernels: fused``: the same GEMMs and attention, the small operations through
+        :class:`~stagereplay.decode.fused_kernels.FusedKernels` (token rows flattened to (rows * T, features))."""
+        ops, inner = self._fused_ops, self.model.model
+        T = ids.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        pads = self.pads[row0:row0 + rows]
+        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        cos = self.cos_table[position_ids].reshape(rows * T, D)
+        sin = self.sin_table[position_ids].reshape(rows * T, D)
+        masked = self.attention == "masked"
+        bias = self._mask(pads, index, span) if masked else None
+        layers = inner.layers
+        norm = layers[0].input_layernorm
+        h, x = ops.add_rms_norm(inner.embed_tokens(ids).reshape(rows * T, -1), None, norm.weight,
+                                norm.variance_epsilon)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            qkv_w, qkv_b, gate_up_w = self.fused[i]
+            kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
+            q = ops.rope_write(torch.nn.functional.linear(x, qkv_w, qkv_b), cos, sin, kb, vb, index, rows, H, KV,
+                               heads_first=masked)
+            if masked:
+                out = self._masked_attention(q.view(rows * KV, (H // KV) * T, D), kb, vb, bias, span, attn.scaling)
+            else:
+                out = self._triton.attention_rows(q, kb, vb, pads, index, attn.scaling, TRITON_ATTENTION_BLOCK)
+            norm = layer.post_attention_layernorm
+            h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(rows * T, H * D)), norm.weight, norm.variance_epsilon)
+            delta = layer.mlp.down_proj(ops.silu_mul(torch.nn.functional.linear(x, gate_up_w)))
+            if i + 1 < len(layers):
+                norm = layers[i + 1].input_layernorm
+                h, x = ops.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        norm = inner.norm  # the last position of each row only
+        _, x = ops.add_rms_norm(h.view(rows, T, -1)[:, -1], delta.view(rows, T, -1)[:, -1], norm.weight,
+                                norm.variance_epsilon)
+        return self.model.lm_head(x).float()  # (rows, vocab)
 
     def _forward_invariant(self, ids: torch.Tensor, index: torch.Tensor, rows: int, row0: int = 0) -> torch.Tensor:
         """``_forward`` under ``numerics: invariant``: the same layer, every operation through the regime's
@@ -335,9 +414,18 @@ class StaticDecoder:
         ids = [[self.pad_id] * int(pad) + list(p) for pad, p in zip(batch.pads, prompts)]
         return batch, self.forward_rows(torch.tensor(ids, dtype=torch.long), batch)
 
-    def step(self, batch: StaticKV, tokens: list[int | None]) -> torch.Tensor:
+    def step(self, batch: StaticKV, tokens: list[int | None] | torch.Tensor) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):  # ids already on the device (the greedy loop's lookahead): no sync
+            return self.forward_rows(tokens.view(-1, 1), batch)
         feed = [[self.pad_id if t is None else int(t)] for t in tokens]  # idle rows write padding they never read
         return self.forward_rows(torch.tensor(feed, dtype=torch.long), batch)
+
+    def rewind(self, batch: StaticKV) -> None:
+        """Take back the last one-token step: the next step writes the same position again, and no forward reads
+        a position at or after its own."""
+        if batch.length < 1:
+            raise ValueError("a batch with no position written has no step to take back")
+        batch.length -= 1
 
     @torch.inference_mode()
     def build(self, prompts: list[list[int]], cached: list[list[int] | None],

@@ -57,7 +57,7 @@ def recorded_batch_plan(path: str | Path) -> dict | None:
 
 
 REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_attention",
-               "decode_prefill_group")
+               "decode_prefill_group", "decode_kernels")
 
 
 def recorded_regime(path) -> dict:

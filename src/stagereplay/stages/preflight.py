@@ -51,10 +51,10 @@ def check_batching(batch_size: int, decode_regime: str) -> None:
 
 
 def check_decode_settings(batch_size: int, decode_regime: str, decode_attention: str = "masked",
-                          decode_prefill_group: int | None = None) -> None:
+                          decode_prefill_group: int | None = None, decode_kernels: str = "library") -> None:
     """Refuse decode settings that the decode regime cannot run (the workflow checks them at parse time too)."""
     check_batching(batch_size, decode_regime)
-    check_static_options(decode_regime, decode_attention, decode_prefill_group)
+    check_static_options(decode_regime, decode_attention, decode_prefill_group, decode_kernels)
 
 
 def check_transplant_select(select, item_ids: list[str]) -> None:
@@ -107,7 +107,8 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
     (:func:`stagereplay.models.snapshot.checked_stand_in`), a little faster than reading the GGUF's metadata.
     """
     check_decode_settings(config.get("batch_size", 1), config.get("decode_regime", "eager"),
-                          config.get("decode_attention", "masked"), config.get("decode_prefill_group"))
+                          config.get("decode_attention", "masked"), config.get("decode_prefill_group"),
+                          config.get("decode_kernels", "library"))
     check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
     if jobs_run_here:
         resolve_device(config.get("device", "auto"))

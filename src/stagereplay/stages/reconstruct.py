@@ -40,7 +40,7 @@ SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]
 
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, bridge_path: str,
                          s: ReconstructSettings) -> None:
-    check_decode_settings(s.batch_size, s.decode_regime, s.decode_attention, s.decode_prefill_group)
+    check_decode_settings(s.batch_size, s.decode_regime, s.decode_attention, s.decode_prefill_group, s.decode_kernels)
     selection = read_parquet(items_path)
     # The plan covers the whole selection and shards take whole batches: an item's batch (and its bits) does not
     # depend on the shard count.
@@ -54,7 +54,8 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
         longest = max((len(prompter(q)) for q in selection["question"]), default=0)
         return make_decoder(loaded.model, tuple(eos_token_ids(loaded)), s.decode_regime,
                             max_len=longest + s.max_stage_tokens + s.max_new_tokens, max_rows=s.batch_size,
-                            attention=s.decode_attention, prefill_group=s.decode_prefill_group)
+                            attention=s.decode_attention, prefill_group=s.decode_prefill_group,
+                            kernels=s.decode_kernels)
 
     job = load(s, s.precision, numerics=s.numerics, make_decoder=decoder_for)
     tokenizer = job.loaded.tokenizer

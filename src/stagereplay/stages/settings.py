@@ -58,6 +58,7 @@ class GenerationSettings(ModelSettings):
     decode_regime: str = "eager"
     decode_attention: str = "masked"
     decode_prefill_group: int | None = None
+    decode_kernels: str = "library"
     batch_size: int = 1
     batch_seed: int | None = None
     numerics: str = "default"
