@@ -99,8 +99,9 @@ def main() -> None:
         row = {"engine_tok_s": engine, "device_loop_tok_s": device, "engine_share": engine / floor,
                "device_loop_share": device / floor, "first_ids": ids[:16], "record": decoder.record(),
                "lookahead": decoder.lookahead}
-        reference_ids.setdefault(decoder.decode_kernels, ids)  # the lookahead must not change a token
-        row["same_ids_as_first_with_these_kernels"] = ids == reference_ids[decoder.decode_kernels]
+        forward = (parts[0], decoder.decode_kernels)  # the lookahead must not change a token
+        reference_ids.setdefault(forward, ids)
+        row["same_ids_as_first_with_this_forward"] = ids == reference_ids[forward]
         if args.profile:
             row["profile"] = step_profile(decoder, prompt)
         first = first or engine
@@ -108,7 +109,7 @@ def main() -> None:
         out["attentions"][attention] = row
         print(f"  {attention}: engine {engine:.1f} tok/s ({engine / floor:.1%} of floor), device loop {device:.1f} "
               f"({device / floor:.1%}); engine x{engine / first:.3f} against {args.attentions.split(',')[0]}, "
-              f"same greedy ids as the first run with these kernels {row['same_ids_as_first_with_these_kernels']}",
+              f"same greedy ids as the first run of this forward {row['same_ids_as_first_with_this_forward']}",
               flush=True)
         if args.profile:
             p = row["profile"]

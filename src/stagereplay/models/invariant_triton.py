@@ -15,7 +15,8 @@ Every kernel here computes a row (a token) in a way fixed by that row alone:
   last block and the same order in both. In a left-padded batch a row's blocks start at its first real key,
   so its padding changes nothing either. Blocks wholly after ``p`` (reached only because another row of the tile is further on) are
   masked out entirely, which leaves the running max, sum and accumulator exactly as they were.
-  That packed tile is the bf16/fp16 kernel (tensor cores). In fp32 a decode step would fill 16-row FMA tiles
+  That packed tile is the bf16/fp16 kernel (tensor cores); a head_dim below 16 (the smallest reduction a
+  ``tl.dot`` takes) or not a power of two is padded with zeros in the tile, which add exact zero products. In fp32 a decode step would fill 16-row FMA tiles
   with a group's few heads, so fp32 runs one program per (row, query head, token, chunk of keys): the same
   blocks aligned at the row's first real key, an online softmax over each chunk's blocks, and the chunks
   (``attention_chunk_blocks`` blocks each, counted from that first key) combined in ascending order. A decode
@@ -128,7 +129,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D: tl.constexpr, HAL
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, heads, kv_heads, groups, stride_kr,
                       stride_kh, stride_kl, scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr, D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     pid = tl.program_id(1)
@@ -140,14 +141,15 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
     head = kv_head * groups + r % groups
     valid = token < T
     position = first + token  # the query's buffer position: it attends keys pad..position
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)  # head_dim padded to a power of two of at least 16 (a tl.dot's smallest K); pads are 0
+    dm = d < D
     q_rows = (row * T + token) * heads + head
-    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
     last = first + tl.minimum((pid * BLOCK_M + BLOCK_M - 1) // groups, T - 1)  # furthest query of this tile
     keys = tl.arange(0, BLOCK_N)
     k_base = k_ptr + row * stride_kr + kv_head * stride_kh
@@ -155,7 +157,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
     for start in range(pad, last + 1, BLOCK_N):
         kpos = start + keys
         in_cache = kpos <= last
-        k = tl.load(k_base + kpos[None, :] * stride_kl + d[:, None], mask=in_cache[None, :], other=0.0)  # (D, N)
+        k = tl.load(k_base + kpos[None, :] * stride_kl + d[:, None], mask=in_cache[None, :] & dm[:, None], other=0.0)  # (DP, N)
         if INTERPRET:
             k = k.to(tl.float32)
         if IEEE or INTERPRET:
@@ -170,7 +172,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
         p = tl.exp(scores - safe_max[:, None])
         rescale = tl.exp(running_max - safe_max)
         running_sum = running_sum * rescale + tl.sum(p, axis=1)
-        v = tl.load(v_base + kpos[:, None] * stride_kl + d[None, :], mask=in_cache[:, None], other=0.0)  # (N, D)
+        v = tl.load(v_base + kpos[:, None] * stride_kl + d[None, :], mask=in_cache[:, None] & dm[None, :],
+                    other=0.0)  # (N, DP)
         if INTERPRET:
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
                                                   input_precision="ieee")
@@ -180,7 +183,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
     out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(out_ptr + q_rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -351,6 +355,7 @@ class TritonKernels:
         grid = (rows * kv, triton.cdiv(T * groups, config["attention_rows"]))
         _attention_kernel[grid](q, keys, values, out, index, pads, T, heads, kv, groups, keys.stride(0),
                                 keys.stride(1), keys.stride(2), float(scaling), IEEE=q.dtype == torch.float32,
-                                INTERPRET=_INTERPRET, D=d, BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
+                                INTERPRET=_INTERPRET, D=d, DP=max(16, triton.next_power_of_2(d)),
+                                BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
                                 num_warps=config["attention_warps"])
         return out
