@@ -555,3 +555,41 @@ def test_a_transplant_inside_a_batch_swaps_one_row_and_leaves_the_others(models)
     assert back[2].fingerprints == built["prefill"][2].fingerprints
     with pytest.raises(ValueError, match="do not match"):  # row 2's cache does not fit row 0
         run(decoder, "prefill", PROMPTS, s, stages=stages, edit=transplant_edit(0, every, donor, len(PROMPTS[0])))
+
+
+class Feeding:
+    """A decoder as the loop sees it that computes every step (its ``advance`` declines), counting the steps."""
+
+    def __init__(self, decoder, skips=False):
+        self.inner, self.skips, self.steps = decoder, skips, 0
+        self.eos_ids, self.n_layers = decoder.eos_ids, decoder.n_layers
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def advance(self, batch, steps):
+        return self.skips and self.inner.advance(batch, steps)
+
+    def step(self, batch, tokens):
+        self.steps += 1
+        return self.inner.step(batch, tokens)
+
+
+@pytest.mark.parametrize("name", ["prefill", "chunked", "prefix_cached", "incremental"])
+def test_a_construction_skips_the_steps_before_its_first_boundary(models, name):
+    """In the lockstep schedule a built construction's rows are teacher-forced up to the batch's first boundary
+    and every row's cache is replaced at its own: those steps are skipped, and every row comes out as when they
+    are computed, byte for byte. The live schedule's own construction (incremental) computes them."""
+    decoder = StaticDecoder(models["bf16"], (), max_len=48, max_rows=4)
+    stages = [[3, 4, 5], None, [6, 7, 8, 9, 10]]
+    keep = {0, 2}
+    fed, skipped = Feeding(decoder), Feeding(decoder, skips=True)
+    computed = decode_rows(fed, PROMPTS, stages=stages, build=build(name, 2), max_new_tokens=5, keep=keep)
+    rows = decode_rows(skipped, PROMPTS, stages=stages, build=build(name, 2), max_new_tokens=5, keep=keep)
+    for a, b in zip(computed, rows):
+        assert same(a, b)
+        assert (a.layers is None) == (b.layers is None)
+        assert a.layers is None or fingerprint_layers(a.layers) == fingerprint_layers(b.layers)
+    # the boundaries come at iterations 2 and 4; the last row's fifth suffix id ends the loop at iteration 9
+    assert fed.steps == 9
+    assert skipped.steps == (9 if name == "incremental" else 7)

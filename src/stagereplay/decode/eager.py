@@ -34,6 +34,9 @@ class EagerDecoder:
     def record(self) -> dict:
         return {"decode_regime": "eager", "decode_max_len": None, "decode_max_rows": 1}
 
+    def advance(self, batch: EagerBatch, steps: int) -> bool:
+        return False  # each row's cache grows by its own forwards: the steps are fed
+
     def rewind(self, batch: EagerBatch) -> None:
         raise NotImplementedError("the eager regime does not take steps back (its lookahead is off)")
 

@@ -9,6 +9,8 @@ schedules chosen by the decoder (:meth:`~stagereplay.decode.protocol.Decoder.ind
   per step, each row fed its stage ids (or its greedy choices for ``live``); at a row's boundary the construction's
   built cache for that row is written over the row's positions and the row continues. Every construction of a batch
   is thus decoded in one layout: the same rows, padding, positions and steps; only the boundary cache differs.
+  A built construction skips the steps before the batch's first boundary (``advance``): every row is
+  teacher-forced there, reads nothing, and has its cache over those positions replaced at its boundary.
 
 A decoder with ``lookahead`` (the ``cuda_graph`` regime) lets the loop hide its host work behind the device's: the
 next step is launched from the device's own greedy choice (or the teacher-forced id) before the host has read the
@@ -121,7 +123,7 @@ class _Lookahead:
         width = max([len(row.forced) for row in rows if row.forced is not None], default=1)
         forced, lengths = [[0] * width for _ in rows], [0] * len(rows)
         for r, row in enumerate(rows):
-            if row.forced is not None and not row.generated:  # teacher-forced from the loop's first iteration
+            if row.forced is not None and row.boundary_at is None:  # teacher-forced (in the lockstep schedule)
                 forced[r][:len(row.forced)] = row.forced
                 lengths[r] = len(row.forced)
         self.forced = torch.tensor(forced, dtype=torch.long, device=device)
@@ -195,6 +197,7 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         if all(x is None or len(x) == 1 for x in plan):
             plan = None  # one forward per row: the decoder runs them as one batch forward
     results_at: dict[int, tuple] = {}
+    first = 0  # the first iteration the loop runs
     if stages is not None and decoder.independent_rows(n):
         # rows start at their boundaries, from the construction's cache
         batch, built = decoder.build(prompts, cut, plan), None
@@ -212,12 +215,20 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         # the live schedule; a construction other than its own is built beforehand in the same layout
         built = None if stages is None or build.schedule else decoder.build(prompts, cut, plan)
         batch, logits = decoder.open(prompts)
+        lengths = [len(row.forced) for row in rows if row.forced is not None]
+        if built is not None and lengths and min(lengths) > 1 and decoder.advance(batch, min(lengths) - 1):
+            # before the batch's first boundary every row is teacher-forced and reads nothing, and each row's cache
+            # over these positions is replaced at its boundary: the steps are skipped, not computed
+            first = min(lengths) - 1
+            for row in rows:
+                if row.forced is not None:
+                    row.generated, row.margins = list(row.forced[:first]), [0.0] * first
     steps = max_stage_tokens + max_new_tokens
     ahead = _Lookahead(rows, logits.device) if getattr(decoder, "lookahead", False) else None
     # iterations whose boundaries change a row's cache before the next step: known for teacher-forced rows
     changes_cache = built is not None or edit is not None
-    forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and not row.generated}
-    for i in range(steps + 1):
+    forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and row.boundary_at is None}
+    for i in range(first, steps + 1):  # i: the iteration, and every teacher-forced row's ids so far
         if all(row.done for row in rows):
             break
         launched = False

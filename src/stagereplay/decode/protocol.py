@@ -45,6 +45,11 @@ class Decoder(Protocol):
         """Feed one token per row (None: an idle row, whose result no longer matters); fp32 logits (rows, vocab).
         With ``lookahead``, ``tokens`` may also be a (rows,) id tensor on the model's device."""
 
+    def advance(self, batch: Any, steps: int) -> bool:
+        """Move ``batch`` on by ``steps`` one-token steps whose results nothing reads (every row's cache over their
+        positions is replaced before it is read), without computing them where the decoder can: True if it did,
+        False if the caller must feed them."""
+
     def rewind(self, batch: Any) -> None:
         """Take back the last ``step`` (with ``lookahead`` only): the next step feeds the same positions again."""
 

@@ -420,6 +420,16 @@ class StaticDecoder:
         feed = [[self.pad_id if t is None else int(t)] for t in tokens]  # idle rows write padding they never read
         return self.forward_rows(torch.tensor(feed, dtype=torch.long), batch)
 
+    def advance(self, batch: StaticKV, steps: int) -> bool:
+        """Skip ``steps`` one-token steps: their positions stay as they are until each row's cache is written over
+        them (a step's bits depend on the positions it reads, the row's ids and the batch's shape, not on when
+        the positions were written)."""
+        if batch.length + steps > self.max_len:
+            raise ValueError(f"the static cache holds {self.max_len} positions; {batch.length} used + {steps} "
+                             "skipped do not fit: raise decode_max_len")
+        batch.length += steps
+        return True
+
     def rewind(self, batch: StaticKV) -> None:
         """Take back the last one-token step: the next step writes the same position again, and no forward reads
         a position at or after its own."""
