@@ -31,7 +31,7 @@ from stagereplay.io.ids import first_divergence
 from stagereplay.decode.plans import batch_plan
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.decode.fused import fuse_layer
-from stagereplay.decode.static import ATTENTIONS, StaticDecoder
+from stagereplay.decode.static import ATTENTIONS, KERNELS, StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
@@ -219,11 +219,12 @@ def decode_rates(model, shape, precision, args, bandwidth) -> dict:
     max_len = args.prompt_len + n + 8
     cuda = torch.cuda.is_available()  # CPU: the static regime stands in (no graphs), so every code path still runs
     graph = StaticDecoder(model, (), max_len=max_len, max_rows=max(args.batches),
-                          regime="cuda_graph" if cuda else "static", attention=args.decode_attention)
+                          regime="cuda_graph" if cuda else "static", attention=args.decode_attention,
+                          kernels=args.decode_kernels)
     row["graph_engine_tok_s"], graph_ids = rate_engine(graph, prompt, n)
     row["graph_device_loop_tok_s"] = rate_device_loop(graph, [prompt], n)
     if cuda:
-        static = StaticDecoder(model, (), max_len=max_len, regime="static")
+        static = StaticDecoder(model, (), max_len=max_len, regime="static", kernels=args.decode_kernels)
         _, static_ids = rate_engine(static, prompt, min(n, 16))
         row["static_equals_graph_first16"] = static_ids == graph_ids[: len(static_ids)]
         del static
@@ -305,8 +306,9 @@ def projection_measure(model, shape, precision, args) -> dict:
     # the triton attention reads each row's keys up to its position: its "bucket" is one position
     bucket = 1 if triton_attention else args.proj_bucket
     dec = BucketedDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime,
-                          bucket=None if triton_attention else bucket, attention=args.decode_attention)
-    out["decode_attention"] = args.decode_attention
+                          bucket=None if triton_attention else bucket, attention=args.decode_attention,
+                          kernels=args.decode_kernels)
+    out["decode_attention"], out["decode_kernels"] = args.decode_attention, args.decode_kernels
     vocab = model.config.vocab_size
     prompts = prompts_for(rows, 16, vocab, 7)
     cache, _ = dec.open(prompts)
@@ -338,7 +340,7 @@ def projection_measure(model, shape, precision, args) -> dict:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     # one-shot prefill of boundary prefixes (P + S - 1 tokens), a few rows at once
     prows = min(args.proj_prefill_rows, rows)
-    pdec = StaticDecoder(model, (), max_len=P + S + 8, max_rows=prows, regime="static")
+    pdec = StaticDecoder(model, (), max_len=P + S + 8, max_rows=prows, regime="static", kernels=args.decode_kernels)
     pp = prompts_for(prows, P + S - 1, vocab, 8)
     dt, _ = timed(lambda: pdec.open(pp))  # the rows, left-padded, in one forward
     dt, (pcache, _) = timed(lambda: pdec.open(pp))
@@ -735,6 +737,8 @@ def main(argv=None):
     ap.add_argument("--proj-bucket", type=int, default=256, help="attention span bucket of the projection's decoder")
     ap.add_argument("--decode-attention", default="masked", choices=list(ATTENTIONS),
                     help="the static decoder's attention (triton: each row's keys up to its position; needs Triton)")
+    ap.add_argument("--decode-kernels", default="library", choices=list(KERNELS),
+                    help="the static forward's small operations (fused: one Triton kernel each; needs Triton)")
     ap.add_argument("--only-projection", action="store_true", help="skip the decode-rate and bridge sections")
     ap.add_argument("--fp32-attention-config", type=json.loads, default=None,
                     help="JSON object of fp32 attention settings for the Triton kernels (see bench/fp32_attention.py)")

@@ -28,7 +28,10 @@ code (src/stagereplay/stages, src/stagereplay/experiments, workflow/rules) as
 - cache-dump GB, at the measure's ``dump_GB_s``;
 - and, where ``--overhead-json`` gives their rates (``--measure-overhead`` measures them), the greedy loop's host
   work per decode step (the greedy choice and its device sync), the boundary matcher's text decode per live row
-  and stage step, and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions).
+  and stage step, and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions). In the
+  ``cuda_graph`` regime the loop's lookahead runs the host's checks of a step while the device runs the next, so
+  of the greedy and matcher work only what exceeds the device's decode time is counted (for a run that records
+  ``greedy_loop``, the loop it ran; a run not made, the loop of ``bench/pipeline_run.py``'s ``GREEDY_LOOP``).
 
 Notation: n items, B = min(batch_size, n) rows a batch, ceil(n / B) batches (a partial last batch decodes a full
 batch's steps at its own, fewer rows), P, S, N the ledger's mean prompt, stage and suffix lengths; in lockstep W,
@@ -41,6 +44,10 @@ One *cell* is one construction decoded over one batch (``decode_rows``):
   tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a suffix). ``prefill`` first builds its caches in
   one forward of B * (W + S_b - 1) tokens; ``chunked`` and ``prefix_cached`` build theirs by per-row forwards of
   their segments (priced as one batch-1 step each plus their tokens at the prefill rate: not measured as such).
+  A built construction (``prefill``, ``chunked``, ``prefix_cached``) skips the steps before the batch's first
+  boundary, K = s_b - 1 of them (s_b: the mean over batches of a batch's shortest stage; the ledger's
+  ``batch_stage_shortest``, 1 for a run that did not record it, made before the skip): S_b + N_b - 1 - K steps
+  from cache length W + K.
 - batch 1 (one row, which starts at its boundary): ``live`` and ``incremental`` P tokens then S + N - 1 steps at 1
   row (S - 1 without a suffix); ``prefill`` P + S - 1 tokens then N steps (none without a suffix).
 
@@ -187,6 +194,8 @@ class RunShape:
     span: float  # the decode buffer L: positions a masked-attention step attends over
     divergent: dict
     recorded: dict
+    skip: float = 0.0  # steps a built construction skips in lockstep: a batch's shortest stage less one (mean)
+    lookahead: bool = False  # the greedy loop overlapped the host's work with the device's (see ``price``)
     sources: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
 
@@ -276,7 +285,14 @@ def run_shape(run: dict) -> RunShape:
         shape.W = shape.count("batch_width", lambda _: ledger.get("batch_width"), lambda: P)
         shape.S_b = shape.count("batch_stage", lambda _: ledger.get("batch_stage"), lambda: S)
         shape.N_b = shape.count("batch_suffix", lambda _: ledger.get("batch_suffix"), lambda: N)
+        # a run that did not record its batches' shortest stages was made before built constructions skipped
+        shape.skip = shape.count("batch_stage_shortest", lambda _: ledger.get("batch_stage_shortest"), lambda: 1.0) - 1
     shape.batches = shape.count("batches", lambda r: r["batches"], lambda: math.ceil(n / rows))
+    loop = run.get("greedy_loop")
+    if loop is None:
+        shape.warnings.append("the run was made before the greedy loop's lookahead and built constructions' skip "
+                              "(it records no greedy_loop): counted without them")
+    shape.lookahead = bool(loop) and loop.get("lookahead") == config["decode_regime"]
     buffer = shape.count("decode_max_len", lambda r: r["decode"]["decode_max_len"],
                          lambda: shape.W + config["max_stage_tokens"] + config["max_new_tokens"])
     regime = config["decode_regime"]
@@ -356,7 +372,8 @@ def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = 
         raise ValueError(f"unknown construction {construction!r}")
     if shape.lockstep and not alone:
         rows, W, S, N = rows or shape.rows, shape.W, shape.S_b, shape.N_b
-        work = decoded(rows, W, S - 1 + (N if suffix else 0), prefill_tokens=rows * W)  # the live schedule
+        skip = 0.0 if construction in ("live", "incremental") else shape.skip  # before the first boundary
+        work = decoded(rows, W + skip, S - 1 + (N if suffix else 0) - skip, prefill_tokens=rows * W)  # the live schedule
         built = rows * (W + S - 1)
     else:
         rows, W, S, N = 1, shape.P, shape.S, shape.N
@@ -695,6 +712,10 @@ def price(work: Work, precision: str, shape: RunShape, rates: Rates) -> dict:
             decode += count * step_seconds(m, shape.span)
     host = sum(count * rates.overhead.greedy(rows) for rows, count in steps.items())
     host += work.matcher_row_steps * rates.overhead.matcher_s_per_row_step
+    if shape.lookahead:
+        # the greedy loop's lookahead: the host checks a step while the device runs the next one, so only host work
+        # beyond the device's is left (counted in aggregate, a lower bound of the step-by-step excess)
+        host = max(0.0, host - decode)
     measure = rates.nearest(precision, shape.rows)  # its prefill and dump rates
     fingerprint_GB = work.boundary_rows * shape.boundary_positions * rates.kv_GB_per_position(precision)
     fingerprint = fingerprint_GB / rates.overhead.fingerprint_GB_s if rates.overhead.fingerprint_GB_s else 0.0
@@ -878,14 +899,19 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
     return config
 
 
-def config_run(config: dict, prompt: float, stage: float, suffix: float, divergent: dict, layers: int) -> dict:
+def config_run(config: dict, prompt: float, stage: float, suffix: float, divergent: dict, layers: int,
+               shortest_stage: float | None = None) -> dict:
     """What ``run_shape`` reads of a run, for one not made: the config, the ledger's lengths (a batch's longest prompt,
-    stage and suffix taken equal to the means), the divergent shares and the model's layer count; no counts recorded,
-    so every other count is derived from the config (the decode buffer as ``reconstruct_prefixes`` sets it: the
-    longest prompt + max_stage_tokens + max_new_tokens)."""
+    stage and suffix taken equal to the means; its shortest stage ``shortest_stage``, else the mean too), the
+    divergent shares and the model's layer count; no counts recorded, so every other count is derived from the
+    config (the decode buffer as ``reconstruct_prefixes`` sets it: the longest prompt + max_stage_tokens +
+    max_new_tokens)."""
     ledger = {"mean_prompt": prompt, "mean_stage": stage, "mean_suffix": suffix, "batch_width": prompt,
-              "batch_stage": stage, "batch_suffix": suffix, "divergent_share": dict(divergent)}
-    return {"config": config, "ledger": ledger, "counts": {"num_layers": layers}}
+              "batch_stage": stage, "batch_stage_shortest": stage if shortest_stage is None else shortest_stage,
+              "batch_suffix": suffix, "divergent_share": dict(divergent)}
+    from pipeline_run import GREEDY_LOOP  # bench/pipeline_run.py: what the package's loop does now
+
+    return {"config": config, "ledger": ledger, "counts": {"num_layers": layers}, "greedy_loop": GREEDY_LOOP}
 
 
 def arm_counts(jobs: list[JobWork], shape: RunShape, rates: Rates) -> dict:
@@ -919,7 +945,8 @@ def project_config(run: dict, measures: list[dict], overhead: Overhead, measures
                               f"{shape.config['max_new_tokens']})")
     rates = rates_for(shape, measures, overhead, measures_batch1)
     rules, jobs = projected_rules(shape, rates)
-    shape.sources.update({name: "given" for name in ("num_layers", "batch_width", "batch_stage", "batch_suffix")})
+    shape.sources.update({name: "given" for name in ("num_layers", "batch_width", "batch_stage",
+                                                     "batch_stage_shortest", "batch_suffix")})
     model_s = sum(r["projected_s"] for r in rules.values())
     report = {"rules": rules, "model_jobs": {"jobs": len(jobs), "projected_s": model_s},
               "wall": {"model_jobs_s": model_s, "non_model_s": non_model_s, "predicted_s": model_s + non_model_s,
@@ -1207,7 +1234,7 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
     if args.fingerprint_GB_s:
         overhead.fingerprint_GB_s = args.fingerprint_GB_s
     config = load_config(args.config, args.set)
-    run = config_run(config, *lengths, parse_shares(args.divergent), args.layers)
+    run = config_run(config, *lengths, parse_shares(args.divergent), args.layers, args.stage_shortest)
     measures = load_measures(args.measures)
     saved = json.loads(Path(args.measures).read_text())
     copy_TB_s = saved.get("meta", {}).get("copy_TB_s") if isinstance(saved, dict) else None
@@ -1251,6 +1278,9 @@ def main(argv=None) -> int:
                       "give the prompt and stage tokens")
     made.add_argument("--divergent", default="", help="share of items whose matched suffixes differ, by precision: "
                       "bf16=0.83,fp32=0")
+    made.add_argument("--stage-shortest", type=float, default=None,
+                      help="a batch's shortest stage (a built construction skips the steps before its boundary); "
+                           "default: --stage, as if every stage had the mean length")
     made.add_argument("--layers", type=int, help="the model's layer count (the transplant sweeps' specs)")
     made.add_argument("--non-model-s", type=float, default=0.0,
                       help="a stated constant for the jobs that load no model (default 0: not counted)")

@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the package is not installed
 
 
+GREEDY_LOOP = {"lookahead": "cuda_graph", "built_constructions_skip_before_first_boundary": True}
+
 def write_config(work: Path, args) -> Path:
     config = {
         "run": "bench", "n_items": args.items, "seed": 0,
@@ -152,9 +154,10 @@ def log_job_times(path: Path) -> list[dict]:
 
 
 def batch_lengths(ledger: pd.DataFrame) -> dict:
-    """What a batch decoded in lockstep runs for: the mean over batches of its longest prompt (its padded width) and
-    of its longest stage (matched live rows, replica 1, at the reference precision: the fixed prefixes), and the mean
-    over (batch, precision, experiment, construction) of its longest suffix. Empty at batch size 1 (no plan)."""
+    """What a batch decoded in lockstep runs for: the mean over batches of its longest prompt (its padded width), of
+    its longest and its shortest stage (matched live rows, replica 1, at the reference precision: the fixed
+    prefixes; a built construction skips the steps before the shortest one's boundary), and the mean over (batch,
+    precision, experiment, construction) of its longest suffix. Empty at batch size 1 (no plan)."""
     ok = ledger[(ledger["status"] == "ok") & (ledger["replica"] == 1) & ledger["batch_index"].notna()]
     if ok.empty:
         return {}
@@ -164,8 +167,9 @@ def batch_lengths(ledger: pd.DataFrame) -> dict:
     stages = live.groupby("batch_index")["stage_ids"].agg(lambda ids: max(map(len, ids)))
     suffixes = ok.groupby(["batch_index", "precision", "experiment", "construction"])["suffix_ids"].agg(
         lambda ids: max(map(len, ids)))
+    shortest = live.groupby("batch_index")["stage_ids"].agg(lambda ids: min(map(len, ids)))
     return {"batch_width": float(widths.mean()), "batch_stage": float(stages.mean()),
-            "batch_suffix": float(suffixes.mean())}
+            "batch_stage_shortest": float(shortest.mean()), "batch_suffix": float(suffixes.mean())}
 
 
 def revision_folder(work: Path) -> Path | None:
@@ -333,6 +337,9 @@ def main() -> int:
         "log_jobs": log_job_times(work / "snakemake.log"),
         "config": json.loads(config.read_text()), "gpu_slots": args.gpu_slots, "cores": args.cores,
         "counts": summary_or_error(recorded_counts, work),
+        # what the package's greedy loop does, which bench/pipeline_projection.py prices (runs made before these
+        # lack the key): the lookahead in the cuda_graph regime, built constructions' skip before the first boundary
+        "greedy_loop": GREEDY_LOOP,
     }
     text = json.dumps(report, indent=1)
     print(text)

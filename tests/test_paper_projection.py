@@ -58,9 +58,45 @@ def _config_run(tmp_path, config=SMALL, overrides=()):
 
 def _recorded_run():
     ledger = {"mean_prompt": P, "mean_stage": S, "mean_suffix": N, "batch_width": P, "batch_stage": S,
-              "batch_suffix": N, "divergent_share": DIVERGENT}
+              "batch_stage_shortest": S, "batch_suffix": N, "divergent_share": DIVERGENT}
     return {"status": "complete", "wall_s": 100.0, "gpu_slots": 1, "config": SMALL, "ledger": ledger,
             "counts": RECORDED, "rules": {}}
+
+
+def test_a_built_construction_skips_the_steps_before_the_batch_s_first_boundary(tmp_path):
+    """In lockstep, prefill, chunked and prefix_cached start at the batch's shortest stage (the greedy loop's
+    ``advance``); live and incremental decode the whole schedule. A run that did not record its shortest stages was
+    made before the skip and is counted without it."""
+    config = _config_run(tmp_path)["config"]
+    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12))
+    assert shape.skip == 11
+    assert projection.cell(shape, "incremental").segments == {(4, P, S - 1 + N): 1.0}
+    for name in ("prefill", "chunked", "prefix_cached"):
+        assert (4, P + 11, S - 1 + N - 11) in projection.cell(shape, name).segments
+    assert projection.cell(shape, "prefill", suffix=False).segments == {(4, P + 11, S - 1 - 11): 1.0}
+    old = _recorded_run()
+    del old["ledger"]["batch_stage_shortest"]
+    before = projection.run_shape(old)
+    assert before.skip == 0 and before.sources["batch_stage_shortest"] == "derived"
+    assert projection.cell(before, "prefill").segments == {(4, P, S - 1 + N): 1.0}
+
+
+def test_the_lookahead_hides_host_work_behind_the_device_s_in_the_cuda_graph_regime(tmp_path):
+    """The greedy loop's lookahead (cuda_graph) checks a step on the host while the device runs the next: only the
+    host work beyond the device's is counted. The static regime, and a run made before the lookahead, count it all."""
+    overhead = projection.Overhead(0.0, {}, greedy_step_s={4: 0.004, 1: 0.004})  # below a 4-row step's 10 ms
+    graph = _config_run(tmp_path, overrides=["decode_regime=cuda_graph"])
+    static = _config_run(tmp_path)
+    old = {**graph}
+    del old["greedy_loop"]
+    parts = {}
+    for name, run in (("graph", graph), ("static", static), ("old", old)):
+        shape = projection.run_shape(run)
+        work = projection.cell(shape, "incremental")
+        parts[name] = projection.price(work, "bf16", shape, projection.rates_for(shape, MASKED, overhead, None))
+    assert parts["graph"]["decode_s"] == parts["static"]["decode_s"] == parts["old"]["decode_s"] > 0
+    assert parts["static"]["host_s"] == parts["old"]["host_s"] == (S - 1 + N) * 0.004
+    assert parts["graph"]["host_s"] == 0.0
 
 
 def _rounded(value):
@@ -84,7 +120,8 @@ def test_the_config_mode_derives_the_counts_a_run_records(tmp_path):
     made_jobs, recorded_jobs = _jobs(made), _jobs(recorded)
     counted = {name for name, source in recorded.sources.items()}
     assert all(source == "read" for source in recorded.sources.values())
-    given = {"num_layers", "batch_width", "batch_stage", "batch_suffix"}  # --layers, --prompt, --stage, --suffix
+    # --layers, --prompt, --stage (--stage-shortest defaults to it), --suffix
+    given = {"num_layers", "batch_width", "batch_stage", "batch_stage_shortest", "batch_suffix"}
     assert {name for name, s in made.sources.items() if s == "derived"} == counted - given
     assert made_jobs == recorded_jobs and len(made_jobs) == 12
     # and priced alike: the config mode's total is the run mode's projection
