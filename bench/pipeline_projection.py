@@ -766,8 +766,11 @@ def rates_for(shape: RunShape, measures: list[dict], overhead: Overhead, measure
     if shape.lockstep and not measures_batch1:
         shape.warnings.append("no --measures-batch1: the batch-invariance control's batch-1 steps are priced at "
                               "the batch measure's step")
-    attention = shape.config["decode_attention"]
+    attention, kernels = shape.config["decode_attention"], shape.config["decode_kernels"]
     for (precision, rows), m in sorted(rates.by.items()):
+        if m.get("decode_kernels", "library") != kernels:
+            shape.warnings.append(f"the {precision} {rows}-row measure is of decode_kernels "
+                                  f"{m.get('decode_kernels', 'library')}, the config's is {kernels}")
         if by_position(m) != (attention == "triton"):
             shape.warnings.append(
                 f"the {precision} {rows}-row measure is of the {'triton' if by_position(m) else 'masked'} attention, "

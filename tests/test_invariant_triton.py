@@ -7,6 +7,7 @@ of these tests is recorded in bench/RESULTS.md).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,9 +88,11 @@ def assert_static_checks(results: dict, attention: str = "triton", kernels: str 
         assert (r["attention"], r["kernels"]) == (attention, kernels)
         assert r["status"] == "ok" and r["stage_tokens"] == 68
         assert r["replicas_equal"] and r["bridge_bit_exact"], (precision, r)  # exact within the regime
-        # another regime than the masked attention, but the same model: rounding-sized differences
-        assert r["prefill_logits_vs_masked"] <= (1e-4 if precision == "fp32" else 0.1), (precision, r)
-        assert r["batched_vs_alone"] <= (1e-4 if precision == "fp32" else 0.1), (precision, r)
+        # another regime than the library forward with the masked attention, but the same model: rounding-sized
+        # differences; in bf16 four units in the last place of the largest logit
+        bound = 1e-4 if precision == "fp32" else 4 * 2.0 ** (math.floor(math.log2(r["logit_scale"])) - 7)
+        assert r["prefill_logits_vs_masked"] <= bound, (precision, r)
+        assert r["batched_vs_alone"] <= bound, (precision, r)
     assert results["fp32"]["tokens_equal_masked"]
 
 

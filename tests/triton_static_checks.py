@@ -67,6 +67,7 @@ for precision in (("fp32", "bf16") if DEVICE == "cuda" else ("fp32",)):
         "status": "ok" if live.stage_ids else live.stop_reason, "stage_tokens": len(live.stage_ids),
         "tokens_equal_masked": live.stage_ids == reference.stage_ids,
         "prefill_logits_vs_masked": (la - lb).abs().max().item(),
+        "logit_scale": lb.abs().max().item(),
         "batched_vs_alone": max((rows[i] - alone[i]).abs().max().item() for i in range(3)),
         "attention": fast.record()["decode_attention"],
         "kernels": fast.record()["decode_kernels"],
