@@ -44,6 +44,19 @@ ATTENTIONS = ("masked", "triton")  # the static forward's attention; another reg
 KERNELS = ("library", "fused")  # how the forward's small operations run; another regime parameter
 TRITON_ATTENTION_BLOCK = 64
 
+def check_device_options(device_type: str, attention: str = "masked", kernels: str = "library") -> None:
+    """Refuse Triton options (``decode_attention: triton``, ``decode_kernels: fused``) for a model on another device
+    than CUDA, unless Triton's interpreter is on (the decoder and the preflight both call this)."""
+    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    for option, value, default in (("decode_attention", attention, ATTENTIONS[0]),
+                                   ("decode_kernels", kernels, KERNELS[0])):
+        if value in ("triton", "fused"):
+            raise RegimeError(f"{option} {value!r} runs Triton kernels on a CUDA device and the model is on the "
+                              f"{device_type.upper()}: use {option} {default} there (TRITON_INTERPRET=1 runs the "
+                              "kernels in Triton's slow interpreter, for tests)")
+
+
 @contextmanager
 def _unique_index_writes():
     """K/V writes go to distinct positions, so the non-sorting ``index_copy_`` is deterministic; the sorting
@@ -124,14 +137,7 @@ class StaticDecoder:
             raise RegimeError("decode_kernels: fused is an option of numerics: default; numerics: invariant computes "
                               "every operation through its own row-invariant kernels: leave decode_kernels at "
                               "library")
-        for option, value in (("decode_attention", attention), ("decode_kernels", kernels)):
-            if value not in ("triton", "fused"):
-                continue
-            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                default = ATTENTIONS[0] if option == "decode_attention" else KERNELS[0]
-                raise RegimeError(f"{option} {value!r} runs Triton kernels on a CUDA device and the model is on the "
-                                  f"CPU: use {option} {default} there (TRITON_INTERPRET=1 runs the kernels in "
-                                  "Triton's slow interpreter, for tests)")
+        check_device_options(self.device.type, attention, kernels)
         if attention == "triton":  # each row's keys only, up to its position, in 64-key blocks
             from stagereplay.models.invariant_triton import TritonKernels  # optional dependency: Triton
 

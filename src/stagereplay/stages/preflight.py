@@ -16,6 +16,7 @@ from pathlib import Path
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
+from stagereplay.decode.static import check_device_options
 from stagereplay.models.snapshot import checked_stand_in
 from stagereplay.models.loading import (
     ModelLoadError,
@@ -110,8 +111,9 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                           config.get("decode_attention", "masked"), config.get("decode_prefill_group"),
                           config.get("decode_kernels", "library"))
     check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
-    if jobs_run_here:
-        resolve_device(config.get("device", "auto"))
+    if jobs_run_here:  # the Triton options need the GPU the jobs will get
+        check_device_options(resolve_device(config.get("device", "auto")).type, config.get("decode_attention", "masked"),
+                             config.get("decode_kernels", "library"))
     numeric = config["answer_format"] != "boxed"
     if config["offline"]:
         go_offline()
