@@ -284,6 +284,14 @@ class StaticDecoder:
         out = torch.bmm(probs, vb.view(rows * self.n_kv, self.max_len, D)[:, :span])  # (rows*KV, group*T, D)
         return out.view(rows, self.n_heads, T, D).transpose(1, 2)
 
+    def _rotary_table_rows(self, index: torch.Tensor, rows: int, row0: int) -> tuple:
+        """The rows' left pads, and the rotary table's cos and sin at each token's position ((rows * T, D) each),
+        gathered on the device (no host sync)."""
+        pads = self.pads[row0:row0 + rows]
+        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        flat = position_ids.reshape(-1)
+        return pads, self.cos_table[flat], self.sin_table[flat]
+
     def _forward_fused(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int,
                        row0: int = 0) -> torch.Tensor:
         """``_forward`` under ``decode_kernels: fused``: the same GEMMs and attention, the small operations through
@@ -291,10 +299,7 @@ class StaticDecoder:
         ops, inner = self._fused_ops, self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        pads = self.pads[row0:row0 + rows]
-        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
-        cos = self.cos_table[position_ids].reshape(rows * T, D)
-        sin = self.sin_table[position_ids].reshape(rows * T, D)
+        pads, cos, sin = self._rotary_table_rows(index, rows, row0)
         masked = self.attention == "masked"
         bias = self._mask(pads, index, span) if masked else None
         layers = inner.layers
@@ -329,10 +334,7 @@ class StaticDecoder:
         inner = self.model.model
         T = ids.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        pads = self.pads[row0:row0 + rows]
-        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
-        cos = self.cos_table[position_ids].reshape(rows * T, D)
-        sin = self.sin_table[position_ids].reshape(rows * T, D)
+        pads, cos, sin = self._rotary_table_rows(index, rows, row0)
         h = inner.embed_tokens(ids).reshape(rows * T, -1)
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
