@@ -89,8 +89,10 @@ def assert_static_checks(results: dict, attention: str = "triton", kernels: str 
         assert r["status"] == "ok" and r["stage_tokens"] == 68
         assert r["replicas_equal"] and r["bridge_bit_exact"], (precision, r)  # exact within the regime
         # another regime than the library forward with the masked attention, but the same model: rounding-sized
-        # differences; in bf16 four units in the last place of the largest logit
-        bound = 1e-4 if precision == "fp32" else 4 * 2.0 ** (math.floor(math.log2(r["logit_scale"])) - 7)
+        # differences. In bf16, eight units in the last place of the largest logit: on the six-layer toy (logits up
+        # to 6.3) the triton attention alone gives 1.5 of them, the fused kernels 1, both together 4.4 (H200,
+        # bench/RESULTS.md); a kernel that computed something else would be off by whole logits
+        bound = 1e-4 if precision == "fp32" else 8 * 2.0 ** (math.floor(math.log2(r["logit_scale"])) - 7)
         assert r["prefill_logits_vs_masked"] <= bound, (precision, r)
         assert r["batched_vs_alone"] <= bound, (precision, r)
     assert results["fp32"]["tokens_equal_masked"]
