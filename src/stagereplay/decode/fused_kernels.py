@@ -12,10 +12,11 @@ per layer:
 - ``silu_mul``: the SiLU-gated product of the fused gate/up GEMM's two halves.
 
 Each output element is computed from its own token's row alone (one program per token, or per token and head), in
-fp32 and rounded once to the model's dtype, so a token gets the same bits in a prefill, a chunk or a one-token step,
-eagerly or replayed in a CUDA graph. The residual add rounds as torch's does (fp32 sum, one rounding). The bits
-differ from the ``library`` forward's, which rounds after each element-wise operation: the kernels are a regime
-parameter, recorded with the regime. They run on CUDA; with ``TRITON_INTERPRET=1`` also on the CPU (slowly), which
+fp32, so a token gets the same bits in a prefill, a chunk or a one-token step, eagerly or replayed in a CUDA graph.
+The residual add and the RMSNorm round where torch's add and Qwen2's RMSNorm round (the sum; the normed row, then
+its product with the weight); RoPE and the SiLU gate round once, where the ``library`` forward rounds after each
+element-wise operation. So the bits differ from the ``library`` forward's: the kernels are a regime parameter,
+recorded with the regime. They run on CUDA; with ``TRITON_INTERPRET=1`` also on the CPU (slowly), which
 is how the test suite checks them.
 """
 
