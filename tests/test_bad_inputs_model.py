@@ -127,8 +127,7 @@ def test_cuda_asked_for_where_there_is_none_is_refused_by_the_preflight(monkeypa
     assert check_run(valid_config(device="cuda"), jobs_run_here=False)["n_items"] == 4
 
 
-@pytest.mark.parametrize("option", [{"decode_attention": "triton"}, {"decode_kernels": "fused"}])
-def test_triton_options_for_jobs_on_the_cpu_are_refused_by_the_preflight(monkeypatch, option):
+def test_triton_options_for_jobs_on_the_cpu_are_refused_by_the_preflight(monkeypatch):
     """decode_attention: triton and decode_kernels: fused run Triton kernels on a GPU: where the jobs run here on
     the CPU (device cpu, or auto without a GPU) the preflight refuses them before any job; a cluster's submit host
     need not have the GPU."""
@@ -136,13 +135,12 @@ def test_triton_options_for_jobs_on_the_cpu_are_refused_by_the_preflight(monkeyp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    (name, value), = option.items()
-    default = {"decode_attention": "masked", "decode_kernels": "library"}[name]
-    for device in ("cpu", "auto"):
+    for device, name, value, default in (("cpu", "decode_attention", "triton", "masked"),
+                                         ("auto", "decode_kernels", "fused", "library")):
         with pytest.raises(RegimeError, match=f"{name} '{value}' runs Triton kernels on a CUDA device and the model "
                                               f"is on the CPU: use {name} {default} there"):
-            check_run(valid_config(device=device, decode_regime="static", **option))
-    assert check_run(valid_config(device="cuda", decode_regime="static", **option), jobs_run_here=False)
+            check_run(valid_config(device=device, decode_regime="static", **{name: value}))
+    assert check_run(valid_config(device="cuda", decode_regime="static", decode_kernels="fused"), jobs_run_here=False)
 
 
 def truncate(path: Path, n_bytes: int) -> None:

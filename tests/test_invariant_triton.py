@@ -78,15 +78,16 @@ def test_toy_constructions_are_byte_identical_with_triton(tiny_model_dir, precis
     assert len({repr(s) for s in suffixes.values()}) == 1
 
 
-def static_checks(device: str, model_dir: Path = REPO / "data/toy/primary", options: dict | None = None) -> dict:
+def static_checks(device: str, model_dir: Path = REPO / "data/toy/primary", options: dict | None = None,
+                  stage: int = 68) -> dict:
     return run_checks("triton_static_checks.py", str(model_dir), device, json.dumps(options or {"attention": "triton"}),
-                      timeout=900)
+                      str(stage), timeout=900)
 
 
-def assert_static_checks(results: dict, attention: str = "triton", kernels: str = "library"):
+def assert_static_checks(results: dict, attention: str = "triton", kernels: str = "library", stage: int = 68):
     for precision, r in results.items():
         assert (r["attention"], r["kernels"]) == (attention, kernels)
-        assert r["status"] == "ok" and r["stage_tokens"] == 68
+        assert r["status"] == "ok" and r["stage_tokens"] == stage
         assert r["replicas_equal"] and r["bridge_bit_exact"], (precision, r)  # exact within the regime
         # another regime than the library forward with the masked attention, but the same model: rounding-sized
         # differences. In bf16, eight units in the last place of the largest logit: on the six-layer toy (logits up
@@ -117,9 +118,10 @@ def test_static_decoder_with_triton_attention_on_cuda():
 def test_static_decoder_with_fused_kernels_in_the_interpreter(tmp_path):
     """decode_kernels "fused": residual add with RMSNorm, RoPE with the K/V write, the SiLU gate, one kernel each.
     Prefill and one-token steps run the same kernels, so the bridge holds byte for byte; against the library
-    forward the logits differ by rounding only."""
-    assert_static_checks(static_checks("cpu", make_tiny_model(tmp_path / "model", layers=2), {"kernels": "fused"}),
-                         attention="masked", kernels="fused")
+    forward the logits differ by rounding only. A 20-token stage: the masked attention has no key blocks to cross,
+    and the interpreter runs a third of the launches of the triton attention's 68."""
+    assert_static_checks(static_checks("cpu", make_tiny_model(tmp_path / "model", layers=2), {"kernels": "fused"}, 20),
+                         attention="masked", kernels="fused", stage=20)
 
 
 @needs_cuda

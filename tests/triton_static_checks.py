@@ -1,7 +1,8 @@
 """The static decoder with Triton kernels in default numerics (``attention="triton"``, ``kernels="fused"`` or
 both), run as a script so that TRITON_INTERPRET can be set before Triton compiles anything:
-``python tests/triton_static_checks.py MODEL_DIR DEVICE [OPTIONS_JSON]`` prints JSON. OPTIONS_JSON holds the
-decoder's options under test (default ``{"attention": "triton"}``).
+``python tests/triton_static_checks.py MODEL_DIR DEVICE [OPTIONS_JSON [STAGE]]`` prints JSON. OPTIONS_JSON holds
+the decoder's options under test (default ``{"attention": "triton"}``); STAGE the boundary's token (default 68, so
+that the cache crosses a 64-key attention block).
 
 Checks, per precision: replicas bit-exact, the bridge (incremental rebuild == live, every layer's bytes), the
 same greedy tokens and logits within rounding of the library forward with the masked attention, and batched
@@ -14,6 +15,7 @@ import sys
 
 MODEL, DEVICE = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu"
 OPTIONS = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {"attention": "triton"}
+STAGE = int(sys.argv[4]) if len(sys.argv) > 4 else 68
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -46,10 +48,10 @@ for precision in (("fp32", "bf16") if DEVICE == "cuda" else ("fp32",)):
     model = load_model(ModelSource("local", MODEL), precision, DEVICE).model
     fast = StaticDecoder(model, (), max_len=96, max_rows=3, **OPTIONS)
     masked = StaticDecoder(model, (), max_len=96, max_rows=3)
-    stop = AtLength(68)  # the boundary: the 68th generated token (the cache crosses a 64-key block)
-    runs = [decode_rows(fast, [PROMPT], matcher=stop, max_stage_tokens=70, max_new_tokens=8, keep={0})[0]
+    stop = AtLength(STAGE)  # the boundary: the STAGE-th generated token
+    runs = [decode_rows(fast, [PROMPT], matcher=stop, max_stage_tokens=STAGE + 2, max_new_tokens=8, keep={0})[0]
             for _ in range(2)]
-    reference = decode_rows(masked, [PROMPT], matcher=stop, max_stage_tokens=70, max_new_tokens=8)[0]
+    reference = decode_rows(masked, [PROMPT], matcher=stop, max_stage_tokens=STAGE + 2, max_new_tokens=8)[0]
     live = runs[0]
     incremental = decode_rows(fast, [PROMPT], stages=[live.stage_ids], max_new_tokens=8, keep={0},
                               build=constructions.get("incremental").cache_build())[0]
