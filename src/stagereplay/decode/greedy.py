@@ -103,12 +103,15 @@ class _TokenCount:
 TOKENS = _TokenCount()
 
 
+def _choice_on_device(logits: torch.Tensor):
+    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the logits' device."""
+    top = torch.topk(logits, 2, dim=-1)
+    return torch.argmax(logits, dim=-1), top.values[:, 0] - top.values[:, 1], torch.isfinite(logits).all(dim=-1)
+
+
 def greedy_choice(logits: torch.Tensor):
     """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host."""
-    top = torch.topk(logits, 2, dim=-1)
-    choice = torch.argmax(logits, dim=-1)
-    finite = torch.isfinite(logits).all(dim=-1)
-    return choice.cpu(), (top.values[:, 0] - top.values[:, 1]).cpu(), finite.cpu()
+    return tuple(t.cpu() for t in _choice_on_device(logits))
 
 
 class _Lookahead:
@@ -135,11 +138,9 @@ class _Lookahead:
             self.event = torch.cuda.Event()
 
     def read(self, logits: torch.Tensor) -> None:
-        top = torch.topk(logits, 2, dim=-1)
-        self.choice = torch.argmax(logits, dim=-1)
+        self.choice, margin, finite = _choice_on_device(logits)
         # ids and fp32 margins are exact in float64: one copy brings all three
-        packed = torch.stack([self.choice.double(), (top.values[:, 0] - top.values[:, 1]).double(),
-                              torch.isfinite(logits).all(dim=-1).double()])
+        packed = torch.stack([self.choice.double(), margin.double(), finite.double()])
         if self.cuda:
             self.host.copy_(packed, non_blocking=True)
             self.event.record()
