@@ -40,7 +40,7 @@ CHILD = r"""
 import hashlib, json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
-from stagereplay.models.loading import ModelSource
+from stagereplay.models.sources import ModelSource
 from stagereplay.models.snapshot import IGNORED_CONFIG_KEYS, tokenizer_signature
 from stagereplay.stages.preflight import check_model
 imported = time.perf_counter() - t0
@@ -62,7 +62,7 @@ if mode == "profile":
     import gguf.gguf_reader
     import transformers.configuration_utils, transformers.models.auto.tokenization_auto
     import transformers.tokenization_utils_tokenizers, transformers.modeling_gguf_pytorch_utils as mg
-    from stagereplay.models import loading
+    from stagereplay.models import gguf_files
     R = gguf.gguf_reader.GGUFReader
     R.__init__ = timed("gguf-py GGUFReader parse", R.__init__)
     legacy = mg.load_gguf_checkpoint
@@ -83,7 +83,7 @@ if mode == "profile":
             module.convert_gguf_tokenizer = timed("convert_gguf_tokenizer", module.convert_gguf_tokenizer)
         except (ImportError, AttributeError):
             pass
-    loading.gguf_architecture = timed("stagereplay gguf_architecture (with its parse)", loading.gguf_architecture)
+    gguf_files.gguf_architecture = timed("stagereplay gguf_architecture (with its parse)", gguf_files.gguf_architecture)
     transformers.AutoConfig.from_pretrained = timed("AutoConfig.from_pretrained",
                                                     transformers.AutoConfig.from_pretrained)
     transformers.AutoTokenizer.from_pretrained = timed("AutoTokenizer.from_pretrained",

@@ -39,7 +39,8 @@ from stagereplay.decode.regimes import REGIMES, make_decoder  # noqa: E402
 from stagereplay.decode.static import StaticDecoder  # noqa: E402
 from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
 from stagereplay.models import invariant  # noqa: E402
-from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
+from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
+from stagereplay.models.sources import ModelSource
 
 sys.path.insert(0, str(REPO / "bench"))
 from batch_invariance import StageOfLength, batch_invariance, live_rows  # noqa: E402

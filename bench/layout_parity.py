@@ -32,7 +32,8 @@ from stagereplay.decode.regimes import make_decoder  # noqa: E402
 from stagereplay.experiments.recipe import run  # noqa: E402
 from stagereplay.experiments.rows import RunSettings  # noqa: E402
 from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit  # noqa: E402
-from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
+from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
+from stagereplay.models.sources import ModelSource
 
 
 def follows(decoder, prompts, stages, settings, rows) -> dict:

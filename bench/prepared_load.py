@@ -144,7 +144,8 @@ def write_gguf(path: Path, shape: dict, seed: int = 0) -> None:
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.models.loading import load_model, set_determinism
+from stagereplay.models.sources import ModelSource
 from stagereplay.models import snapshot
 from stagereplay.stages.preflight import check_model
 from stagereplay.io.file_hashes import HashCache
@@ -190,7 +191,8 @@ t0 = time.perf_counter()
 import torch
 import transformers
 from stagereplay.models import loading, snapshot
-from stagereplay.models.loading import ModelSource, set_determinism
+from stagereplay.models.loading import set_determinism
+from stagereplay.models.sources import ModelSource
 from stagereplay.io.file_hashes import HashCache
 set_determinism(THREADS)
 imported = time.perf_counter() - t0

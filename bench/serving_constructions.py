@@ -21,7 +21,7 @@ import yaml
 
 
 def one(run: str, out: str, pair: tuple[str, str], precision: str, cfg: dict) -> dict:
-    from stagereplay.models.loading import revision_slug
+    from stagereplay.models.sources import revision_slug
     from stagereplay.stages.controls import generate_fixed_prefix
     from stagereplay.stages.settings import ControlSettings
 

@@ -49,7 +49,8 @@ def measure(model: str, config: str = "config.yaml", precisions=("bf16", "fp32")
     from stagereplay.decode.regimes import make_decoder
     from stagereplay.experiments.recipe import run
     from stagereplay.experiments.rows import RunSettings
-    from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+    from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
+    from stagereplay.models.sources import resolve_source
 
     cfg = yaml.safe_load(open(config))
     ds = cfg["dataset"]

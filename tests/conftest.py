@@ -54,7 +54,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def loaded_fp32(tiny_model_dir):
-    from stagereplay.models.loading import ModelSource, load_model, set_determinism
+    from stagereplay.models.loading import load_model, set_determinism
+    from stagereplay.models.sources import ModelSource
 
     set_determinism(1)
     return load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu")
@@ -62,7 +63,8 @@ def loaded_fp32(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def loaded_bf16(tiny_model_dir):
-    from stagereplay.models.loading import ModelSource, load_model, set_determinism
+    from stagereplay.models.loading import load_model, set_determinism
+    from stagereplay.models.sources import ModelSource
 
     set_determinism(1)
     return load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")

@@ -25,7 +25,8 @@ from stagereplay.analysis.report import build_report
 from stagereplay.data.datasets import DatasetError
 from stagereplay.data.prompts import PromptTooLongError
 from stagereplay.experiments.rows import RunSettings
-from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, resolve_source
+from stagereplay.models.loading import load_model
+from stagereplay.models.sources import ModelLoadError, ModelSource, resolve_source
 from stagereplay.stages.preflight import check_model, check_run
 from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
 from stagereplay.stages.select import select_items

@@ -20,7 +20,8 @@ from snakemake.utils import validate
 
 from conftest import make_tiny_model
 from gguf_fixture import write_tiny_gguf
-from stagereplay.models.loading import ModelLoadError, ModelSource, load_model
+from stagereplay.models.loading import load_model
+from stagereplay.models.sources import ModelLoadError, ModelSource
 from stagereplay.stages.preflight import check_model, check_run
 from workflow_runner import snakemake, tiny_config
 
@@ -178,7 +179,7 @@ def test_a_sharded_checkpoint_missing_a_shard_is_refused(tmp_path, four_layers):
 
 def test_the_weights_check_reads_headers_only(tmp_path, monkeypatch):
     """A 2 GB file whose header describes 2 GB of data is accepted in a few reads of its first bytes."""
-    from stagereplay.models.loading import check_safetensors_file
+    from stagereplay.models.sources import check_safetensors_file
 
     header = json.dumps({"w": {"dtype": "F32", "shape": [2**29], "data_offsets": [0, 2**31]}}).encode()
     path = tmp_path / "big.safetensors"

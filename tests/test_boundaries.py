@@ -15,7 +15,8 @@ from stagereplay.decode.plans import Batch
 from stagereplay.experiments.matched import matched as run_matched
 from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
 from stagereplay.io.parquet import write_parquet
-from stagereplay.models.loading import ModelSource, load_model
+from stagereplay.models.loading import load_model
+from stagereplay.models.sources import ModelSource
 from stagereplay.analysis.report import build_report
 
 

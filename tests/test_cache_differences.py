@@ -78,7 +78,8 @@ def settings(tiny_model_dir, **params):
 
 
 def test_measure_cache_differences_on_a_tiny_model(tiny_model_dir, tmp_path):
-    from stagereplay.models.loading import ModelSource, load_model
+    from stagereplay.models.loading import load_model
+    from stagereplay.models.sources import ModelSource
 
     rows = [{"item_index": i, "item_id": f"item-{i}", "revision": "model", "precision": "bf16",
              "status": "ok" if i != 2 else "boundary_missing", "prompt_ids": PROMPT[: 4 + i],

@@ -18,7 +18,8 @@ from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.models import compat
-from stagereplay.models.loading import ModelSource, load_model
+from stagereplay.models.loading import load_model
+from stagereplay.models.sources import ModelSource
 
 
 def rows(loaded, n, seed=0):

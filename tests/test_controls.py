@@ -28,7 +28,8 @@ from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.io.parquet import read_parquet, write_parquet
-from stagereplay.models.loading import ModelSource, eos_token_ids, load_model, set_determinism
+from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
+from stagereplay.models.sources import ModelSource
 from stagereplay.stages.controls import check_audit
 
 REPO = Path(__file__).resolve().parents[1]

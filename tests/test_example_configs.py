@@ -7,7 +7,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from stagereplay.models.loading import resolve_source
+from stagereplay.models.sources import resolve_source
 from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]

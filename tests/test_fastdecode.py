@@ -37,7 +37,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def fresh_model(tiny_model_dir, precision, device="cpu"):
     """A private copy: the static decoder rebinds weights to fused tensors, which session fixtures must not see."""
-    from stagereplay.models.loading import ModelSource, load_model
+    from stagereplay.models.loading import load_model
+    from stagereplay.models.sources import ModelSource
 
     return load_model(ModelSource("local", str(tiny_model_dir)), precision, device).model
 

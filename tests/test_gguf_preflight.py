@@ -16,8 +16,9 @@ import pytest
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
 from gguf_fixture import write_tiny_gguf, write_vocab_gguf
-from stagereplay.models import loading
-from stagereplay.models.loading import ModelLoadError, ModelSource, checked_config, checked_tokenizer
+from stagereplay.models import gguf_files
+from stagereplay.models.loading import checked_config, checked_tokenizer
+from stagereplay.models.sources import ModelLoadError, ModelSource
 from stagereplay.models.snapshot import IGNORED_CONFIG_KEYS, tokenizer_signature
 from stagereplay.stages.preflight import check_model
 
@@ -53,15 +54,15 @@ def test_the_preflight_of_a_gguf_gives_the_config_and_tokenizer_a_job_loads(voca
         conversions.append(args[0])
         return real_checkpoint(*args, **kwargs)
 
-    loading._rebind_transformers("load_gguf_checkpoint", real_checkpoint, counted)
+    gguf_files._rebind_transformers("load_gguf_checkpoint", real_checkpoint, counted)
     try:
         config, tokenizer = check_model(vocab_gguf)
         assert gguf_utils.load_gguf_checkpoint is counted  # restored to what it was
     finally:
-        loading._rebind_transformers("load_gguf_checkpoint", counted, real_checkpoint)
+        gguf_files._rebind_transformers("load_gguf_checkpoint", counted, real_checkpoint)
     # The architecture check, transformers' config and its tokenizer share one parse and one conversion of it.
     assert len(parses) == 1 and len(conversions) == 1
-    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader and loading._GGUF_ONCE is None
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader and gguf_files._GGUF_ONCE is None
 
     assert config_values(config) == config_values(job_config)
     assert config.vocab_size == 30_000 + 5 + 64 and config.model_type == "qwen2"
@@ -74,7 +75,7 @@ def test_the_preflight_of_a_gguf_gives_the_config_and_tokenizer_a_job_loads(voca
 
 def test_the_plain_array_reader_reads_what_gguf_py_reads(vocab_gguf):
     path = Path(vocab_gguf.path) / vocab_gguf.gguf_file
-    plain, mapped = loading._gguf_reader(path), gguf.GGUFReader(str(path))
+    plain, mapped = gguf_files.gguf_reader(path), gguf.GGUFReader(str(path))
     assert list(plain.fields) == list(mapped.fields)
     for name in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                  "qwen2.context_length", "tokenizer.chat_template"):
@@ -100,7 +101,7 @@ def test_a_gguf_cut_short_is_refused_by_the_preflight(tiny_gguf_bytes, tmp_path,
     with pytest.raises(ModelLoadError, match=r"cut.gguf is not a readable GGUF file, or is cut short \(.*\); copy or "
                                              "download it again"):
         check_model(ModelSource("gguf", str(tmp_path), gguf_file="cut.gguf"))
-    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader and loading._GGUF_ONCE is None
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader and gguf_files._GGUF_ONCE is None
 
 
 def test_a_gguf_without_a_tokenizer_is_refused_by_the_preflight(tmp_path):

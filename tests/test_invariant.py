@@ -18,7 +18,8 @@ from stagereplay.decode.eager import EagerDecoder
 from stagereplay.io.fingerprints import tensor_bytes
 from bench_scripts import load_bench
 from invariant_helpers import PROMPT, constructions
-from stagereplay.models.loading import ModelLoadError, ModelSource, load_model, set_determinism
+from stagereplay.models.loading import load_model, set_determinism
+from stagereplay.models.sources import ModelLoadError, ModelSource
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]

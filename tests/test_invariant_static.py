@@ -17,7 +17,8 @@ from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.models import invariant
-from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.models.loading import load_model, set_determinism
+from stagereplay.models.sources import ModelSource
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 # four lengths: rows get different left padding; the longest crosses a 4-key attention block several times

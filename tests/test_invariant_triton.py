@@ -20,7 +20,8 @@ from conftest import make_tiny_model
 from invariant_helpers import constructions
 from stagereplay.models import invariant
 from stagereplay.decode.eager import EagerDecoder
-from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.models.loading import load_model, set_determinism
+from stagereplay.models.sources import ModelSource
 
 triton = pytest.importorskip("triton")
 

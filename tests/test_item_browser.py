@@ -157,7 +157,7 @@ def test_token_texts_with_the_toy_tokenizer():
 
 def test_a_ledger_from_another_model_source_is_refused(tmp_path):
     from stagereplay.io.parquet import write_parquet
-    from stagereplay.models.loading import ModelLoadError
+    from stagereplay.models.sources import ModelLoadError
     from stagereplay.stages.token_texts import build_item_browser
 
     ledger = tmp_path / "primary" / "ledger.parquet"

@@ -50,7 +50,8 @@ class Counted:
 def decoder(tiny_model_dir, request):
     """The static regime on the CPU, and the cuda_graph regime (its device copies and graph replays) where there
     is a GPU."""
-    from stagereplay.models.loading import ModelSource, load_model, set_determinism
+    from stagereplay.models.loading import load_model, set_determinism
+    from stagereplay.models.sources import ModelSource
 
     if request.param == "cuda_graph" and not torch.cuda.is_available():
         pytest.skip("the cuda_graph regime needs a CUDA device")

@@ -13,7 +13,8 @@ from stagereplay.data.prompts import Prompter
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.greedy import decode_rows, matcher_from_config
 from stagereplay.experiments import constructions
-from stagereplay.models.loading import ModelLoadError, ModelSource, eos_token_ids, load_model, resolve_source
+from stagereplay.models.loading import eos_token_ids, load_model
+from stagereplay.models.sources import ModelLoadError, ModelSource, resolve_source
 
 
 @pytest.fixture(scope="module")

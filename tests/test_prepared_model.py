@@ -14,7 +14,8 @@ from gguf_fixture import write_tiny_gguf
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.parquet import read_provenance
 from stagereplay.models import snapshot
-from stagereplay.models.loading import ModelSource, load_model, set_determinism
+from stagereplay.models.loading import load_model, set_determinism
+from stagereplay.models.sources import ModelSource
 from stagereplay.stages.prepare import prepare_model
 from stagereplay.stages.reconstruct import reconstruct_prefixes
 from stagereplay.stages.select import select_items

@@ -180,7 +180,8 @@ def test_all_layer_transplant_between_constructions_continues_as_the_donor(tiny_
     """Real constructions of a batch, each row decoded in its batch's layout: the all-layer, all-position K/V
     transplant hands the recipient the donor's whole boundary state, so the continuation is the donor's own; the
     other rows of the batch are left as the recipient construction made them."""
-    from stagereplay.models.loading import ModelSource, load_model
+    from stagereplay.models.loading import load_model
+    from stagereplay.models.sources import ModelSource
 
     loaded = load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu")  # the static regime fuses weights
     decoder = make_decoder(loaded.model, (), regime, max_len=40, max_rows=3)
@@ -212,7 +213,8 @@ def test_rows_transplanted_together_equal_each_row_transplanted_alone(tiny_model
     """The transplant stage edits every selected row of a batch in one decode; each row's result must be the bytes
     it gets when it is the only row edited (the batch's layout is the same; other rows' values must not matter),
     and a row left unedited beside transplanted ones must reproduce its own result, or the stage stops."""
-    from stagereplay.models.loading import ModelSource, load_model
+    from stagereplay.models.loading import load_model
+    from stagereplay.models.sources import ModelSource
 
     loaded = load_model(ModelSource("local", str(tiny_model_dir)), "bf16", "cpu")
     decoder = make_decoder(loaded.model, (), regime, max_len=40, max_rows=3)

@@ -34,7 +34,8 @@ def toy_items(max_new_tokens: int, want: int = 2) -> tuple[tuple[int, ...], int]
     from stagereplay.decode.regimes import make_decoder
     from stagereplay.experiments.recipe import run
     from stagereplay.experiments.rows import RunSettings
-    from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+    from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
+    from stagereplay.models.sources import resolve_source
 
     cfg = DEFAULT_CONFIG
     ds = cfg["dataset"]

@@ -24,7 +24,8 @@ from stagereplay.decode.greedy import decode_rows  # noqa: E402
 from stagereplay.decode.static import StaticDecoder  # noqa: E402
 from stagereplay.experiments import constructions  # noqa: E402
 from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
-from stagereplay.models.loading import ModelSource, load_model, set_determinism  # noqa: E402
+from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
+from stagereplay.models.sources import ModelSource
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 PROMPTS = [PROMPT, PROMPT[:5], PROMPT[2:] + [3, 4]]

@@ -10,7 +10,7 @@ from snakemake.utils import update_config, validate
 import stagereplay
 from stagereplay.config import check_boundary, check_transplant_pair, typed_command_line_values
 from stagereplay.data.prompts import check_template
-from stagereplay.models.loading import revision_slug
+from stagereplay.models.sources import revision_slug
 from stagereplay.models.snapshot import software_versions as snapshot_software
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache

@@ -32,17 +32,8 @@ import torch
 from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
 from stagereplay.io.parquet import write_hash_record, write_text_atomic
 from stagereplay.models import compat
-from stagereplay.models.loading import (
-    PRECISIONS,
-    LoadedModel,
-    ModelLoadError,
-    ModelSource,
-    checked_config,
-    checked_tokenizer,
-    eos_token_ids,
-    fetch_hub_snapshot,
-    load_model,
-)
+from stagereplay.models.loading import LoadedModel, PRECISIONS, checked_config, checked_tokenizer, eos_token_ids, load_model
+from stagereplay.models.sources import ModelLoadError, ModelSource, fetch_hub_snapshot
 
 MANIFEST = "stagereplay_snapshot.json"
 MANIFEST_FORMAT = 1
@@ -393,7 +384,7 @@ def checked_stand_in(folders, source: ModelSource, source_fingerprint: dict | No
 
     A GGUF source's config and tokenizer are built from its metadata (for a Qwen2 vocabulary about 300,000
     strings read through gguf-py and transformers), which takes 6 to 11 s on the 2-core VM even read once
-    (:func:`~stagereplay.models.loading.gguf_read_once`); a snapshot made from the very same file holds them as the
+    (:func:`~stagereplay.models.gguf_files.gguf_read_once`); a snapshot made from the very same file holds them as the
     ordinary files loading it reads (preparing proved they equal the source's), and reading those takes 4 s. Only a
     snapshot whose manifest names this source and its current fingerprint stands in: any other is passed over, and
     the source is checked."""

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
-from stagereplay.models.loading import ModelLoadError, ModelSource, fetch_hub_snapshot, resolve_source
+from stagereplay.models.sources import ModelLoadError, ModelSource, fetch_hub_snapshot, resolve_source
 
 FILE_SOURCES = ("jsonl", "csv", "parquet")
 

@@ -16,7 +16,8 @@ from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu
-from stagereplay.models.loading import eos_token_ids, load_model, resolve_source, set_determinism
+from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
+from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import load_prepared
 from stagereplay.stages.input_fingerprints import check_model_unchanged
 from stagereplay.stages.settings import ModelSettings

@@ -18,16 +18,9 @@ from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.decode.static import check_device_options
 from stagereplay.models.snapshot import checked_stand_in
-from stagereplay.models.loading import (
-    ModelLoadError,
-    ModelSource,
-    checked_config,
-    checked_tokenizer,
-    go_offline,
-    gguf_read_once,
-    resolve_device,
-    resolve_source,
-)
+from stagereplay.models.loading import checked_config, checked_tokenizer, resolve_device
+from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
+from stagereplay.models.gguf_files import gguf_read_once
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -35,7 +28,7 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
     """The checks :func:`stagereplay.models.load_model` makes, without the weights: (model config, tokenizer).
 
     A GGUF source's config and tokenizer are what transformers builds from the file's metadata, as loading it
-    does; gguf-py parses that metadata once for the whole check (:func:`~stagereplay.models.loading.gguf_read_once`)
+    does; gguf-py parses that metadata once for the whole check (:func:`~stagereplay.models.gguf_files.gguf_read_once`)
     instead of three or four times, which took the better part of a minute for a Qwen2 vocabulary."""
     with gguf_read_once() if source.kind == "gguf" else nullcontext():
         resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from stagereplay.io.file_hashes import HashCache
-from stagereplay.models.loading import resolve_source, set_determinism
+from stagereplay.models.loading import set_determinism
+from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import prepare_snapshot
 from stagereplay.stages.input_fingerprints import check_model_unchanged
 from stagereplay.stages.settings import PrepareSettings

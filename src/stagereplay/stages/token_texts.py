@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from stagereplay.analysis.browser import read_results, suffix_token_ids, write_item_browser
 from stagereplay.io.parquet import read_provenance
-from stagereplay.models.loading import ModelLoadError, checked_config, checked_tokenizer, resolve_source
+from stagereplay.models.loading import checked_config, checked_tokenizer
+from stagereplay.models.sources import ModelLoadError, resolve_source
 
 
 def load_tokenizer(model: str, revision: str, trust_remote_code: bool = False, allow_pickle: bool = False,

@@ -1,0 +1,170 @@
+"""Reading a GGUF file: gguf-py's reader, parsed once per process for every reader of the file
+(:func:`gguf_read_once`), and the checks a GGUF source gets before anything loads it.
+
+Imports no torch; transformers only inside :func:`gguf_read_once`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from stagereplay.models.sources import SUPPORTED_MODEL_TYPES, ModelLoadError, ModelSource
+
+def require_gguf():
+    """gguf-py, or the error that names the optional packages to install."""
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs the optional packages gguf and accelerate: "
+                             "pip install 'stagereplay[gguf]'") from exc
+    return gguf
+
+
+def _plain_gguf_reader_class():
+    """gguf-py's ``GGUFReader`` over the file's bytes as a plain numpy array instead of a ``numpy.memmap``.
+
+    The reader cuts every metadata value out of the mapped file as its own small arrays, several slices and views
+    per string: for a Qwen2 vocabulary (151,936 tokens and 151,643 merges) millions of them, each of which a
+    ``memmap`` (an ndarray subclass) sends through Python (``__getitem__``, ``__array_finalize__``). A plain view of
+    the same mapping reads the same bytes, lazily, at a quarter of the time (11.8 s against 2.9 s for that file on
+    the 2-core VM). Every field, value and tensor the reader gives is the same; the reader only assigns
+    ``self.data`` once, in ``__init__``, before it parses anything."""
+    global _PLAIN_GGUF_READER
+    if _PLAIN_GGUF_READER is None:
+        import numpy as np
+        from gguf.gguf_reader import GGUFReader  # the class itself, even while gguf_read_once stands in for it
+
+        class PlainArrayGGUFReader(GGUFReader):
+            @property
+            def data(self):
+                return self._plain_data
+
+            @data.setter
+            def data(self, value):
+                self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        _PLAIN_GGUF_READER = PlainArrayGGUFReader
+    return _PLAIN_GGUF_READER
+
+
+_PLAIN_GGUF_READER = None
+# While :func:`gguf_read_once` is active: gguf-py's reader of a file, and what transformers' load_gguf_checkpoint
+# made of it, by ("reader" or "checkpoint", path, size, modification time).
+_GGUF_ONCE: dict | None = None
+
+
+def _file_key(kind: str, path) -> tuple:
+    stat = os.stat(path)
+    return kind, os.path.realpath(path), stat.st_size, stat.st_mtime_ns
+
+
+def gguf_reader(path: str | Path):
+    """A parsed GGUFReader of ``path``: the one :func:`gguf_read_once` keeps for it, else a new one."""
+    cls = _plain_gguf_reader_class()
+    if _GGUF_ONCE is None:
+        return cls(str(path))
+    key = _file_key("reader", path)
+    if key not in _GGUF_ONCE:
+        _GGUF_ONCE[key] = cls(str(path))
+    return _GGUF_ONCE[key]
+
+
+def _checkpoint_once(load_gguf_checkpoint):
+    """transformers' ``load_gguf_checkpoint``, whose metadata-only result (``return_tensors`` false, the way its
+    config and tokenizer loading call it) :func:`gguf_read_once` keeps per file and hands out as a deep copy (the
+    callers change what they get); any other call, or any call outside it, is passed through."""
+
+    @functools.wraps(load_gguf_checkpoint)
+    def once(gguf_checkpoint_path, *args, **kwargs):
+        metadata_only = args in ((), (False,)) and kwargs in ({}, {"return_tensors": False})
+        if _GGUF_ONCE is None or not metadata_only:
+            return load_gguf_checkpoint(gguf_checkpoint_path, *args, **kwargs)
+        key = _file_key("checkpoint", gguf_checkpoint_path)
+        if key not in _GGUF_ONCE:
+            _GGUF_ONCE[key] = load_gguf_checkpoint(gguf_checkpoint_path)
+        return copy.deepcopy(_GGUF_ONCE[key])
+
+    return once
+
+
+def _rebind_transformers(name: str, old, new) -> None:
+    """Point every imported transformers module whose ``name`` is ``old`` at ``new`` (5.17 binds
+    ``load_gguf_checkpoint`` in several modules when they are imported, 5.24 imports it where it calls it)."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)  # never getattr(module, name): a lazy module would import on it
+        if isinstance(names, dict) and str(names.get("__name__", "")).startswith("transformers") \
+                and names.get(name) is old:
+            names[name] = new
+
+
+@contextmanager
+def gguf_read_once():
+    """Within it, a GGUF file's metadata is parsed once and what transformers makes of it is made once, for every
+    reader of the file: the architecture check here, and transformers' config and tokenizer loading, each of which
+    parses the whole file again through ``load_gguf_checkpoint`` and gguf-py's reader (twice on 5.24 for a model
+    config and a tokenizer, three times on 5.17), about 150,000-string arrays each time for a Qwen2 vocabulary.
+
+    Two things are shared, both from the libraries and both read-only: gguf-py's reader of the file (the
+    plain-array one above; ``load_gguf_checkpoint`` imports ``gguf.GGUFReader`` when called, which stands for the
+    kept reader in here), and ``load_gguf_checkpoint``'s metadata-only result, handed out as a deep copy. transformers
+    only reads the reader's fields and tensor list, so what it builds is what it builds on its own
+    (``test_the_preflight_of_a_gguf_gives_the_config_and_tokenizer_a_job_loads``). On leaving, ``gguf.GGUFReader``
+    and transformers' functions are restored and the cache dropped. Not thread-safe (the preflight is one thread)."""
+    global _GGUF_ONCE
+    if _GGUF_ONCE is not None:  # inside another: share its cache
+        yield
+        return
+    gguf = require_gguf()
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original_reader, original_checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+
+    def reader(path, mode="r"):
+        return gguf_reader(path) if mode == "r" else original_reader(path, mode)
+
+    once = _checkpoint_once(original_checkpoint)
+    _GGUF_ONCE = {}
+    gguf.GGUFReader = reader
+    _rebind_transformers("load_gguf_checkpoint", original_checkpoint, once)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, _GGUF_ONCE = original_reader, None
+        _rebind_transformers("load_gguf_checkpoint", once, original_checkpoint)  # those imported in here too
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The ``general.architecture`` a GGUF file declares, refusing a file that is not whole.
+
+    gguf-py's reader parses the metadata and the tensor table and maps every tensor: a file cut short anywhere
+    (in the metadata, the table or the tensor data) does not parse."""
+    require_gguf()
+    try:
+        field = gguf_reader(path).get_field("general.architecture")
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file, or is cut short ({type(exc).__name__}: {exc}); "
+                             "copy or download it again") from exc
+    if field is None:
+        raise ModelLoadError(f"{path} declares no general.architecture; it is not a model GGUF file")
+    return field.contents()
+
+
+def check_gguf(source: ModelSource) -> None:
+    path = Path(source.path) / source.gguf_file
+    architecture = gguf_architecture(path)
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"GGUF file {path} holds a {architecture!r} model; the cache code supports "
+            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
+        )
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loading needs it)
+    except ImportError as exc:
+        raise ModelLoadError("loading a GGUF file needs accelerate: pip install 'stagereplay[gguf]'") from exc
+
+
