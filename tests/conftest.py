@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Every test process (each xdist worker) and the workflows it runs share one model store of their own, never the
+# user's (~/.cache/stagereplay/models): a test that needs an empty store names its own.
+os.environ.setdefault("STAGEREPLAY_MODEL_STORE", tempfile.mkdtemp(prefix="stagereplay-test-store-"))
 
 # The slowest test files, longest first (as measured under two xdist workers). With --dist loadfile and
 # --no-loadscope-reorder (pyproject.toml) the workers take files in collection order, so these start first and the

@@ -157,9 +157,10 @@ def test_the_reconstruct_stage_gives_the_same_tables_from_the_snapshot(gguf_sour
     select_items({"source": "synthetic", "size": 20, "seed": 0}, 3, 0, str(tmp_path / "items.parquet"))
     common = dict(model=str(Path(gguf_source.path) / gguf_source.gguf_file), revision="primary", device="cpu",
                   progress=False, threads=1)
-    prepare_model(str(tmp_path / "models" / "bf16"), PrepareSettings(**common, precision="bf16"))
+    record = str(tmp_path / "models" / "primary.json")
+    prepare_model(record, PrepareSettings(**common, precisions=["bf16"], model_store=str(tmp_path / "store")))
     tables = {}
-    for arm, prepared in (("direct", None), ("prepared", str(tmp_path / "models"))):
+    for arm, prepared in (("direct", None), ("prepared", record)):
         out = tmp_path / arm
         out.mkdir()
         reconstruct_prefixes(str(tmp_path / "items.parquet"), str(out / "ledger.parquet"),
@@ -177,15 +178,19 @@ def test_the_reconstruct_stage_gives_the_same_tables_from_the_snapshot(gguf_sour
 
 
 def assert_each_precision_prepared_once_and_loaded_by_every_job(workdir, cfg):
-    """A finished workflow run in ``workdir`` (on ``cfg``): one snapshot per precision, and every model-loading
-    stage recorded that it loaded a snapshot of this run. `tests/test_workflow.py`'s end-to-end run calls it, so
-    that the suite runs the whole workflow once for both."""
+    """A finished workflow run in ``workdir`` (on ``cfg``): one snapshot per precision in the model store, named by
+    the run's record, and every model-loading stage recorded that it loaded one of those. `tests/test_workflow.py`'s
+    end-to-end run calls it, so that the suite runs the whole workflow once for both."""
     results = Path(workdir) / "results" / cfg["run"]
-    for precision in cfg["precisions"]:
-        manifest = json.loads((results / "models" / "primary" / precision / snapshot.MANIFEST).read_text())
-        assert manifest["source"].endswith("data/toy/primary")
+    record = json.loads((results / "models" / "primary.json").read_text())
+    entries = {precision: Path(record["store"]) / snap["key"] for precision, snap in record["snapshots"].items()}
+    assert sorted(entries) == sorted(cfg["precisions"])
+    for precision, entry in entries.items():
+        manifest = json.loads((entry / snapshot.MANIFEST).read_text())
+        assert manifest["source"].endswith("data/toy/primary") and manifest["precision"] == precision
+        assert not entry.is_relative_to(Path(workdir) / "results")
     # the toy is saved in fp32: its fp32 snapshot is links, its bf16 one converted weights
-    assert (results / "models" / "primary" / "fp32" / "model.safetensors").is_symlink()
+    assert (entries["fp32"] / "model.safetensors").is_symlink()
     loaded_from = {}
     for path in results.rglob("*.parquet"):
         prov = read_provenance(path)
@@ -195,8 +200,7 @@ def assert_each_precision_prepared_once_and_loaded_by_every_job(workdir, cfg):
                 loaded_from.setdefault(record["stage"], set()).add(record["model_snapshot"]["path"])
     assert set(loaded_from) >= {"reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger",
                                 "measure_cache_differences"}
-    assert all(path.startswith(f"results/{cfg['run']}/models/primary/") for paths in loaded_from.values()
-               for path in paths)
+    assert set().union(*loaded_from.values()) <= {str(entry) for entry in entries.values()}
     audit = pd.read_parquet(results / "primary" / "audit.parquet")
     assert len(audit) > 0 and audit["reproduced"].all()
 

@@ -1,10 +1,13 @@
 """End to end: the Snakemake workflow on a tiny config in a temp directory, and the results contract."""
 
+import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from stagereplay.io.parquet import read_provenance
+from test_model_store import entry_files
 from test_prepared_model import assert_each_precision_prepared_once_and_loaded_by_every_job
 from workflow_runner import snakemake, tiny_config
 
@@ -51,6 +54,15 @@ def test_default_workflow_end_to_end(tmp_path):
     assert set(differences["precision"]) == {"bf16", "fp32"} and differences["item_index"].nunique() == min(2, ok)
     snakemake(tmp_path, "--report", str(tmp_path / "report.html"))
     assert "Paired accuracy difference between constructions" in (tmp_path / "report.html").read_text(errors="replace")
+
+    # a second run of another name on the same model prepares nothing: its record names the same store entries
+    stamps = entry_files(os.environ["STAGEREPLAY_MODEL_STORE"])
+    snakemake(tmp_path, "--cores", "2", "--config", "run=tiny2", "--until", "prepare_model")
+    log = (tmp_path / "logs/tiny2/primary/prepare_model.log").read_text()
+    assert log.count("already in the store") == 2 and "preparing" not in log
+    assert (tmp_path / "results/tiny2/models/primary.json").read_text() == \
+        (res / "models/primary.json").read_text()
+    assert entry_files(os.environ["STAGEREPLAY_MODEL_STORE"]) == stamps and stamps
 
 
 @pytest.mark.slow

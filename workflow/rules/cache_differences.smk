@@ -17,6 +17,7 @@ rule measure_cache_differences:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(cache_difference_precisions),
         kwargs=cache_difference_kwargs,
         version=CODE_VERSION,
     script:

@@ -11,7 +11,8 @@ import stagereplay
 from stagereplay.config import check_boundary, check_transplant_pair, typed_command_line_values
 from stagereplay.data.prompts import check_template
 from stagereplay.models.sources import revision_slug
-from stagereplay.models.snapshot import software_versions as snapshot_software
+from stagereplay.models.sources import ModelLoadError, resolve_source
+from stagereplay.models.store import ModelStore, planned_keys, resolve_root
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
@@ -290,13 +291,41 @@ def revision_name(wildcards):
     return ALL_REVISIONS[wildcards.revision]
 
 
-# ---- Prepared models: each revision's model source as a snapshot per precision (prepare.smk); a model-loading job
-# takes the ones it loads as input and finds them under its params.kwargs.prepared_models.
-PREPARE_SOFTWARE = snapshot_software()
+# ---- Prepared models: each revision's model source kept prepared in the model store, shared by runs
+# (stagereplay.models.store); rule prepare_model writes the run's record of the entries it uses
+# (results/<run>/models/<revision>.json), which a model-loading job takes as input and finds under its
+# params.kwargs.prepared_models. The record is ancient(): preparing again (an entry removed from the store, then put
+# back byte for byte) reruns nothing; what a job loads is in its params instead, as the entries' keys.
+STORE_ROOT = resolve_root(config.get("model_store"))
 
 
 def prepared_folder(revision):
-    return f"{RESULTS}/models/{revision}"
+    """The run's record of the revision's store entries."""
+    return f"{RESULTS}/models/{revision}.json"
+
+
+def revision_precisions(revision):
+    """Every precision some stage loads the revision at: the generated revisions at every precision (and the cache
+    differences'), a transplant-only revision at the transplant's."""
+    if revision in REVISIONS:
+        precisions = list(config["precisions"])
+        precisions += [p for p in config["cache_differences"]["precisions"] if p not in precisions]
+        return precisions
+    return [TRANSPLANT_PRECISION]
+
+
+def source_kind(revision_name):
+    try:
+        return resolve_source(resolve_path(config["model"]), revision_name).kind
+    except ModelLoadError:
+        return None  # the preflight names why
+
+
+def snapshot_keys(revision, precisions):
+    """{precision: store key} of what a job at ``precisions`` loads: its params, so that another source or another
+    converter reruns it (and only it)."""
+    name = ALL_REVISIONS[revision]
+    return planned_keys(model_files(name), source_kind(name), precisions)
 
 
 def prepare_kwargs(wildcards):
@@ -304,7 +333,7 @@ def prepare_kwargs(wildcards):
         model=resolve_path(config["model"]),
         revision=ALL_REVISIONS[wildcards.revision],
         model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
-        precision=wildcards.precision,
+        precisions=revision_precisions(wildcards.revision),
         threads=config["threads"],
         trust_remote_code=config["trust_remote_code"],
         allow_pickle=config["allow_pickle"],
@@ -312,8 +341,33 @@ def prepare_kwargs(wildcards):
     )
 
 
+def prepare_keys(wildcards):
+    return snapshot_keys(wildcards.revision, revision_precisions(wildcards.revision))
+
+
+def job_precision(wildcards):
+    return [wildcards.precision]
+
+
+def generated_precisions(wildcards):
+    return list(config["precisions"])
+
+
+def transplant_precision(wildcards):
+    return [TRANSPLANT_PRECISION]
+
+
+def snapshots_of(precisions_of):
+    """A params function: {precision: store key} of the snapshots a job loads, at ``precisions_of(wildcards)``."""
+
+    def keys(wildcards):
+        return snapshot_keys(wildcards.revision, precisions_of(wildcards))
+
+    return keys
+
+
 def prepared(revision, precisions):
-    return [f"{prepared_folder(revision)}/{precision}" for precision in precisions]
+    return [ancient(prepared_folder(revision))] if precisions else []
 
 
 def prepared_at_precision(wildcards):
@@ -326,34 +380,46 @@ def prepared_at_all_precisions(wildcards):
     return prepared(wildcards.revision, config["precisions"])
 
 
-def prepared_for_dumps(wildcards):
+def dump_precisions(wildcards):
     """Every precision of the baseline: the primary's ledger holds all, a replayed baseline the transplant's."""
     if config["dump"]["items"] == "none":
         return []
-    precisions = config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
-    return prepared(wildcards.revision, precisions)
+    return config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
+
+
+def prepared_for_dumps(wildcards):
+    return prepared(wildcards.revision, dump_precisions(wildcards))
 
 
 def prepared_at_transplant_precision(wildcards):
     return prepared(wildcards.revision, [TRANSPLANT_PRECISION])
 
 
-def prepared_for_minimal_transplants(wildcards):
+def minimal_transplant_precisions(wildcards):
     """None with the search off (budget 0: no model is loaded)."""
-    if config["transplant"]["minimal"]["budget"] == 0:
-        return []
-    return prepared_at_transplant_precision(wildcards)
+    return [] if config["transplant"]["minimal"]["budget"] == 0 else [TRANSPLANT_PRECISION]
+
+
+def prepared_for_minimal_transplants(wildcards):
+    return prepared(wildcards.revision, minimal_transplant_precisions(wildcards))
+
+
+def baseline_precisions(wildcards):
+    """Every precision of the transplant baseline: the primary's ledger holds all, a replayed baseline one."""
+    return config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
 
 
 def prepared_at_baseline_precisions(wildcards):
-    """Every precision of the transplant baseline: the primary's ledger holds all, a replayed baseline one."""
-    precisions = config["precisions"] if wildcards.revision == PRIMARY else [TRANSPLANT_PRECISION]
-    return prepared(wildcards.revision, precisions)
+    return prepared(wildcards.revision, baseline_precisions(wildcards))
+
+
+def cache_difference_precisions(wildcards):
+    settings = config["cache_differences"]
+    return settings["precisions"] if settings["n_items"] > 0 else []
 
 
 def prepared_for_cache_differences(wildcards):
-    settings = config["cache_differences"]
-    return prepared(wildcards.revision, settings["precisions"] if settings["n_items"] > 0 else [])
+    return prepared(wildcards.revision, cache_difference_precisions(wildcards))
 
 
 # ---- Input functions -------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ rule generate_fixed_prefix:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(job_precision),
         kwargs=fixed_prefix_kwargs,
         version=CODE_VERSION,
     script:
@@ -60,6 +61,7 @@ rule audit_ledger:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(job_precision),
         kwargs=fixed_prefix_kwargs,
         version=CODE_VERSION,
     script:
@@ -119,6 +121,7 @@ rule check_batch_invariance:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(generated_precisions),
         kwargs=batch_invariance_kwargs,
         version=CODE_VERSION,
     script:

@@ -23,6 +23,7 @@ rule find_minimal_transplants:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(minimal_transplant_precisions),
         kwargs=minimal_transplant_kwargs,
         version=CODE_VERSION,
     script:
@@ -47,6 +48,7 @@ rule measure_divergence_onset:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(baseline_precisions),
         kwargs=onset_kwargs,
         version=CODE_VERSION,
     script:

@@ -21,9 +21,13 @@ def preflight():
         dataset=dataset_config(),
         revisions=list(ALL_REVISIONS.values()),  # transplant-only revisions too
     )
-    # A GGUF source is checked through a current prepared snapshot of it where an earlier run left one (seconds
+    # A GGUF source is checked through a current snapshot of it in the model store where an earlier run left one (seconds
     # instead of reading the GGUF's metadata again; stagereplay.models.snapshot.checked_stand_in).
-    prepared = {name: sorted(Path(prepared_folder(slug)).glob("*")) for slug, name in ALL_REVISIONS.items()}
+    store = ModelStore(STORE_ROOT)
+    prepared = {
+        name: [store.path(key) for key in snapshot_keys(slug, revision_precisions(slug)).values() if key]
+        for slug, name in ALL_REVISIONS.items()
+    }
     fingerprints = {name: model_files(name) for name in ALL_REVISIONS.values()}
     summary = check_run(checked, jobs_run_here=jobs_run_here(), prepared=prepared, fingerprints=fingerprints,
                         cache=FILE_HASHES)

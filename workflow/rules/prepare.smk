@@ -1,15 +1,16 @@
-# The run's model source, prepared once per revision and precision: a local safetensors snapshot (weights in the
-# precision's dtype, config, tokenizer, a manifest with the source's and the snapshot's fingerprints) that every
-# model-loading job memory-maps instead of loading the source again. A local safetensors folder already in that
-# dtype is linked, not copied. The params hold the source's fingerprint and the converting packages' versions: a
-# change of either prepares it again (and reruns what loaded it). See stagereplay.models.snapshot.
+# Each revision's model source, prepared once in the model store at every precision the run loads it at, from one
+# read of the source (stagereplay.stages.prepare): safetensors snapshots that every model-loading job memory-maps,
+# shared with every other run on the same files. The output is the run's record of the store entries; their keys
+# (the source's content, the precision, the converting packages' versions) are in the params, so another source
+# or converter prepares again and reruns what loaded it. A key already in the store prepares nothing. The store's
+# folder (config model_store) is not a param: where the store is changes no result.
 rule prepare_model:
     output:
-        model=directory(f"{RESULTS}/models/{{revision}}/{{precision}}"),
+        record=f"{RESULTS}/models/{{revision}}.json",
     log:
-        f"{LOGS}/{{revision}}/prepare_model_{{precision}}.log",
+        f"{LOGS}/{{revision}}/prepare_model.log",
     benchmark:
-        f"{BENCH}/{{revision}}/prepare_model_{{precision}}.tsv"
+        f"{BENCH}/{{revision}}/prepare_model.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -18,7 +19,6 @@ rule prepare_model:
         runtime=config["runtime_per_job"],
     params:
         kwargs=prepare_kwargs,
-        software=PREPARE_SOFTWARE,
-        version=CODE_VERSION,
+        snapshots=prepare_keys,
     script:
         "../scripts/prepare_model.py"

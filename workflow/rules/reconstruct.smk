@@ -18,6 +18,7 @@ rule reconstruct_prefixes:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(job_precision),
         kwargs=model_kwargs,
         version=CODE_VERSION,
     script:

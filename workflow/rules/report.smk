@@ -52,12 +52,14 @@ rule build_report:
 
 
 # The item browser: one self-contained HTML page (data embedded as JSON) to look at each item's suffixes, margins
-# and transplants; the ledger's token ids decoded with each revision's tokenizer (no weights loaded).
+# and transplants; the ledger's token ids decoded with each revision's tokenizer, read from its prepared snapshot in
+# the model store (no weights loaded, no GGUF metadata parsed).
 rule build_item_browser:
     input:
         selection=f"{RESULTS}/selection/items.parquet",
         ledger=expand(f"{RESULTS}/{{revision}}/ledger.parquet", revision=REVISIONS),
         transplant=expand(f"{RESULTS}/{{revision}}/transplant.parquet", revision=TRANSPLANT_REVISIONS),
+        models=[ancient(prepared_folder(slug)) for slug in REVISIONS],
     output:
         html=report(
             f"{RESULTS}/report/items.html",
@@ -79,6 +81,7 @@ rule build_item_browser:
                 trust_remote_code=config["trust_remote_code"],
                 allow_pickle=config["allow_pickle"],
                 offline=config["offline"],
+                prepared_models=prepared_folder(slug),
             )
             for slug, name in REVISIONS.items()
         },

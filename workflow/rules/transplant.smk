@@ -22,6 +22,7 @@ rule replay_fixed_prefixes:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(transplant_precision),
         kwargs=baseline_kwargs,
         version=CODE_VERSION,
     script:
@@ -67,6 +68,7 @@ rule dump_caches:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(dump_precisions),
         kwargs=dump_kwargs,
         version=CODE_VERSION,
     script:
@@ -92,6 +94,7 @@ rule transplant_caches:
         mem_mb=config["mem_mb_per_job"],
         runtime=config["runtime_per_job"],
     params:
+        snapshots=snapshots_of(transplant_precision),
         kwargs=transplant_kwargs,
         version=CODE_VERSION,
     script:

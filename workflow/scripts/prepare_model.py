@@ -7,4 +7,6 @@ logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 from stagereplay.stages.prepare import prepare_model
 from stagereplay.stages.settings import PrepareSettings, from_params
 
-prepare_model(snakemake.output.model, from_params(PrepareSettings, snakemake.params.kwargs))
+# The store's folder is read from the config, not the params: where the store is changes no result.
+settings = from_params(PrepareSettings, dict(snakemake.params.kwargs, model_store=snakemake.config.get("model_store")))
+prepare_model(snakemake.output.record, settings)

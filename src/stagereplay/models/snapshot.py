@@ -30,10 +30,17 @@ from pathlib import Path
 import torch
 
 from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
-from stagereplay.io.parquet import write_hash_record, write_text_atomic
 from stagereplay.models import compat
-from stagereplay.models.loading import LoadedModel, PRECISIONS, checked_config, checked_tokenizer, eos_token_ids, load_model
+from stagereplay.models.loading import (
+    PRECISIONS,
+    LoadedModel,
+    checked_config,
+    checked_tokenizer,
+    eos_token_ids,
+    load_model,
+)
 from stagereplay.models.sources import ModelLoadError, ModelSource, fetch_hub_snapshot
+from stagereplay.models.store import HASHES
 
 MANIFEST = "stagereplay_snapshot.json"
 MANIFEST_FORMAT = 1
@@ -261,35 +268,30 @@ def _write_links(folder: Path, out: Path) -> None:
         os.symlink(path.resolve(), out / name)
 
 
-def prepare_snapshot(source: ModelSource, precision: str, out_dir: str | Path, *,
-                     source_fingerprint: dict | None = None, trust_remote_code: bool = False,
-                     allow_pickle: bool = False, offline: bool = True, mode: str = "auto",
-                     cache: HashCache | None = None) -> dict:
-    """Write the snapshot of ``source`` at ``precision`` to ``out_dir`` (made whole or not at all); return its
-    manifest. ``mode``: ``auto`` links a folder already in the precision's dtype and converts anything else;
-    ``convert`` always writes and proves new weights."""
-    if precision not in PRECISIONS:
-        raise ModelLoadError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
-    started = time.perf_counter()
-    out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        folder = local_folder(source, offline, allow_pickle)
+def write_snapshots(source: ModelSource, folders: dict[str, Path], *, source_fingerprint: dict | None = None,
+                    trust_remote_code: bool = False, allow_pickle: bool = False, offline: bool = True,
+                    mode: str = "auto", cache: HashCache | None = None) -> dict[str, dict[str, str]]:
+    """Write the snapshot of ``source`` at each precision into its (new, empty) folder of ``folders``, manifest
+    last; return {precision: {file name: sha256}} of what was written. ``mode``: ``auto`` links a folder already in
+    the precision's dtype and converts anything else; ``convert`` always writes and proves new weights."""
+    unknown = sorted(set(folders) - set(PRECISIONS))
+    if unknown:
+        raise ModelLoadError(f"precisions {unknown} are not among {sorted(PRECISIONS)}")
+    folder = local_folder(source, offline, allow_pickle)
+    written = {}
+    for precision, out in folders.items():
+        started = time.perf_counter()
+        out = Path(out)
         linked = mode == "auto" and can_link(folder, precision)
         record = {}
         if linked:
-            _write_links(folder, tmp)
+            _write_links(folder, out)
             if source.kind == "hub":
                 record["model_commit"] = folder.name  # the hub snapshot folder is named by its commit
         else:
-            record = _convert(source, precision, folder, tmp, trust_remote_code, allow_pickle, offline)
+            record = _convert(source, precision, folder, out, trust_remote_code, allow_pickle, offline)
         # Linked files are the source's, whose digests the cache holds from planning; written ones are read back.
-        snapshot = files_fingerprint(folder_files(tmp), cache if linked else None)
-        if not linked:  # written here: the results' integrity check knows their bytes (linked files are the source's)
-            for name, path in folder_files(tmp).items():
-                write_hash_record(path, snapshot["files"][name])
+        snapshot = files_fingerprint(folder_files(out), cache if linked else None)
         manifest = {
             "format": MANIFEST_FORMAT,
             "source": source.describe(),
@@ -303,18 +305,32 @@ def prepare_snapshot(source: ModelSource, precision: str, out_dir: str | Path, *
             "software": software_versions(),
             "seconds": round(time.perf_counter() - started, 3),
         }
-        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        written[precision] = dict(snapshot["files"])
+    return written
+
+
+def prepare_snapshot(source: ModelSource, precision: str, out_dir: str | Path, *,
+                     source_fingerprint: dict | None = None, trust_remote_code: bool = False,
+                     allow_pickle: bool = False, offline: bool = True, mode: str = "auto",
+                     cache: HashCache | None = None) -> dict:
+    """Write the snapshot of ``source`` at ``precision`` to ``out_dir`` (made whole or not at all) outside the
+    model store (benchmarks, tests); return its manifest. Runs prepare theirs in the store
+    (:func:`stagereplay.models.store.ensure` around :func:`write_snapshots`)."""
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_snapshots(source, {precision: tmp}, source_fingerprint=source_fingerprint,
+                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, offline=offline, mode=mode,
+                        cache=cache)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if cache is not None and not linked:  # the jobs that load the snapshot then check it with a stat per file
-        for name, digest in manifest["snapshot"]["files"].items():
-            cache.remember(out / name, digest)
-    if cache is not None:
-        cache.save()
-    return manifest
+    return read_manifest(out)
 
 
 def _convert(source: ModelSource, precision: str, folder: Path | None, out: Path, trust_remote_code: bool,
@@ -354,15 +370,18 @@ def read_manifest(folder: str | Path) -> dict:
 
 def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, precision: str,
                    source_fingerprint: dict | None, cache: HashCache | None = None) -> None:
-    """Refuse a snapshot made from other files or at another precision than the job's, or whose files are not
-    the ones it was written with (a ``stat`` per file with ``cache``, where preparing left their digests)."""
+    """Refuse a snapshot made from other files (by content: the source's path may differ) or at another precision
+    than the job's, or whose files are not the ones it was written with (a ``stat`` per file with ``cache``, or
+    with the record a store entry keeps, :data:`stagereplay.models.store.HASHES`)."""
     folder = Path(folder)
+    if cache is None and (folder / HASHES).is_file():
+        cache = HashCache(folder / HASHES)
     if manifest.get("format") != MANIFEST_FORMAT or manifest.get("precision") != precision:
         raise SnapshotError(f"{folder} holds a snapshot at {manifest.get('precision')!r} (format "
                             f"{manifest.get('format')}), not at {precision!r}; rerun the workflow")
     planned = (source_fingerprint or {}).get("sha256")
     made_from = (manifest.get("source_fingerprint") or {}).get("sha256")
-    if manifest.get("source") != source.describe() or (planned and made_from != planned):
+    if planned and made_from != planned:
         raise SnapshotError(f"{folder} was prepared from {manifest.get('source')} (sha256 {str(made_from)[:16]}), "
                             f"not from {source.describe()} (sha256 {str(planned)[:16]}) as this job was planned; "
                             "rerun the workflow so that it prepares the model again")
@@ -373,7 +392,8 @@ def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, prec
     changed = sorted(name for name in set(present) | set(expected) if now.get(name) != expected.get(name))
     if changed:
         raise SnapshotError(f"{folder}: {', '.join(changed)} not the files it was prepared with (changed, missing or "
-                            "added); delete the folder and rerun the workflow, which prepares it again")
+                            f"added); remove it (stagereplay-store remove {folder.name}) and rerun the workflow, which "
+                            "prepares it again")
 
 
 def checked_stand_in(folders, source: ModelSource, source_fingerprint: dict | None,

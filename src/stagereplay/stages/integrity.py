@@ -119,6 +119,32 @@ def verify_results(root: str | Path, refresh: bool = True) -> Checked:
     return checked
 
 
+def store_entries(root: str | Path) -> list[str]:
+    """One line per prepared snapshot the run's records (``results/<run>/models/<revision>.json``) name that is not
+    whole in the model store: gone (removed to free disk) or damaged (a file changed, missing or added). Neither
+    stops the run: the first job that loads it prepares it again, and refuses the result unless it is the recorded
+    snapshot byte for byte (:func:`stagereplay.stages.prepare.entry_for`); a damaged entry is never loaded."""
+    from stagereplay.models.store import ModelStore
+    from stagereplay.stages.prepare import read_record
+
+    lines = []
+    for record_path in sorted(Path(root, "models").glob("*.json")):
+        try:
+            record = read_record(record_path)
+            store, snapshots = ModelStore(record["store"]), record["snapshots"]
+        except Exception as exc:  # a record that does not read is a damaged results file: named above
+            lines.append(f"{record_path}: {exc}")
+            continue
+        for precision, snapshot in sorted(snapshots.items()):
+            problems = store.problems(snapshot["key"], record.get("source_sha256"))
+            if problems:
+                state = "gone" if not store.path(snapshot["key"]).exists() else "damaged"
+                lines.append(f"the {precision} snapshot of {record.get('source')} ({record_path.name}) is {state} "
+                             f"in the model store ({'; '.join(problems)}): the first job that loads it prepares it "
+                             "again")
+    return lines
+
+
 def summary(root: str | Path, checked: Checked) -> str:
     line = f"Results checked: {checked.files} files under {root}"
     extra = []

@@ -20,6 +20,7 @@ from stagereplay.models.loading import eos_token_ids, load_model, set_determinis
 from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import load_prepared
 from stagereplay.stages.input_fingerprints import check_model_unchanged
+from stagereplay.stages.prepare import entry_for
 from stagereplay.stages.settings import ModelSettings
 
 
@@ -48,14 +49,15 @@ class Job:
 
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
     """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
-    (``make_decoder(loaded)``); from the revision's prepared snapshot where the workflow made one."""
+    (``make_decoder(loaded)``); from the revision's prepared snapshot in the model store where the workflow made
+    one."""
     hashes = HashCache()
     check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir, hashes)
     flags = set_determinism(settings.threads)
     gpu = claim_gpu(settings.device)  # held until the job ends
     source = resolve_source(settings.model, settings.revision, settings.base_dir)
     if settings.prepared_models:
-        loaded = load_prepared(Path(settings.prepared_models) / precision, source, precision, gpu.device,
+        loaded = load_prepared(entry_for(settings, precision, hashes), source, precision, gpu.device,
                                settings.attn_implementation, numerics, settings.model_fingerprint,
                                settings.trust_remote_code, hashes)
         hashes.save()
@@ -78,7 +80,7 @@ def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) 
 
 # Settings that say where inputs are or how to show progress, not what was computed: provenance records the model
 # files' fingerprints and the snapshot loaded in the model's info instead.
-NOT_CONFIG = ("progress", "base_dir", "model_fingerprint", "prepared_models")
+NOT_CONFIG = ("progress", "base_dir", "model_fingerprint", "prepared_models", "model_store")
 
 
 def config_of(settings) -> dict:

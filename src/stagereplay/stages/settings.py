@@ -36,16 +36,19 @@ class ModelSettings:
     # {"source", "sha256", "files"} of the revision's model files, taken when the workflow planned the job
     # (stagereplay.stages.input_fingerprints); None outside the workflow or for a hub model not cached yet.
     model_fingerprint: dict | None = None
-    # The folder of the revision's prepared snapshots, one subfolder per precision (rule prepare_model,
-    # stagereplay.models.snapshot); None: the job loads the model source itself.
+    # The run's record of the revision's prepared snapshots in the model store (rule prepare_model,
+    # stagereplay.stages.prepare); None: the job loads the model source itself.
     prepared_models: str | None = None
+    # The model store's folder (stagereplay.models.store); None: the default. Where a run's record names one, the
+    # jobs load from that.
+    model_store: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrepareSettings(ModelSettings):
-    """The model source at one precision, written once as the snapshot every later job loads."""
+    """The model source at the precisions the run needs, prepared once in the model store for every later job."""
 
-    precision: str
+    precisions: list
 
 
 @dataclass(frozen=True, kw_only=True)

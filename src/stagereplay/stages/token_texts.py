@@ -14,15 +14,29 @@ stands alone shows it without; the ledger's ``suffix_text`` keeps the whole deco
 from __future__ import annotations
 
 from stagereplay.analysis.browser import read_results, suffix_token_ids, write_item_browser
+from pathlib import Path
+
 from stagereplay.io.parquet import read_provenance
 from stagereplay.models.loading import checked_config, checked_tokenizer
+from stagereplay.models.snapshot import checked_stand_in
 from stagereplay.models.sources import ModelLoadError, resolve_source
+from stagereplay.models.store import ModelStore
+from stagereplay.stages.prepare import read_record
 
 
 def load_tokenizer(model: str, revision: str, trust_remote_code: bool = False, allow_pickle: bool = False,
-                   offline: bool = True, base_dir: str = "."):
-    """(source, tokenizer) of one revision of the config's model, loaded and checked as the generation does."""
+                   offline: bool = True, base_dir: str = ".", prepared_models: str | None = None):
+    """(source, tokenizer) of one revision of the config's model, loaded and checked as the generation does: from
+    the revision's prepared snapshot in the model store where the run's record ``prepared_models`` names a whole
+    one (a GGUF's metadata is not parsed again), else from the source."""
     source = resolve_source(model, revision, base_dir)
+    if prepared_models and Path(prepared_models).is_file():
+        record = read_record(prepared_models)
+        store = ModelStore(record["store"])
+        folders = [store.path(snap["key"]) for snap in record.get("snapshots", {}).values()]
+        stand_in = checked_stand_in(folders, source, {"sha256": record.get("source_sha256")})
+        if stand_in is not None:
+            return source, stand_in[2]
     resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
     return source, checked_tokenizer(resolved, source, common, getattr(config, "vocab_size", None))
 

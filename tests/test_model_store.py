@@ -1,0 +1,175 @@
+"""The model store: entries keyed by content, prepared once under a lock, checked by content, listed and removed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stagereplay.models import store as store_module
+from stagereplay.models.store import ModelStore, StoreError, converter_versions, ensure, entry_key
+from stagereplay.stages.input_fingerprints import model_fingerprint
+from stagereplay.stages.integrity import store_entries
+from stagereplay.stages.prepare import entry_for, prepare_model, snapshots_for
+from stagereplay.stages.settings import PrepareSettings, ReconstructSettings
+
+
+def settings(model_dir, store, **extra) -> PrepareSettings:
+    model = str(model_dir)
+    return PrepareSettings(model=model, revision="local", device="cpu", threads=1, precisions=["bf16", "fp32"],
+                           model_fingerprint=model_fingerprint(model, "local"), model_store=str(store), **extra)
+
+
+def entry_files(store) -> dict:
+    """The entries' files with their modification times (not the locks or the last-use dates)."""
+    return {p: p.stat().st_mtime_ns for p in Path(store).glob("*/*")
+            if not any(part.startswith(".") for part in p.relative_to(store).parts)}
+
+
+def test_the_key_is_the_content_and_the_converters_not_the_path_or_optional_packages(tiny_model_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    link = tmp_path / "link"
+    link.symlink_to(tiny_model_dir)
+    digests = {model_fingerprint(str(p), "local")["sha256"] for p in (tiny_model_dir, copy, link)}
+    assert len(digests) == 1  # the same files by three paths
+    sha = digests.pop()
+    assert entry_key(sha, "local", "bf16") != entry_key(sha, "local", "fp32")
+    assert entry_key(sha, "local", "bf16") != entry_key("0" * 64, "local", "bf16")
+    # gguf converts GGUF sources only: installing or removing it keys no safetensors model anew
+    assert "gguf" not in converter_versions("local") and "gguf" in converter_versions("gguf")
+    for optional in ("triton", "playwright", "pytest", "accelerate", "datasets"):
+        assert optional not in converter_versions("gguf")
+
+
+def test_a_second_run_prepares_nothing_and_reads_the_same_entries(tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    first = prepare_model(str(tmp_path / "a.json"), settings(tiny_model_dir, store))
+    entries = sorted(p for p in store.iterdir() if not p.name.startswith("."))
+    stamps = entry_files(store)
+    # another run, through another path to the same files: the same keys, nothing written
+    link = tmp_path / "elsewhere"
+    link.symlink_to(tiny_model_dir)
+    second = prepare_model(str(tmp_path / "b.json"), settings(link, store))
+    assert second["snapshots"] == first["snapshots"] and len(entries) == 2
+    assert entry_files(store) == stamps and stamps
+    rows = {r["key"]: r for r in ModelStore(store).entries()}
+    assert sorted(rows) == [e.name for e in entries]
+    assert all(r["last_used"] and r["source"].endswith(tiny_model_dir.name) for r in rows.values())
+    linked = [r for r in rows.values() if r["mode"] == "linked"]  # the toy is saved in fp32: links, no room taken
+    assert len(linked) == 1 and linked[0]["bytes"] < 10_000
+
+
+def _prepare_in_process(model_dir, store, out, counter):
+    from stagereplay.models import snapshot
+
+    write = snapshot.write_snapshots
+
+    def counted(*args, **kwargs):
+        with open(counter, "a") as f:
+            f.write("prepared\n")
+        return write(*args, **kwargs)
+
+    snapshot.write_snapshots = counted
+    record = prepare_model(out, settings(Path(model_dir), store))
+    Path(out + ".done").write_text(json.dumps(record["snapshots"], sort_keys=True))
+
+
+def test_two_runs_preparing_one_key_at_once_prepare_it_once(tiny_model_dir, tmp_path):
+    store, counter = tmp_path / "store", tmp_path / "count"
+    context = multiprocessing.get_context("spawn")  # fresh processes, as two Snakemake jobs are
+    procs = [context.Process(target=_prepare_in_process, args=(str(tiny_model_dir), str(store),
+                                                                  str(tmp_path / f"{i}.json"), str(counter)))
+             for i in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(300)
+        assert proc.exitcode == 0
+    assert counter.read_text().count("prepared") == 1  # the second waited on the lock, then found the entries
+    assert (tmp_path / "0.json.done").read_text() == (tmp_path / "1.json.done").read_text()
+    assert not list((store / ".incoming").iterdir())  # nothing half-written left behind
+    for key in json.loads((tmp_path / "0.json.done").read_text()).values():
+        assert ModelStore(store).problems(key["key"]) == []
+
+
+def test_an_entry_with_a_missing_or_changed_file_is_caught_and_prepared_again(tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    record_path = str(tmp_path / "models" / "local.json")
+    record = prepare_model(record_path, settings(tiny_model_dir, store))
+    key = record["snapshots"]["bf16"]["key"]
+    entry = ModelStore(store).path(key)
+    assert store_entries(tmp_path) == []  # the run's check: every entry whole
+    (entry / "tokenizer_config.json").unlink()
+    assert "tokenizer_config.json missing" in ModelStore(store).problems(key)[0]
+    lines = store_entries(tmp_path)
+    assert len(lines) == 1 and "bf16 snapshot" in lines[0] and "damaged" in lines[0]
+    weights = entry / "model.safetensors"
+    job = ReconstructSettings(model=str(tiny_model_dir), revision="local", device="cpu", precision="bf16",
+                              prepared_models=record_path, boundary={"marker": ";"}, max_stage_tokens=4,
+                              max_new_tokens=4, model_fingerprint=model_fingerprint(str(tiny_model_dir), "local"))
+    assert entry_for(job, "bf16") == entry  # the job prepares it again, byte for byte the recorded snapshot
+    assert ModelStore(store).problems(key) == [] and store_entries(tmp_path) == []
+    # bytes changed in place (same size, new mtime): caught by content
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert "model.safetensors changed since it was prepared" in ModelStore(store).problems(key)[0]
+    # gone: a job prepares it again
+    assert store_module.main(["--store", str(store), "remove", key]) == 0 and not entry.exists()
+    assert "is gone" in store_entries(tmp_path)[0]
+    assert entry_for(job, "bf16") == entry and ModelStore(store).problems(key) == []
+
+
+def test_a_rebuilt_entry_that_is_not_the_recorded_snapshot_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """The control of the test above: an entry prepared again with other bytes than the run recorded fails the job,
+    naming both snapshots."""
+    store = tmp_path / "store"
+    record_path = str(tmp_path / "local.json")
+    record = prepare_model(record_path, settings(tiny_model_dir, store))
+    record["snapshots"]["bf16"]["snapshot_sha256"] = "f" * 64
+    Path(record_path).write_text(json.dumps(record))
+    job = ReconstructSettings(model=str(tiny_model_dir), revision="local", device="cpu", precision="bf16",
+                              prepared_models=record_path, boundary={"marker": ";"}, max_stage_tokens=4,
+                              max_new_tokens=4)
+    with pytest.raises(StoreError, match=r"not .* \(ffffffffffffffff\) as .*local\.json records"):
+        entry_for(job, "bf16")
+
+
+def test_the_command_lists_and_removes_entries(tiny_model_dir, tmp_path, capsys):
+    store = tmp_path / "store"
+    record = prepare_model(str(tmp_path / "r.json"), settings(tiny_model_dir, store))
+    keys = sorted(s["key"] for s in record["snapshots"].values())
+    assert store_module.main(["--store", str(store), "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "2 entries" in listed and all(k in listed for k in keys) and "last used" in listed
+    assert store_module.main(["--store", str(store), "check"]) == 0
+    assert store_module.main(["--store", str(store), "remove", "bf16-nothere"]) == 2
+    assert "not in" in capsys.readouterr().err
+    assert store_module.main(["--store", str(store), "remove", "--unused-days", "1"]) == 2  # used just now
+    assert store_module.main(["--store", str(store), "remove", keys[0]]) == 0
+    assert [r["key"] for r in ModelStore(store).entries()] == keys[1:]
+    assert store_module.main(["--store", str(store), "remove", "--all"]) == 0
+    assert ModelStore(store).entries() == []
+
+
+def test_a_failed_preparation_leaves_no_entry(tmp_path):
+    store = ModelStore(tmp_path / "store")
+
+    def fails(folders):
+        for folder in folders.values():
+            (folder / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        ensure(store, {"bf16": "bf16-x"}, "0" * 64, fails)
+    assert store.entries() == [] and not list((store.root / ".incoming").iterdir())
+
+
+def test_snapshots_for_refuses_a_source_it_cannot_fingerprint(tmp_path):
+    with pytest.raises(Exception, match="neither a subfolder|not an existing folder"):
+        snapshots_for(PrepareSettings(model=str(tmp_path / "nothing"), revision="local", precisions=["bf16"],
+                                      model_store=str(tmp_path / "store")), ["bf16"])
