@@ -1299,8 +1299,8 @@ def main(argv=None) -> int:
     over = ap.add_argument_group("--measure-overhead: a model job's fixed cost, timed in a fresh process")
     over.add_argument("--measure-overhead", metavar="MODEL_DIR", help="the model folder the run's jobs load")
     over.add_argument("--precision", nargs="+", default=["bf16"])
-    over.add_argument("--prepared-models", help="results/<run>/models/<revision>: load the prepared snapshots, as "
-                      "the workflow's jobs do")
+    over.add_argument("--prepared-models", help="results/<run>/models/<revision>.json: load the store entries that "
+                      "run recorded, as the workflow's jobs do")
     over.add_argument("--revision", default="local")
     over.add_argument("--device", default="auto")
     over.add_argument("--regime", default="cuda_graph")
