@@ -1,7 +1,7 @@
 import sys
 
 from stagereplay.experiments.audit import AuditFailedError
-from stagereplay.stages.controls import check_audit
+from stagereplay.stages.gather import check_audit
 
 # The failure goes to the terminal as well as to the log: the rows that did not reproduce must be seen.
 with open(snakemake.log[0], "w") as log:

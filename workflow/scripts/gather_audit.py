@@ -4,6 +4,6 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.stages.controls import gather_audit
+from stagereplay.stages.gather import gather_audit
 
 gather_audit(list(snakemake.input.audit), snakemake.output.audit)

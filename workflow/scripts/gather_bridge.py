@@ -4,6 +4,6 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.stages.controls import gather_bridge
+from stagereplay.stages.gather import gather_bridge
 
 gather_bridge(list(snakemake.input.bridge), snakemake.output.bridge)

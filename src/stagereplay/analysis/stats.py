@@ -7,6 +7,8 @@ JSON-serialisable dict of Python ints, floats and None that can go straight into
 traced to how it was computed.
 
 This module knows nothing of torch, the ledger or Snakemake: callers read the Parquet files and hand in the columns.
+scipy and statsmodels are imported by the functions that compute with them: the item browser imports the tables
+(and so this module) and computes no statistic, and their imports are most of its start.
 """
 
 from __future__ import annotations
@@ -16,9 +18,6 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import numpy as np
-from scipy.stats import binomtest, rankdata, spearmanr, wilcoxon
-from statsmodels.stats.contingency_tables import mcnemar
-from statsmodels.stats.proportion import proportion_confint
 
 FOLLOW_OUTCOMES = ("donor", "recipient", "neither")
 # Bounds the (chunk, n) index matrix of the bootstrap to about 32 MB however many items there are.
@@ -48,6 +47,8 @@ def proportion(k: int, n: int, alpha: float = 0.05) -> dict:
               "method": "wilson score and clopper-pearson intervals (statsmodels proportion_confint)"}
     if n == 0:
         return result
+    from statsmodels.stats.proportion import proportion_confint
+
     wilson = proportion_confint(k, n, alpha=alpha, method="wilson")
     exact = proportion_confint(k, n, alpha=alpha, method="beta")
     # Clipped because the Wilson formula can land a rounding error outside [0, 1] at k == 0 or k == n.
@@ -98,6 +99,8 @@ def paired_accuracy_difference(correct_a: Sequence[bool], correct_b: Sequence[bo
     # From the discordant counts, so 11 vs 9 of 200 reads 0.01 in stats.json rather than 0.010000000000000009.
     difference = (a_only - b_only) / n
     both_right, both_wrong = int(np.sum(a & b)), int(np.sum(~a & ~b))
+    from statsmodels.stats.contingency_tables import mcnemar
+
     # With no discordant pairs the exact test has nothing to test; 1.0 is its limit and keeps stats.json free of NaN.
     p = 1.0 if a_only + b_only == 0 else float(
         mcnemar([[both_right, a_only], [b_only, both_wrong]], exact=True).pvalue)
@@ -177,6 +180,8 @@ def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha
     if d.size:
         result.update(median_divergence=float(np.median(d)), median_of_item_medians=float(np.median(m)),
                       median_within_item_percentile=float(np.median(percentiles)))
+    from scipy.stats import binomtest, wilcoxon
+
     if below + above:
         result["sign_test_p_less"] = float(binomtest(below, below + above, 0.5, alternative="greater").pvalue)
     if np.any(d != m):
@@ -186,6 +191,8 @@ def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha
 
 def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Spearman's rho of each row pair of (replicates, n) arrays; NaN where a row is constant."""
+    from scipy.stats import rankdata
+
     rx = rankdata(x, axis=1)
     ry = rankdata(y, axis=1)
     rx -= rx.mean(axis=1, keepdims=True)
@@ -217,6 +224,8 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
     a, b = (np.asarray(v) for v in zip(*pairs)) if pairs else (np.empty(0), np.empty(0))
     if len(pairs) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
         return result
+    from scipy.stats import spearmanr
+
     test = spearmanr(a, b)
     rng = np.random.default_rng(seed)
     n = len(pairs)

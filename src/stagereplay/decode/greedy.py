@@ -28,12 +28,15 @@ ledger and nothing of Snakemake.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from stagereplay.decode.protocol import Decoder, Layers
 from stagereplay.io.fingerprints import fingerprint_layers
+
+# torch is imported where the loop computes, not here: the ledger's rows and the experiments' tables import this
+# module's types (RowResult, BoundaryMatcher) in jobs that load no model, which must not pay for torch.
+if TYPE_CHECKING:
+    import torch
 
 
 class BoundaryMatcher:
@@ -105,6 +108,8 @@ TOKENS = _TokenCount()
 
 def _choice_on_device(logits: torch.Tensor):
     """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the logits' device."""
+    import torch
+
     top = torch.topk(logits, 2, dim=-1)
     return torch.argmax(logits, dim=-1), top.values[:, 0] - top.values[:, 1], torch.isfinite(logits).all(dim=-1)
 
@@ -123,6 +128,8 @@ class _Lookahead:
     """
 
     def __init__(self, rows: list, device: torch.device):
+        import torch
+
         width = max([len(row.forced) for row in rows if row.forced is not None], default=1)
         forced, lengths = [[0] * width for _ in rows], [0] * len(rows)
         for r, row in enumerate(rows):
@@ -138,6 +145,8 @@ class _Lookahead:
             self.event = torch.cuda.Event()
 
     def read(self, logits: torch.Tensor) -> None:
+        import torch
+
         self.choice, margin, finite = _choice_on_device(logits)
         # ids and fp32 margins are exact in float64: one copy brings all three
         packed = torch.stack([self.choice.double(), margin.double(), finite.double()])
@@ -148,6 +157,8 @@ class _Lookahead:
             self.host = packed
 
     def guess(self, i: int) -> torch.Tensor:
+        import torch
+
         return torch.where(self.lengths > i, self.forced[:, min(i, self.width - 1)], self.choice)
 
     def wait(self):
@@ -178,6 +189,8 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
     schedule's own, i.e. ``incremental``). ``edit(row, layers)`` runs at each row's boundary on the cache the row
     will read; ``keep`` names the rows whose boundary cache is also copied into their result.
     """
+    import torch
+
     n = len(prompts)
     if stages is not None and len(stages) != n:
         raise ValueError(f"{len(stages)} stages for {n} prompts")
@@ -304,6 +317,8 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
 def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple:
     """Row ``r`` at its boundary (its pending token to be fed at buffer position ``end``): apply ``edit``, then
     fingerprint (and, for kept rows, copy) the cache exactly as the continuation will read it."""
+    import torch
+
     layers = decoder.row_layers(batch, r, end)
     if edit is not None:
         with torch.inference_mode():

@@ -12,12 +12,13 @@ Modelled on transformers' ``CacheLayerMixin`` and lm-eval's ``LM``: a small decl
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch for the annotations only: the experiments' tables import this module in jobs without torch
+    import torch
 
 # one row's boundary cache: (K, V) per layer, each (1, kv_heads, positions, head_dim)
-Layers = list[tuple[torch.Tensor, torch.Tensor]]
+Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class RegimeError(ValueError):

@@ -1,9 +1,9 @@
-"""Stages of the controls: the fixed-prefix 2x2, the bridge's gather, the saved-ledger audit and its check, and
-the batch-invariance control. Each reads its inputs, calls the experiments and writes its outputs."""
+"""Stages of the controls: the fixed-prefix 2x2, the saved-ledger audit and the batch-invariance control. Each
+reads its inputs, calls the experiments and writes its outputs. The bridge's and the audit's gathers and the audit's
+check load no model and live in :mod:`stagereplay.stages.gather` (named here too)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pandas as pd
@@ -13,15 +13,16 @@ from stagereplay.data.prompts import Prompter
 from stagereplay.decode.greedy import matcher_from_config
 from stagereplay.io.ids import first_divergence
 from stagereplay.decode.plans import Batch, BatchPlan, batches_of
-from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, audit_batch, failures_message
-from stagereplay.experiments.bridge import BRIDGE_SCHEMA, choose_bridge_items
+from stagereplay.experiments.audit import AUDIT_SCHEMA, audit_batch
+from stagereplay.experiments.bridge import choose_bridge_items
 from stagereplay.experiments.matched import fixed_prefix, matched
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import LEDGER_SCHEMA, ledger_row
 from stagereplay.io.fingerprints import check_fingerprint_scheme
-from stagereplay.io.parquet import read_parquet, write_parquet, write_text_atomic
+from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
-from stagereplay.stages.jobs import config_of, gather, load_as_recorded
+from stagereplay.stages.gather import check_audit, gather_audit, gather_bridge  # noqa: F401 (their old home)
+from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import BatchInvarianceSettings, ControlSettings
 
@@ -57,10 +58,6 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
                              job.loaded.tokenizer, pair=tuple(s.fixed_prefix_constructions))
     prov = job.provenance("generate_fixed_prefix", config_of(s), batch_plan=None if plan is None else plan.record())
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
-
-
-def gather_bridge(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, BRIDGE_SCHEMA, ["item_index", "precision"])
 
 
 def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSettings) -> None:
@@ -110,37 +107,6 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
     write_parquet(df, out_path, prov, AUDIT_SCHEMA)
     log.info("audit %s/%s shard %d: %d of %d rows reproduced", s.revision, s.precision, s.shard,
              int(df["reproduced"].sum()), len(df))
-
-
-def gather_audit(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, AUDIT_SCHEMA, ["item_index", "experiment", "precision", "construction", "replica"])
-
-
-def check_audit(audit_path: str, ledger_path: str, out_path: str) -> dict:
-    """Raise :class:`AuditFailedError` naming every ledger row that did not reproduce (or was never audited, or is
-    duplicated); else write a small summary to ``out_path``."""
-    audit = read_parquet(audit_path)
-    ledger = read_parquet(ledger_path)
-    key = ["item_index", "experiment", "precision", "construction", "replica"]
-    failed = [r for r in audit.to_dict("records") if not r["reproduced"]]
-    for r in failed:
-        r["differed"] = list(r["differed"])
-    audited = set(map(tuple, audit[key].astype(str).values.tolist()))
-    for r in ledger.to_dict("records"):
-        if tuple(str(r[k]) for k in key) not in audited:
-            failed.append({**{k: r[k] for k in key}, "item_id": r["item_id"], "revision": r["revision"],
-                           "differed": ["not_audited"], "detail": "no audit record for this ledger row"})
-    duplicated = ledger[ledger.duplicated(key, keep=False)]
-    for r in duplicated.to_dict("records"):
-        failed.append({**{k: r[k] for k in key}, "item_id": r["item_id"], "revision": r["revision"],
-                       "differed": ["duplicate_row"], "detail": "the ledger holds this key more than once"})
-    if failed:
-        raise AuditFailedError(failures_message(failed) + f"\nThe audit's findings stay in {audit_path}.")
-    items = ledger[ledger["experiment"] == "matched"][["item_index", "precision", "construction"]].drop_duplicates()
-    summary = {"audit": str(audit_path), "ledger_rows": int(len(ledger)), "audit_rows": int(len(audit)),
-               "reproduced": int(audit["reproduced"].sum()), "trajectories": int(len(items))}
-    write_text_atomic(out_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return summary
 
 
 BATCH_INVARIANCE_SCHEMA = pa.schema([

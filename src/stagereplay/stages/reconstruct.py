@@ -1,12 +1,12 @@
 """Stage ``reconstruct_prefixes``: each item's prefix with its live cache, the matched experiment while that cache
-exists, and the bridge rows (a live cache cannot cross a process boundary); and ``gather_ledger``."""
+exists, and the bridge rows (a live cache cannot cross a process boundary). Its gathers (``gather_ledger``,
+``gather_prefixes``) load no model and live in :mod:`stagereplay.stages.gather` (named here too)."""
 
 from __future__ import annotations
 
 import logging
 
 import pandas as pd
-import pyarrow as pa
 
 from stagereplay.data.prompts import Prompter, check_context
 from stagereplay.decode.greedy import matcher_from_config
@@ -17,25 +17,13 @@ from stagereplay.experiments.matched import matched
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.models.loading import eos_token_ids
-from stagereplay.stages.jobs import config_of, gather, load
+from stagereplay.stages.gather import PREFIX_SCHEMA, gather_ledger, gather_prefixes  # noqa: F401 (their old home)
+from stagereplay.stages.jobs import config_of, load
 from stagereplay.stages.preflight import check_decode_settings
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import ReconstructSettings
 
 log = logging.getLogger("stagereplay")
-
-PREFIX_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
-    ("status", pa.string()),
-    ("prompt_ids", pa.list_(pa.int32())),
-    ("stage_ids", pa.list_(pa.int32())),
-    ("prefix_fingerprint", pa.string()),
-    ("gold_answer", pa.string()),
-])
-SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]
 
 
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, bridge_path: str,
@@ -80,11 +68,3 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
     write_parquet(pd.DataFrame(bridge_rows, columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)
-
-
-def gather_ledger(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
-
-
-def gather_prefixes(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, PREFIX_SCHEMA, ["item_index", "precision"])
