@@ -1,0 +1,456 @@
+"""Turnaround: the whole workflow on a GGUF source, twice in one working directory: a COLD run (empty model store:
+``prepare_model`` converts the GGUF file at every precision) and a WARM run (the same store, a new run name: the
+store already holds the snapshots, so ``prepare_model`` only writes the run's record). Prints and writes JSON with
+each run's wall time, each rule's wall and CPU seconds (its benchmark file under benchmarks/<run>/), each job's start
+and end (from the Snakemake log), the time before the first job (Snakemake's planning and the workflow's preflight,
+which reads a GGUF source's metadata, or its prepared snapshot once the store has one), the GPU-busy share while each
+run lasted (nvidia-smi), the ledger's rows by status (a random model may end an item before its boundary) and the
+warm/cold ratios.
+
+    python bench/turnaround.py --work /tmp/ta --shape tiny --device cpu --items 4           # CPU try-out
+    python bench/turnaround.py --work /tmp/ta --shape qwen2.5-0.5b --items 4                 # on one H200
+    python bench/turnaround.py --work /tmp/ta48 --shape qwen2.5-0.5b --items 48 --batch-size 16 \
+        --regime cuda_graph --warm-only
+
+``--warm-only`` prepares the store first with the workflow's own ``prepare_model`` job (run ``prime``, recorded but
+not timed as a run), then times one warm run: a run's turnaround once its model is prepared.
+
+The source is a RANDOM-WEIGHT GGUF file of a real Qwen2.5 shape (a shape of scripts/make_random_qwen.py; ``tiny``
+for trying it on a CPU) written with gguf-py as llama.cpp lays out a Qwen2 file: its tensor names, every 2-D weight
+quantised (``--quant``, default Q8_0), norms and biases F32, untied embeddings (``output.weight``: a random model
+with tied embeddings echoes its last input token), and a byte-level BPE tokenizer (``gpt2``, pre ``qwen2``, one
+merge) spelled in GPT-2's byte alphabet. As in make_random_qwen.py the vocabulary is the characters the prompts use
+(the toy's and the chat template's) padded with filler tokens ``~0``, ``~1``, ... to the shape's vocabulary size, so
+the random model's greedy tokens are almost all fillers and the boundary ``{marker: "~", occurrence: --stage}`` is
+reached after about --stage tokens. The numbers are speed only: the outputs mean nothing. Before the runs the file
+is checked: transformers loads it (``from_pretrained(folder, gguf_file=name)``), the toy's prompts encode with no
+unknown characters, and greedy decoding emits fillers (``--skip-check`` leaves that out).
+
+The config is bench/pipeline_run.py's (``write_config``) with ``model`` the .gguf file, ``model_store`` WORK/store
+and ``run`` cold / warm. Writes ``--json`` (default WORK/turnaround.json); the runs' logs stay in WORK
+(snakemake_<run>.log, logs/<run>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from make_random_qwen import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
+from pipeline_run import STAMP, GpuSampler, log_job_times, rule_times, write_config  # noqa: E402
+
+REVISION = "local"  # the config's revisions: a GGUF file named by model needs no revision; its slug names folders
+# Qwen2's chat format (the special tokens of a Qwen2 GGUF, with <think>/</think> as user-defined tokens)
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+USER_DEFINED = ["<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QUANTS = ("Q8_0", "Q4_0")
+# One merge (two spaces, which no prompt holds): a file without merges reads back as having none to give, and
+# transformers then derives them from scores this file does not have. Every prompt character is its own token.
+MERGES = ["\u0120 \u0120"]
+MERGED = ["\u0120\u0120"]
+
+
+# ---- The source: a random-weight GGUF file of a real shape -----------------------------------------------------------
+def prompt_characters() -> list[str]:
+    """The characters a prompt holds: the toy's (its questions) and the chat template's text around a user
+    message with the generation prompt (the role names, newlines), and a space."""
+    import jinja2
+
+    from stagereplay.data.toy import CHARS
+
+    text = jinja2.Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": ""}],
+                                                 add_generation_prompt=True)
+    for special in CONTROL + USER_DEFINED:
+        text = text.replace(special, "")
+    return sorted(set(CHARS) | set(text) | {" "})
+
+
+def vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
+    """Tokens and their GGUF types: the prompt characters in GPT-2's byte alphabet (a space is ``Ġ``, a newline
+    ``Ċ``), the special tokens, then fillers ``~0``, ``~1``, ... up to ``vocab_size``."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    chars = ["".join(spelling[b] for b in c.encode()) for c in prompt_characters()] + MERGED
+    base = chars + CONTROL + USER_DEFINED
+    tokens = base + [f"~{i}" for i in range(vocab_size - len(base))]
+    types = ([gguf.TokenType.NORMAL] * len(chars) + [gguf.TokenType.CONTROL] * len(CONTROL)
+             + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED) + [gguf.TokenType.NORMAL] * (len(tokens) - len(base)))
+    return tokens, types
+
+
+def hf_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor of a Qwen2ForCausalLM of ``shape`` with untied embeddings."""
+    h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    kv, ff, vocab = kv_heads * (h // heads), shape["intermediate_size"], shape["vocab_size"]
+    out = [("model.embed_tokens.weight", (vocab, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                (f"{p}.self_attn.q_proj.weight", (h, h)), (f"{p}.self_attn.q_proj.bias", (h,)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.k_proj.bias", (kv,)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.bias", (kv,)),
+                (f"{p}.self_attn.o_proj.weight", (h, h)), (f"{p}.mlp.gate_proj.weight", (ff, h)),
+                (f"{p}.mlp.up_proj.weight", (ff, h)), (f"{p}.mlp.down_proj.weight", (h, ff))]
+    return out
+
+
+def write_random_gguf(path: Path, shape_name: str, quant: str = "Q8_0", seed: int = 0) -> dict:
+    """Write a random-weight Qwen2 GGUF of ``shape_name``: weights drawn as transformers initialises a Qwen2
+    (normal, std 0.02; norms one, biases zero), every 2-D weight quantised as ``quant``, norms and biases F32."""
+    import gguf
+
+    shape = SHAPES[shape_name]
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    tokens, types = vocabulary(shape["vocab_size"])
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name(f"random-{shape_name}")
+    writer.add_context_length(shape["max_position_embeddings"])
+    writer.add_embedding_length(shape["hidden_size"])
+    writer.add_block_count(shape["num_hidden_layers"])
+    writer.add_feed_forward_length(shape["intermediate_size"])
+    writer.add_head_count(shape["num_attention_heads"])
+    writer.add_head_count_kv(shape["num_key_value_heads"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
+    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant}"))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, shape["num_hidden_layers"])
+    rng = np.random.default_rng(seed)
+    n_params, kinds = 0, {}
+    for hf_name, dims in hf_tensors(shape):
+        base, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        n_params += int(np.prod(dims))
+        if len(dims) == 2:
+            data = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            kinds[quant] = kinds.get(quant, 0) + 1
+        else:
+            value = 1.0 if "norm" in hf_name else 0.0
+            writer.add_tensor(name, np.full(dims, value, dtype=np.float32))
+            kinds["F32"] = kinds.get("F32", 0) + 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"file": path.name, "bytes": path.stat().st_size, "shape": shape_name, "parameters": n_params,
+            "seed": seed, "vocab_size": len(tokens), "characters": "".join(prompt_characters()),
+            "fillers": sum(t.startswith("~") for t in tokens),
+            "tensor_types": {"2-D weights": quant, "norms and biases": "F32", "counts": kinds},
+            "tied_embeddings": False, "tokenizer": "byte-level BPE (gpt2, pre qwen2), one merge (two spaces)",
+            "weights": "random (normal, std 0.02; norms 1, biases 0): outputs mean nothing"}
+
+
+def check_source(path: Path, questions: list[str], new_tokens: int = 8) -> dict:
+    """What the runs rely on, checked before them: transformers loads the file (model and tokenizer), the
+    questions' prompts encode with no unknown characters (the preflight's check), and greedy tokens are fillers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stagereplay.data.prompts import Prompter, unknown_characters
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    loaded_s = time.perf_counter() - t0
+    prompter, alone = Prompter(tokenizer), {}
+    unknown = sorted({c for q in questions for c in unknown_characters(
+        tokenizer, tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=False), alone)})
+    ids = prompter(questions[0])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    generated = out[0, len(ids):].tolist()
+    text = tokenizer.decode(generated)
+    report = {"loads": True, "load_s": round(loaded_s, 1), "model_class": type(model).__name__,
+              "tied_embeddings": bool(model.config.tie_word_embeddings), "num_layers": model.config.num_hidden_layers,
+              "tokenizer_length": len(tokenizer), "eos_token": tokenizer.eos_token,
+              "unknown_characters": unknown, "prompt_example": tokenizer.decode(ids), "prompt_tokens": len(ids),
+              "greedy_tokens": len(generated), "greedy_fillers": text.count("~"), "greedy_text": text}
+    del model
+    gc.collect()
+    if unknown:
+        raise SystemExit(f"the prompts hold characters the GGUF tokenizer does not know: {unknown}")
+    return report
+
+
+# ---- The runs ----------------------------------------------------------------------------------------------------------
+def run_config(work: Path, args, gguf_path: Path, run: str) -> Path:
+    """bench/pipeline_run.py's config, with the GGUF file as the model, WORK/store as the model store and ``run``."""
+    config = json.loads(write_config(work, args).read_text())
+    config.update(run=run, model=str(gguf_path), revisions=[REVISION], model_store=str(work / "store"))
+    path = work / f"config_{run}.yaml"
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    (work / "config.yaml").unlink()
+    return path
+
+
+def snakemake(work: Path, config: Path, run: str, args, env: dict, targets: list[str] = ()) -> dict:
+    """One Snakemake run of ``config`` in ``work``: its wall time, status and GPU samples; its log is
+    WORK/snakemake_<run>.log."""
+    # the targets first: --resources takes every value after it
+    command = [sys.executable, "-m", "snakemake", *targets, "-s", str(REPO / "Snakefile"), "--directory", str(work),
+               "--configfile", str(config), "--cores", str(args.cores), "--resources", f"gpu={args.gpu_slots}"]
+    log_path = work / f"snakemake_{run}.log"
+    sampler = GpuSampler()
+    status = "complete"
+    load_before = os.getloadavg()  # a host shared with other work slows a run's wall and not its CPU seconds
+    started = time.time()
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=args.limit_s)
+        except subprocess.TimeoutExpired:  # Snakemake and its running jobs, at once: what finished stays
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
+            status = f"stopped after --limit-s {args.limit_s:g} s (the jobs running then were killed)"
+    wall = time.perf_counter() - t0
+    gpu = sampler.stop()
+    if returncode != 0 and status == "complete":
+        print(log_path.read_text()[-4000:], file=sys.stderr)
+        status = f"failed (Snakemake exit {returncode})"
+    return {"status": status, "wall_s": round(wall, 1), "started": started, "gpu": gpu, "log": log_path.name,
+            "load_average": {"before": [round(x, 2) for x in load_before],
+                             "after": [round(x, 2) for x in os.getloadavg()]}}
+
+
+def phases(log_path: Path, started: float, wall_s: float, jobs: list[dict]) -> dict:
+    """The run's wall split at its first job's start and its last job's end (Snakemake's time stamps, to the second):
+    before the first job Snakemake plans and the workflow's preflight checks the inputs (a GGUF source's metadata,
+    or its prepared snapshot in the store where there is one); the preflight's own line says which."""
+    first = None
+    lines = log_path.read_text(errors="replace").splitlines()
+    for line in lines:
+        if m := STAMP.match(line):
+            first = datetime.datetime.strptime(" ".join(m.group(1).split()), "%a %b %d %H:%M:%S %Y").timestamp()
+            break
+    checked = next((line.strip() for line in lines if "Inputs checked" in line), None)
+    if first is None:
+        return {"preflight": checked}
+    before = max(0.0, first - started)
+    span = max((j["end_s"] for j in jobs), default=0.0)
+    return {"before_first_job_s": round(before, 1), "jobs_span_s": round(span, 1),
+            "after_last_job_s": round(max(0.0, wall_s - before - span), 1), "preflight": checked}
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def run_summary(work: Path, run: str, measured: dict) -> dict:
+    """A run's rules (benchmarks/<run>/), its jobs' start and end (its Snakemake log) and its prepare_model job."""
+    started = measured["started"]
+    jobs = rule_times(work)
+    jobs = jobs[jobs["job"].str.startswith(f"{run}/")]
+    by_rule = jobs.groupby("rule").agg(jobs=("s", "size"), s=("s", "sum"), cpu_s=("cpu_s", "sum")).sort_values(
+        "s", ascending=False)
+    rules = {rule: {"jobs": int(row["jobs"]), "s": round(float(row["s"]), 2), "cpu_s": round(float(row["cpu_s"]), 2)}
+             for rule, row in by_rule.iterrows()}
+    log = read_text(work / "logs" / run / REVISION / "prepare_model.log")
+    record = read_text(work / "results" / run / "models" / f"{REVISION}.json")
+    prepare = {
+        **rules.get("prepare_model", {}),
+        "already_in_store": log is not None and "already in the store" in log,
+        "prepared_now": log is not None and "prepared now" in log,
+        "log": [line for line in (log or "").splitlines() if "store" in line],
+        "record": json.loads(record) if record else None,
+    }
+    log_jobs = log_job_times(work / measured["log"])
+    measured = {k: v for k, v in measured.items() if k != "started"}
+    return {**measured, **phases(work / measured["log"], started, measured["wall_s"], log_jobs),
+            "jobs": int(len(jobs)), "job_seconds": round(float(jobs["s"].sum()), 1),
+            "job_cpu_seconds": round(float(jobs["cpu_s"].sum()), 1), "rules": rules,
+            "slowest_rules": list(rules)[:5], "prepare_model": prepare, "ledger": ledger_summary(work, run),
+            "job_times": [{"job": r.job, "rule": r.rule, "s": round(r.s, 2), "cpu_s": round(r.cpu_s, 2)}
+                          for r in jobs.itertuples()],
+            "log_jobs": log_jobs}
+
+
+def ledger_summary(work: Path, run: str) -> dict:
+    """The run's ledger: rows by status and the items whose live generation reached the boundary (a random model
+    may end an item early with its end-of-text token), with the mean stage length of those."""
+    import pandas as pd
+
+    path = work / "results" / run / REVISION / "ledger.parquet"
+    if not path.is_file():
+        return {}
+    ledger = pd.read_parquet(path)
+    live = ledger[(ledger["experiment"] == "matched") & (ledger["construction"] == "live")]
+    reached = live[live["status"] == "ok"]
+    return {"rows": int(len(ledger)), "status": {k: int(v) for k, v in ledger["status"].value_counts().items()},
+            "items": int(live["item_index"].nunique()), "items_at_boundary": int(reached["item_index"].nunique()),
+            "mean_stage": round(float(reached["stage_ids"].map(len).mean()), 1) if len(reached) else None}
+
+
+def ratio(warm, cold):
+    return round(warm / cold, 4) if warm is not None and cold else None
+
+
+def compare(cold: dict, warm: dict) -> dict:
+    """Warm over cold: the wall, the summed job seconds and each rule's seconds and CPU seconds."""
+    rules = {}
+    for rule in dict.fromkeys(list(cold["rules"]) + list(warm["rules"])):
+        c, w = cold["rules"].get(rule, {}), warm["rules"].get(rule, {})
+        rules[rule] = {"cold_s": c.get("s"), "warm_s": w.get("s"), "ratio_s": ratio(w.get("s"), c.get("s")),
+                       "cold_cpu_s": c.get("cpu_s"), "warm_cpu_s": w.get("cpu_s"),
+                       "ratio_cpu_s": ratio(w.get("cpu_s"), c.get("cpu_s"))}
+    whole = cold["status"] == warm["status"] == "complete"  # a stopped run's wall is its limit, not a turnaround
+    return {"wall": ratio(warm["wall_s"], cold["wall_s"]) if whole else None,
+            "job_seconds": ratio(warm["job_seconds"], cold["job_seconds"]) if whole else None,
+            "saved_wall_s": round(cold["wall_s"] - warm["wall_s"], 1) if whole else None,
+            "before_first_job": ratio(warm.get("before_first_job_s"), cold.get("before_first_job_s")),
+            "prepare_model": rules.get("prepare_model"),
+            "note": None if whole else "a run was stopped (--limit-s): no wall ratio; the rules' are of the jobs "
+                                       "each run finished",
+            "rules": rules}
+
+
+def store_entries(work: Path) -> list[dict]:
+    from stagereplay.models.store import ModelStore
+
+    return [{k: e[k] for k in ("key", "precision", "mode", "bytes")} for e in ModelStore(work / "store").entries()]
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "snakemake", "stagereplay"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_name(requested: str) -> str:
+    import torch
+
+    if requested == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu:{platform.machine()} ({os.cpu_count()} cores)"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="a fresh folder for the model, store, configs and runs")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
+                    help="a shape of scripts/make_random_qwen.py (tiny: to try it on a CPU)")
+    ap.add_argument("--quant", default="Q8_0", choices=QUANTS, help="the 2-D weights' GGUF type")
+    ap.add_argument("--items", type=int, default=4)
+    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
+    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--regime", default="eager", help="decode_regime")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--numerics", default="default")
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
+    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
+    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="prepare the store first (untimed), then time one warm run")
+    ap.add_argument("--skip-check", action="store_true", help="do not load the GGUF file before the runs")
+    ap.add_argument("--limit-s", type=float, default=None, help="stop each run after this many seconds")
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work).resolve()
+    if work.exists() and any(work.iterdir()):
+        sys.exit(f"--work {work} is not empty: give a fresh folder")
+    (work / "model").mkdir(parents=True, exist_ok=True)
+    # the store is the config's model_store; the variable too, so that nothing reaches the user's default store
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "STAGEREPLAY_MODEL_STORE": str(work / "store")}
+    gguf_path = work / "model" / f"random-{args.shape}-{args.quant.lower()}.gguf"
+    t0 = time.perf_counter()
+    source = write_random_gguf(gguf_path, args.shape, args.quant)
+    source["built_s"] = round(time.perf_counter() - t0, 1)
+    print(f"wrote {gguf_path} ({source['bytes'] / 1e6:.1f} MB, {source['parameters'] / 1e6:.1f}M random parameters, "
+          f"{args.quant}) in {source['built_s']} s", file=sys.stderr)
+    if not args.skip_check:
+        from stagereplay.data.datasets import load_synthetic
+
+        questions = [row["question"] for row in load_synthetic(max(100, 4 * args.items), 0)[:16]]
+        source["check"] = check_source(gguf_path, questions)
+        print(f"checked: {json.dumps(source['check'])}", file=sys.stderr)
+
+    runs, prime = {}, None
+    order = ["warm"] if args.warm_only else ["cold", "warm"]
+    if args.warm_only:  # the store prepared by the workflow's own prepare_model job, not timed as a run
+        config = run_config(work, args, gguf_path, "prime")
+        prime = snakemake(work, config, "prime", args, env, targets=[f"results/prime/models/{REVISION}.json"])
+        prime = run_summary(work, "prime", prime)
+        prime["store_after"] = store_entries(work)
+        if prime["status"] != "complete":
+            order = []
+    for run in order:
+        store_before = store_entries(work)
+        config = run_config(work, args, gguf_path, run)
+        print(f"run {run}: {len(store_before)} store entries before it", file=sys.stderr)
+        measured = snakemake(work, config, run, args, env)
+        runs[run] = {"store_before": store_before, **run_summary(work, run, measured),
+                     "store_after": store_entries(work)}
+        print(f"run {run}: {runs[run]['status']}, {runs[run]['wall_s']} s", file=sys.stderr)
+    import torch
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": device_name(args.device), "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+        "versions": versions(), "weights": f"random, {args.shape} shape ({args.quant} GGUF)", "argv": sys.argv[1:],
+        "status": "complete" if runs and all(r["status"] == "complete" for r in runs.values()) else "incomplete",
+        "source": source, "config": json.loads((work / f"config_{order[0] if order else 'prime'}.yaml").read_text()),
+        "cores": args.cores, "gpu_slots": args.gpu_slots, "mode": "warm only" if args.warm_only else "cold then warm",
+        "prime": prime, "runs": runs,
+        "warm_over_cold": compare(runs["cold"], runs["warm"]) if {"cold", "warm"} <= runs.keys() else None,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    out = Path(args.json or work / "turnaround.json")
+    out.write_text(text + "\n")
+    return 0 if report["status"] == "complete" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
