@@ -106,7 +106,8 @@ def test_the_snapshot_tokenizer_is_what_from_pretrained_makes_of_its_pipeline(gg
     assert legacy.pad_token == "<|im_start|>" and tokenizer_state(legacy) == tokenizer_state(plain())
 
 
-def test_a_snapshot_that_does_not_reproduce_its_source_is_not_kept(gguf_source, tmp_path, monkeypatch):
+def test_a_snapshot_that_does_not_reproduce_its_source_is_not_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """A folder converted to another dtype: written from the loaded source, loaded back, compared with it."""
     write = snapshot._write_converted
 
     def write_then_perturb(loaded, source, folder, out):
@@ -116,8 +117,29 @@ def test_a_snapshot_that_does_not_reproduce_its_source_is_not_kept(gguf_source, 
 
     monkeypatch.setattr(snapshot, "_write_converted", write_then_perturb)
     with pytest.raises(snapshot.SnapshotError, match=r"1 tensors differ in bytes.*model\.norm\.weight"):
-        snapshot.prepare_snapshot(gguf_source, "bf16", tmp_path / "bf16")
+        snapshot.prepare_snapshot(ModelSource("local", str(tiny_model_dir)), "bf16", tmp_path / "bf16")
     assert os.listdir(tmp_path) == []  # nothing half-written left behind
+
+
+def test_a_gguf_snapshot_that_does_not_load_as_written_is_not_kept(gguf_source, tmp_path, monkeypatch):
+    """A GGUF converted directly: every precision loaded back and refused unless it is the tensors written."""
+    from stagereplay.models import gguf_convert
+    from safetensors.torch import load_file, save_file
+
+    convert = gguf_convert.convert_gguf
+
+    def convert_then_perturb(path, outs, **kwargs):
+        made = convert(path, outs, **kwargs)
+        weights = Path(outs["fp32"]) / "model.safetensors"
+        tensors = load_file(weights)
+        tensors["model.norm.weight"][0] += 1
+        save_file(tensors, weights, metadata={"format": "pt"})
+        return made
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert_then_perturb)
+    with pytest.raises(snapshot.SnapshotError, match=r"at fp32 does not load as it was written: 1 tensors differ "
+                                                     r"\(\['model\.norm\.weight'\]\)"):
+        snapshot.write_snapshots(gguf_source, {"bf16": tmp_path / "bf16", "fp32": tmp_path / "fp32"})
 
 
 def test_a_folder_in_the_dtype_is_linked_another_converted(tiny_model_dir, tmp_path):

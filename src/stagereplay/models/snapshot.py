@@ -279,19 +279,27 @@ def write_snapshots(source: ModelSource, folders: dict[str, Path], *, source_fin
         raise ModelLoadError(f"precisions {unknown} are not among {sorted(PRECISIONS)}")
     folder = local_folder(source, offline, allow_pickle)
     written = {}
+    # A GGUF file is converted directly, every precision from one read of it (stagereplay.models.gguf_convert)
+    started = time.perf_counter()
+    streamed = _convert_gguf(source, folders, trust_remote_code) if source.kind == "gguf" else {}
+    streamed_s = time.perf_counter() - started
     for precision, out in folders.items():
         started = time.perf_counter()
         out = Path(out)
         linked = mode == "auto" and can_link(folder, precision)
-        record = {}
+        record, known = {}, HashCache(None)
         if linked:
             _write_links(folder, out)
             if source.kind == "hub":
                 record["model_commit"] = folder.name  # the hub snapshot folder is named by its commit
+            known = cache or known  # the source's files, whose digests the cache holds from planning
+        elif precision in streamed:
+            record = streamed[precision]
+            for name, digest in record.pop("files").items():  # taken while writing: not read again
+                known.remember(out / name, digest)
         else:
             record = _convert(source, precision, folder, out, trust_remote_code, allow_pickle, offline)
-        # Linked files are the source's, whose digests the cache holds from planning; written ones are read back.
-        snapshot = files_fingerprint(folder_files(out), cache if linked else None)
+        snapshot = files_fingerprint(folder_files(out), known)
         manifest = {
             "format": MANIFEST_FORMAT,
             "source": source.describe(),
@@ -303,7 +311,8 @@ def write_snapshots(source: ModelSource, folders: dict[str, Path], *, source_fin
             "snapshot": snapshot,
             **record,
             "software": software_versions(),
-            "seconds": round(time.perf_counter() - started, 3),
+            "seconds": round(time.perf_counter() - started + streamed_s / max(len(streamed), 1) * (precision in streamed),
+                             3),
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         written[precision] = dict(snapshot["files"])
@@ -331,6 +340,33 @@ def prepare_snapshot(source: ModelSource, precision: str, out_dir: str | Path, *
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return read_manifest(out)
+
+
+def _convert_gguf(source: ModelSource, folders: dict[str, Path], trust_remote_code: bool) -> dict[str, dict]:
+    """Every precision of a GGUF source from one read of the file (:func:`stagereplay.models.gguf_convert.
+    convert_gguf`), each loaded back through ``load_model`` and refused unless every tensor it loads is the one the
+    converter wrote (bytes, dtype, shape) and the model is whole (the load refuses missing or left-over tensors).
+    That the converter writes what loading the GGUF through transformers gives, byte for byte, is proven by
+    tests/test_gguf_convert.py; loading the GGUF here again would cost most of the preparation."""
+    from stagereplay.models.gguf_convert import convert_gguf
+
+    converted = convert_gguf(Path(source.path) / source.gguf_file, folders)
+    records = {}
+    for precision, folder in folders.items():
+        made = converted[precision]
+        tokenizer = {"tokenizer_class": made["tokenizer_class"]}
+        again = load_model(ModelSource("local", str(folder)), precision, "cpu", "eager", trust_remote_code, False,
+                           True, load_tokenizer=_tokenizer_loader(tokenizer))
+        digests = tensor_digests(again.model)
+        differing = sorted(name for name, digest in made["tensors"].items() if digests.get(name) != digest)
+        if differing:
+            raise SnapshotError(f"the snapshot of {source.describe()} at {precision} does not load as it was "
+                                f"written: {len(differing)} tensors differ ({differing[:6]})")
+        records[precision] = {"weights_sha256": weights_sha256(digests), "tensors": len(digests), **tokenizer,
+                              "converter": "gguf_convert", "files": made["files"]}
+        del again
+        gc.collect()
+    return records
 
 
 def _convert(source: ModelSource, precision: str, folder: Path | None, out: Path, trust_remote_code: bool,
