@@ -65,10 +65,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 QUANTS = ("Q8_0", "Q4_0")
-# One merge (two spaces, which no prompt holds): a file without merges reads back as having none to give, and
-# transformers then derives them from scores this file does not have. Every prompt character is its own token.
-MERGES = ["\u0120 \u0120"]
-MERGED = ["\u0120\u0120"]
+# Two merges (runs of two and four spaces, which no prompt holds): a file without merges reads back as having none to
+# give, and transformers then derives them from scores this file does not have; one merge alone reads back in
+# transformers 5.17 as a string, not a list of one. Every prompt character is its own token.
+MERGES = ["\u0120 \u0120", "\u0120\u0120 \u0120\u0120"]
+MERGED = ["\u0120\u0120", "\u0120\u0120\u0120\u0120"]
 
 
 # ---- The source: a random-weight GGUF file of a real shape -----------------------------------------------------------
@@ -169,7 +170,7 @@ def write_random_gguf(path: Path, shape_name: str, quant: str = "Q8_0", seed: in
             "seed": seed, "vocab_size": len(tokens), "characters": "".join(prompt_characters()),
             "fillers": sum(t.startswith("~") for t in tokens),
             "tensor_types": {"2-D weights": quant, "norms and biases": "F32", "counts": kinds},
-            "tied_embeddings": False, "tokenizer": "byte-level BPE (gpt2, pre qwen2), one merge (two spaces)",
+            "tied_embeddings": False, "tokenizer": "byte-level BPE (gpt2, pre qwen2), two merges (runs of spaces)",
             "weights": "random (normal, std 0.02; norms 1, biases 0): outputs mean nothing"}
 
 
