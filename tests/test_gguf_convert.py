@@ -13,7 +13,8 @@ import torch
 
 from gguf_fixture import CHAT_TEMPLATE, SPECIALS, byte_level_vocab, write_tiny_gguf
 from stagereplay.models import gguf_convert, snapshot
-from stagereplay.models.gguf_convert import GGUFConvertError, convert_gguf, tensor_digest
+from stagereplay.io.fingerprints import tensor_digest
+from stagereplay.models.gguf_convert import GGUFConvertError, convert_gguf
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 

@@ -181,3 +181,20 @@ def check_fingerprint_scheme(path: str | Path, provenance: dict | None = None, r
         "they cannot be compared with the fingerprints it recomputes. Rerun the stages that wrote it: delete "
         f"results/<run> and run snakemake again, or rerun with `snakemake --forcerun {rerun}`"
     )
+
+
+
+def tensor_digest(t) -> str:
+    """sha256 over a tensor's dtype, shape and raw bytes: what a prepared snapshot's manifest records per tensor."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def weights_sha256(digests: dict[str, str]) -> str:
+    """One sha256 over a model's tensor digests (name: digest lines, sorted by name)."""
+    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()

@@ -4,8 +4,8 @@
 ``load_model`` gives for the GGUF file would make (weights, config.json, generation_config.json, tokenizer files),
 without building the model: it holds the largest tensor dequantised in float32 and one cast copy of it, not the
 whole dequantised model that loading holds (about 45 GB at 14B bf16), and parses the file's metadata once
-(:func:`~stagereplay.models.gguf_files.gguf_read_once`). :func:`tensor_digest` and :func:`weights_sha256` are the
-snapshot manifest's digests (here, so that :mod:`~stagereplay.models.snapshot` can import them from this module).
+(:func:`~stagereplay.models.gguf_files.gguf_read_once`). Its digests are the snapshot manifest's
+(:func:`stagereplay.io.fingerprints.tensor_digest`).
 
 What it takes from the libraries, so that it makes what they make:
 
@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stagereplay.io.fingerprints import tensor_digest, weights_sha256
 from stagereplay.models.gguf_files import gguf_read_once, gguf_reader
 from stagereplay.models.loading import PRECISIONS, checked_config, checked_tokenizer
 from stagereplay.models.sources import ModelLoadError, ModelSource
@@ -70,17 +71,6 @@ class GGUFConvertError(ModelLoadError):
 def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 over a tensor's dtype, shape and raw bytes (the digest a snapshot's manifest records)."""
-    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    digest.update(_raw(t))
-    return digest.hexdigest()
-
-
-def weights_sha256(digests: dict[str, str]) -> str:
-    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()
 
 
 def _named(names) -> str:

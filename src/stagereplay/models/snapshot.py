@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
+from stagereplay.io.fingerprints import tensor_digest, weights_sha256
 from stagereplay.models import compat
 from stagereplay.models.loading import (
     PRECISIONS,
@@ -75,24 +76,11 @@ def software_versions() -> dict:
 
 
 # ---- What a loaded model is, as bytes and settings -------------------------------------------------------------------
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 over a tensor's dtype, shape and raw bytes."""
-    t = t.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return digest.hexdigest()
-
-
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
     """Every parameter and buffer (persistent or computed at load, as rotary ``inv_freq``) by name."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update({f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False)})
     return {name: tensor_digest(t) for name, t in sorted(named.items())}
-
-
-def weights_sha256(digests: dict[str, str]) -> str:
-    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(digests.items())).encode()).hexdigest()
 
 
 def _plain(value):

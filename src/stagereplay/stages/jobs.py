@@ -1,19 +1,14 @@
-"""What every model-loading stage does first and last: load the model and its decoder, record provenance, join
-per-shard parts."""
+"""What every model-loading stage does first and last: load the model and its decoder, record provenance (the
+per-shard parts are joined by :mod:`stagereplay.stages.gather`, which loads no model)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-import pandas as pd
-import pyarrow as pa
 
 from stagereplay.decode.protocol import Decoder
 from stagereplay.decode.regimes import decoder_from_record
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.file_hashes import HashCache
-from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu
 from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
@@ -86,23 +81,3 @@ NOT_CONFIG = ("progress", "base_dir", "model_fingerprint", "prepared_models", "m
 def config_of(settings) -> dict:
     """The settings as provenance records them."""
     return {k: v for k, v in asdict(settings).items() if k not in NOT_CONFIG}
-
-
-def gather(parts: list[str], out_path: str, schema: pa.Schema, sort_keys: list[str]) -> None:
-    """Join per-shard (and per-precision) parts in a deterministic order, whatever the shard count."""
-    frames = [read_parquet(p) for p in parts]
-    provs = []
-    for p in parts:
-        prov = read_provenance(p)
-        config = dict(prov.get("config") or {})
-        for key in ("shard", "n_shards"):
-            config.pop(key, None)
-        prov["config"] = config
-        provs.append(prov)
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=schema.names)
-    df = df.sort_values([k for k in sort_keys if k in df.columns], kind="stable").reset_index(drop=True)
-    distinct = []  # parts that differ only by shard carry the same provenance
-    for prov in provs:
-        if prov not in distinct:
-            distinct.append(prov)
-    write_parquet(df, out_path, {"stage": "gather", "parts": distinct}, schema)
