@@ -19,7 +19,7 @@ os.environ.setdefault("STAGEREPLAY_MODEL_STORE", tempfile.mkdtemp(prefix="stager
 # many short files fill in behind them: no long file starts last and keeps one worker busy while the other idles.
 # (xdist's own reordering, by number of tests per file, would send these one-test files last.)
 SLOWEST_FIRST = ["test_cluster_executor.py", "test_batched_workflow.py", "test_invariant_triton.py",
-                 "test_workflow.py", "test_replay_constructions_workflow.py", "test_controls_workflow.py",
+                 "test_workflow.py", "test_turnaround_bench.py", "test_replay_constructions_workflow.py", "test_controls_workflow.py",
                  "test_divergence_location_workflow.py",
                  "test_crash.py", "test_results_safety.py", "test_transplant_workflow.py", "test_sharding.py",
                  "test_bad_inputs.py", "test_input_fingerprints.py"]
