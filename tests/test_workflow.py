@@ -1,6 +1,8 @@
 """End to end: the Snakemake workflow on a tiny config in a temp directory, and the results contract."""
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -9,7 +11,26 @@ import pytest
 from stagereplay.io.parquet import read_provenance
 from test_model_store import entry_files
 from test_prepared_model import assert_each_precision_prepared_once_and_loaded_by_every_job
-from workflow_runner import snakemake, tiny_config
+from workflow_runner import snakemake, snakemake_command, tiny_config
+
+# A sitecustomize that makes importlib.metadata say the packages ``hidden`` are not installed and the packages
+# ``changed`` are another build of their version.
+HIDE_PACKAGES = """
+import importlib.metadata as metadata
+
+_version = metadata.version
+
+
+def version(name):
+    if name.lower() in {hidden!r}:
+        raise metadata.PackageNotFoundError(name)
+    if name.lower() in {changed!r}:
+        return _version(name) + "+another.build"
+    return _version(name)
+
+
+metadata.version = version
+"""
 
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
            "fig5_transplant", "fig6_accuracy", "fig7_minimal_transplant", "fig8_divergence_onset"]
@@ -56,13 +77,37 @@ def test_default_workflow_end_to_end(tmp_path):
     assert "Paired accuracy difference between constructions" in (tmp_path / "report.html").read_text(errors="replace")
 
     # a second run of another name on the same model prepares nothing: its record names the same store entries
-    stamps = entry_files(os.environ["STAGEREPLAY_MODEL_STORE"])
+    record = json.loads((res / "models/primary.json").read_text())
+    entries = [Path(record["store"]) / snap["key"] for snap in record["snapshots"].values()]
+
+    def entry_stamps():  # the run's entries only: other tests' workflows share the store
+        return {path: stamp for entry in entries for path, stamp in entry_files(record["store"]).items()
+                if path.parent == entry}
+
+    stamps = entry_stamps()
     snakemake(tmp_path, "--cores", "2", "--config", "run=tiny2", "--until", "prepare_model")
     log = (tmp_path / "logs/tiny2/primary/prepare_model.log").read_text()
     assert log.count("already in the store") == 2 and "preparing" not in log
     assert (tmp_path / "results/tiny2/models/primary.json").read_text() == \
         (res / "models/primary.json").read_text()
-    assert entry_files(os.environ["STAGEREPLAY_MODEL_STORE"]) == stamps and stamps
+    assert entry_stamps() == stamps and len({path.parent for path in stamps}) == 2
+
+    # A package that takes no part in a job's result is in no job's params: with the optional ones hidden from
+    # importlib.metadata the finished run plans nothing; another build of one that converts the model (tokenizers)
+    # replans the preparation and what loaded it (the control).
+    def planned_with(hidden=(), changed=()):
+        site = tmp_path / f"hide_{'_'.join(hidden + changed)}"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(HIDE_PACKAGES.format(hidden=hidden, changed=changed))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(snakemake_command(tmp_path, "-n", "--cores", "1"), env=env, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    assert "Nothing to be done" in planned_with(hidden=("gguf", "triton", "playwright", "datasets"))
+    replanned = planned_with(changed=("tokenizers",))
+    assert "prepare_model" in replanned and "reconstruct_prefixes" in replanned
 
 
 @pytest.mark.slow

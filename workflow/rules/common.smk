@@ -294,8 +294,10 @@ def revision_name(wildcards):
 # ---- Prepared models: each revision's model source kept prepared in the model store, shared by runs
 # (stagereplay.models.store); rule prepare_model writes the run's record of the entries it uses
 # (results/<run>/models/<revision>.json), which a model-loading job takes as input and finds under its
-# params.kwargs.prepared_models. The record is ancient(): preparing again (an entry removed from the store, then put
-# back byte for byte) reruns nothing; what a job loads is in its params instead, as the entries' keys.
+# params.kwargs.prepared_models. An entry removed from the store plans nothing (the first job that needs it prepares it
+# again, byte for byte the recorded snapshot); a new record (another source, converter or set of precisions) reruns
+# what loaded the old one. The record is not ancient(): Snakemake masks a job whose input is produced by a job that
+# reruns, so an ancient record would hide the job's own changed params (the entries' keys) and keep stale results.
 STORE_ROOT = resolve_root(config.get("model_store"))
 
 
@@ -367,7 +369,7 @@ def snapshots_of(precisions_of):
 
 
 def prepared(revision, precisions):
-    return [ancient(prepared_folder(revision))] if precisions else []
+    return [prepared_folder(revision)] if precisions else []
 
 
 def prepared_at_precision(wildcards):

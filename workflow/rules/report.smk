@@ -59,7 +59,7 @@ rule build_item_browser:
         selection=f"{RESULTS}/selection/items.parquet",
         ledger=expand(f"{RESULTS}/{{revision}}/ledger.parquet", revision=REVISIONS),
         transplant=expand(f"{RESULTS}/{{revision}}/transplant.parquet", revision=TRANSPLANT_REVISIONS),
-        models=[ancient(prepared_folder(slug)) for slug in REVISIONS],
+        models=[prepared_folder(slug) for slug in REVISIONS],
     output:
         html=report(
             f"{RESULTS}/report/items.html",
