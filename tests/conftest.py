@@ -13,8 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The test processes of one pytest run (every xdist worker) and the workflows they run share one model store of their
 # own, never the user's (~/.cache/stagereplay/models): runs compared byte for byte record the same store entries in
 # their provenance wherever a worker ran them. A test that needs an empty store names its own.
-os.environ.setdefault("STAGEREPLAY_MODEL_STORE", os.path.join(
-    tempfile.gettempdir(), f"stagereplay-test-store-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
+RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ.setdefault("STAGEREPLAY_MODEL_STORE", os.path.join(tempfile.gettempdir(), f"stagereplay-test-store-{RUN_ID}"))
+# ... and job servers of their own (configs with job_server: true), never the user's.
+os.environ.setdefault("STAGEREPLAY_JOB_SERVER_DIR", os.path.join(tempfile.gettempdir(), f"stagereplay-test-jobs-{RUN_ID}"))
 
 # The slowest test files, longest first (as measured under two xdist workers). With --dist loadfile and
 # --no-loadscope-reorder (pyproject.toml) the workers take files in collection order, so these start first and the

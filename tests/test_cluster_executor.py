@@ -136,7 +136,9 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code / "src"), os.environ.get("PYTHONPATH", "")]))
     profile = code / "profiles/cluster-generic"
     settings = yaml.safe_load((profile / "config.yaml").read_text())
-    cfg = tiny_config(tmp_path / "local", **TINY)
+    # The local run's model jobs fork from the job server (but the first, which starts it), the submitted ones are
+    # fresh processes: the byte comparison below also shows that a forked job computes what a fresh one does.
+    cfg = tiny_config(tmp_path / "local", **TINY, job_server=True, job_server_idle_s=120)
     tiny_config(tmp_path / "cluster", **TINY)
 
     submit = settings["cluster-generic-submit-cmd"]
@@ -192,6 +194,14 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
         job_output = Path(s["output"]).read_text()
         assert dict(executed_jobs(job_output)) == {job: local_jobs[job]}, job_output
         assert "1 of 1 steps (100%) done" in job_output
+
+    def job_starts(run):
+        return [line for log in sorted((tmp_path / run / "logs").rglob("*.log")) for line in log.read_text().splitlines()
+                if "job started" in line]
+
+    forked = [line for line in job_starts("local") if "forked from the job server" in line]
+    assert len(forked) >= 3, job_starts("local")
+    assert job_starts("cluster") and not any("forked" in line for line in job_starts("cluster"))
 
     # The results: the same files with the same bytes, and the content fingerprints recorded in them read back.
     local, cluster = result_files(tmp_path / "local"), result_files(tmp_path / "cluster")

@@ -3,6 +3,7 @@ per-shard parts are joined by :mod:`stagereplay.stages.gather`, which loads no m
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 from stagereplay.decode.protocol import Decoder
@@ -15,8 +16,11 @@ from stagereplay.models.loading import eos_token_ids, load_model, set_determinis
 from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import load_prepared
 from stagereplay.stages.input_fingerprints import check_model_unchanged
+from stagereplay.stages.job_server import process_start
 from stagereplay.stages.prepare import entry_for
 from stagereplay.stages.settings import ModelSettings
+
+log = logging.getLogger("stagereplay")
 
 
 @dataclass
@@ -46,6 +50,7 @@ def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder
     """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
     (``make_decoder(loaded)``); from the revision's prepared snapshot in the model store where the workflow made
     one."""
+    log.info("job started %s: loading the model", process_start())
     hashes = HashCache()
     check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir, hashes)
     flags = set_determinism(settings.threads)
@@ -63,7 +68,9 @@ def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder
     if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
         loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
         loaded.info["model_files"] = settings.model_fingerprint["files"]
-    return Job(loaded, make_decoder(loaded), flags)
+    job = Job(loaded, make_decoder(loaded), flags)
+    log.info("model and decoder ready: %s", process_start())
+    return job
 
 
 def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) -> Job:
