@@ -200,6 +200,7 @@ def start_server(key: str, idle_s: float) -> None:
 def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
+    folder().mkdir(parents=True, exist_ok=True, mode=0o700)
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
         try:
@@ -332,9 +333,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--key", required=True)
     parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
+    parser.add_argument("--preload", help="modules to import, comma-separated (default: the model stack)")
     args = parser.parse_args(argv)
     lock_fd = os.environ.pop(LOCK_FD_ENV, None)  # the key's lock, held by this descriptor while the server lives
-    return serve(args.key, args.idle_s, lock_fd=int(lock_fd) if lock_fd else None)
+    preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else PRELOAD
+    return serve(args.key, args.idle_s, preload, lock_fd=int(lock_fd) if lock_fd else None)
 
 
 if __name__ == "__main__":
