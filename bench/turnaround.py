@@ -213,6 +213,8 @@ def run_config(work: Path, args, gguf_path: Path, run: str) -> Path:
     """bench/pipeline_run.py's config, with the GGUF file as the model, WORK/store as the model store and ``run``."""
     config = json.loads(write_config(work, args).read_text())
     config.update(run=run, model=str(gguf_path), revisions=[REVISION], model_store=str(work / "store"))
+    if args.job_server and run != "fresh":
+        config.update(job_server=True, job_server_idle_s=120)
     path = work / f"config_{run}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
     (work / "config.yaml").unlink()
@@ -302,7 +304,18 @@ def run_summary(work: Path, run: str, measured: dict) -> dict:
             "slowest_rules": list(rules)[:5], "prepare_model": prepare, "ledger": ledger_summary(work, run),
             "job_times": [{"job": r.job, "rule": r.rule, "s": round(r.s, 2), "cpu_s": round(r.cpu_s, 2)}
                           for r in jobs.itertuples()],
-            "log_jobs": log_jobs}
+            "log_jobs": log_jobs, "job_starts": job_starts(work, run)}
+
+
+def job_starts(work: Path, run: str) -> dict:
+    """Each model job's start as its log says it ("job started ...", "model and decoder ready: ...")."""
+    out = {}
+    for path in sorted((work / "logs" / run).rglob("*.log")):
+        lines = [line.split("stagereplay:", 1)[-1] for line in read_text(path).splitlines()
+                 if "job started" in line or "model and decoder ready" in line]
+        if lines:
+            out[str(path.relative_to(work / "logs" / run))] = lines
+    return out
 
 
 def ledger_summary(work: Path, run: str) -> dict:
@@ -387,6 +400,11 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
     ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
     ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
+    ap.add_argument("--job-server", action="store_true",
+                    help="job_server: true (model jobs fork from a warm server) in the timed runs")
+    ap.add_argument("--fresh-run", action="store_true",
+                    help="after them, a run with job_server off on the same store, its tables compared with the "
+                         "warm run's (scripts/compare_tables.py)")
     ap.add_argument("--warm-only", action="store_true",
                     help="prepare the store first (untimed), then time one warm run")
     ap.add_argument("--skip-check", action="store_true", help="do not load the GGUF file before the runs")
@@ -403,7 +421,8 @@ def main(argv=None) -> int:
     (work / "model").mkdir(parents=True, exist_ok=True)
     # the store is the config's model_store; the variable too, so that nothing reaches the user's default store
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1", "STAGEREPLAY_MODEL_STORE": str(work / "store")}
+           "HF_HUB_OFFLINE": "1", "STAGEREPLAY_MODEL_STORE": str(work / "store"),
+           "STAGEREPLAY_JOB_SERVER_DIR": str(work / "job_servers")}
     gguf_path = work / "model" / f"random-{args.shape}-{args.quant.lower()}.gguf"
     t0 = time.perf_counter()
     source = write_random_gguf(gguf_path, args.shape, args.quant)
@@ -418,7 +437,7 @@ def main(argv=None) -> int:
         print(f"checked: {json.dumps(source['check'])}", file=sys.stderr)
 
     runs, prime = {}, None
-    order = ["warm"] if args.warm_only else ["cold", "warm"]
+    order = (["warm"] if args.warm_only else ["cold", "warm"]) + (["fresh"] if args.fresh_run else [])
     if args.warm_only:  # the store prepared by the workflow's own prepare_model job, not timed as a run
         config = run_config(work, args, gguf_path, "prime")
         prime = snakemake(work, config, "prime", args, env, targets=[f"results/prime/models/{REVISION}.json"])
@@ -434,6 +453,10 @@ def main(argv=None) -> int:
         runs[run] = {"store_before": store_before, **run_summary(work, run, measured),
                      "store_after": store_entries(work)}
         print(f"run {run}: {runs[run]['status']}, {runs[run]['wall_s']} s", file=sys.stderr)
+    if {"warm", "fresh"} <= runs.keys():
+        proc = subprocess.run([sys.executable, str(REPO / "scripts/compare_tables.py"), str(work / "results/warm"),
+                               str(work / "results/fresh")], capture_output=True, text=True)
+        runs["fresh"]["tables_equal_warm"] = {"equal": proc.returncode == 0, "output": proc.stdout[-3000:]}
     import torch
 
     report = {
