@@ -126,6 +126,11 @@ def test_zero_new_tokens_and_eos(decoder):
     """The boundary cache alone (no suffix), and rows stopped by an end-of-sequence id."""
     plain, ahead, _ = both(decoder, prompts=PROMPTS, matcher=Uneven(), max_stage_tokens=7, max_new_tokens=0)
     assert_same(plain, ahead)
+    # a built construction's boundary cache alone, one row (its own batch: it starts at its boundary, no step)
+    plain, ahead, _ = both(decoder, prompts=PROMPTS[:1], stages=[[3, 4, 5]],
+                           build=constructions.get("prefill").cache_build(), max_new_tokens=0)
+    assert_same(plain, ahead)
+    assert plain[0].stop_reason == "max_new_tokens"
     free = decode_rows(decoder, PROMPTS[:1], matcher=BoundaryMatcher(1, token_ids=[10_000]), max_stage_tokens=9,
                        max_new_tokens=1)[0].suffix_ids
     eos = StaticDecoder(decoder.model, (free[6],), max_len=48, max_rows=4, regime=decoder.regime)

@@ -238,7 +238,8 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                 if row.forced is not None:
                     row.generated, row.margins = list(row.forced[:first]), [0.0] * first
     steps = max_stage_tokens + max_new_tokens
-    ahead = _Lookahead(rows, logits.device) if getattr(decoder, "lookahead", False) else None
+    # (no logits: every row ended at its boundary, no step to take)
+    ahead = _Lookahead(rows, logits.device) if getattr(decoder, "lookahead", False) and logits is not None else None
     # iterations whose boundaries change a row's cache before the next step: known for teacher-forced rows
     changes_cache = built is not None or edit is not None
     forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and row.boundary_at is None}
