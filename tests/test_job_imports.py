@@ -60,3 +60,21 @@ def test_table_jobs_import_no_model_stack(script):
 def test_the_check_sees_torch_where_it_is_imported():
     """The control: a model stage's module does pull torch in, so the check above can fail."""
     assert "torch" in heavy_after_import(["stagereplay.stages.jobs"])
+
+
+def test_the_software_versions_are_the_modules_own_strings_without_importing_them():
+    """Every results file records ``torch.__version__`` and ``transformers.__version__`` (a GPU build's torch says
+    ``2.11.0+cu130``, its distribution ``2.11.0``): a table job reads them from the files that assign them, so it
+    records the same strings as a model job without importing either package."""
+    code = ("import json, sys\n"
+            "from stagereplay.io.provenance import software_versions\n"
+            "read = software_versions()\n"
+            "imported = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+            "import torch, transformers\n"
+            "print(json.dumps([read['torch'], read['transformers'], torch.__version__, transformers.__version__,"
+            " imported]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    torch_read, transformers_read, torch_version, transformers_version, imported = json.loads(proc.stdout)
+    assert (torch_read, transformers_read) == (torch_version, transformers_version)
+    assert imported == []

@@ -1,3 +1,7 @@
+from stagereplay.stages.job_server import hand_over
+
+hand_over(snakemake.config)  # job_server: true runs the rest in a warm server's child
+
 import sys
 from pathlib import Path
 

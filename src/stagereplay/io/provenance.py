@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 from stagereplay import __version__
@@ -25,15 +29,34 @@ def git_commit(start: str | Path | None = None) -> str:
         return "unknown"
 
 
+# Where a package assigns the ``__version__`` its module reports: its own file, relative to the package's folder.
+VERSION_FILES = {"torch": "version.py", "transformers": "__init__.py"}
+ASSIGNED_VERSION = re.compile(r"""^__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def module_version(name: str) -> str:
+    """``<name>.__version__`` (``torch.__version__``: ``2.11.0+cu130``, not the distribution's ``2.11.0``), read from
+    the file that assigns it when the package is not imported yet: a job that loads no model then records the same
+    string without importing torch and transformers (seconds). Imports the package where the file says otherwise."""
+    if name in sys.modules:
+        return sys.modules[name].__version__
+    spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
+    if spec is not None and spec.submodule_search_locations:
+        try:
+            text = (Path(next(iter(spec.submodule_search_locations))) / VERSION_FILES[name]).read_text()
+            found = ASSIGNED_VERSION.findall(text)
+            if len(found) == 1:
+                return found[0]
+        except OSError:
+            pass
+    return importlib.import_module(name).__version__
+
+
 def software_versions() -> dict:
-    import torch
-    import transformers
-
-
     return {
         "stagereplay": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": module_version("torch"),
+        "transformers": module_version("transformers"),
         "git_commit": git_commit(),
         SCHEME_KEY: CACHE_FINGERPRINT_SCHEME,
     }

@@ -1,5 +1,6 @@
-"""Model jobs that start warm: one server per host and environment imports the model stack once and forks a child
-for each job, so that a job pays for its weights, tokenizer and work, not for importing torch and transformers.
+"""Jobs that start warm: one server per host and environment imports the model stack once and forks a child for
+each job, so that a job pays for its weights, tokenizer and work, not for importing torch and transformers (the
+model stages, and the report, figures and item browser, which import the analysis stack and a tokenizer).
 
 A model job's fresh process spends most of its start importing (torch, torch's deterministic switch and the
 ``torch._dynamo`` chain transformers pulls in, the model's transformers code, the stage modules; bench/RESULTS.md,
@@ -52,12 +53,15 @@ FOLDER_ENV = "STAGEREPLAY_JOB_SERVER_DIR"
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "CUBLAS_", "NVIDIA_", "OMP_",
                    "MKL_", "OPENBLAS_", "TOKENIZERS_", "TRITON_", "LD_", "KMP_", "SAFETENSORS_", "STAGEREPLAY_")
 # What the server imports before it serves: the model stages, the loader and the transformers code the supported
-# model types run (their modeling and tokenizer modules), Snakemake's script support (the preamble unpickles with it).
+# model types run (their modeling and tokenizer modules), the report's, figures' and item browser's stacks, and
+# Snakemake's script support (the preamble unpickles with it).
 PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.stages.controls",
            "stagereplay.stages.transplant", "stagereplay.stages.minimal_transplant",
            "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "torch._inductor.config",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
-           "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_tokenizers")
+           "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_tokenizers",
+           "stagereplay.stages.token_texts", "stagereplay.analysis.report", "stagereplay.analysis.figures",
+           "scipy.stats", "statsmodels.stats.proportion")
 # The packages whose code the server imports: a job that would find another copy gets a server of its own.
 FOUND = ("stagereplay", "torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake",
          "huggingface_hub", "scipy")
