@@ -146,6 +146,27 @@ def test_a_missing_value_marker_is_not_text(tmp_path, source, content, match):
         load_source({"source": source, "path": str(path)}, numeric=False)
 
 
+def test_item_ids_keep_their_written_form_and_a_missing_one_is_refused(tmp_path):
+    """A Parquet integer id column with a missing value: pandas reads it as float64 ("1.0", "nan")."""
+    path = tmp_path / "d.parquet"
+    fields = {"id": "id"}
+    pd.DataFrame({"id": pd.array([1, 2, 3], dtype="Int64"), "question": ["1+1", "2+2", "3+3"],
+                  "answer": ["2", "4", "6"]}).to_parquet(path)
+    assert [r["item_id"] for r in load_source({"source": "parquet", "path": str(path), "fields": fields})] == [
+        "1", "2", "3"]
+    pd.DataFrame({"id": pd.array([1, None, 3], dtype="Int64"), "question": ["1+1", "2+2", "3+3"],
+                  "answer": ["2", "4", "6"]}).to_parquet(path)
+    with pytest.raises(DatasetError, match=re.escape(
+            f"{path}: row 3 has no item id (field 'id'); give it one, or leave dataset.fields.id unset to number "
+            "every row (row-000001, ...)")):
+        load_source({"source": "parquet", "path": str(path), "fields": fields})
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text(json.dumps({"id": 7, "question": "1+1", "answer": "2"}) + "\n"
+                     + json.dumps({"id": None, "question": "2+2", "answer": "4"}) + "\n")
+    with pytest.raises(DatasetError, match="line 2 has no item id"):
+        load_source({"source": "jsonl", "path": str(jsonl), "fields": fields})
+
+
 def test_characters_outside_the_toy_vocabulary_are_refused_naming_item_and_characters(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"question": "12+3", "answer": "15"}) + "\n"
