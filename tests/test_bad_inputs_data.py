@@ -181,6 +181,22 @@ def test_characters_outside_the_toy_vocabulary_are_refused_naming_item_and_chara
     assert check_run(valid_config(dataset={"source": "jsonl", "path": str(path)}, n_items=1))["n_items"] == 1
 
 
+@pytest.mark.parametrize("prompt,match", [
+    ({"instruction": "Solve this:"}, r"the prompt text 'Solve this:\\n\\n[0-9+-]+' \(prompt.instruction: 'Solve this:', "
+     r"the tokenizer's chat template\) has characters the tokenizer of .*primary does not know \('\\n', ' ', 'S', "
+     r"'e', 'h', 'i', 'l', 'o', 's', 't', 'v'\).*Change the prompt settings to text the tokenizer covers \(an "
+     r"instruction is joined to the question by a blank line, '\\n\\n'\)"),
+    ({"template": "Question: {question} Answer:"}, r"the prompt text 'Question: [0-9+-]+ Answer:' \(prompt.template: "
+     r"'Question: \{question\} Answer:'\) has characters .*\(' ', 'e', 'i', 'n', 'o', 'r', 's', 't', 'u', 'w'\)"),
+    ({"system": "Be brief"}, r"the prompt text 'Be brief' \(prompt.system: 'Be brief'"),
+])
+def test_prompt_text_the_tokenizer_cannot_encode_is_refused(prompt, match):
+    """The question alone was checked: prompt.instruction reached the toy as Q::12+7=<think>."""
+    with pytest.raises(UnknownCharactersError, match=match):
+        check_run(valid_config(prompt=prompt, n_items=2))
+    assert check_run(valid_config(prompt={"template": "Q:{question}="}, n_items=2))["n_items"] == 2
+
+
 # --- 3. config mistakes -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template,match", [

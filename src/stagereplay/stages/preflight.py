@@ -136,7 +136,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         context = getattr(model_config, "max_position_embeddings", None)
         longest, alone = 0, {}
         for item_id, question in zip(selected["item_id"], selected["question"]):
-            check_characters(item_id, question, tokenizer, source.describe(), alone)
+            check_characters(item_id, question, tokenizer, source.describe(), alone, prompter)
             n_prompt = len(prompter(question))
             check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
             longest = max(longest, n_prompt)
