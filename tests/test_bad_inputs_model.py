@@ -107,6 +107,17 @@ def test_tied_embeddings_saved_buffers_and_gguf_are_not_refused(tmp_path, four_l
     load_model(ModelSource("gguf", str(tmp_path), gguf_file="tiny.gguf"), "fp32", "cpu")
 
 
+def test_a_gguf_whose_architecture_field_lies_is_refused_naming_the_tensors_left_over(tmp_path):
+    """Qwen2's tensors labelled llama: transformers' loader dropped the six q/k/v biases and the logits changed."""
+    write_tiny_gguf(tmp_path / "labelled-llama.gguf", architecture="llama")
+    with pytest.raises(ModelLoadError, match=(
+            r"labelled-llama.gguf.*: 6 GGUF tensors give no parameter of the 'llama' model its general.architecture "
+            r"field names, and would be dropped: blk.0.attn_k.bias, blk.0.attn_q.bias, blk.0.attn_v.bias, "
+            r"blk.1.attn_k.bias, blk.1.attn_q.bias, blk.1.attn_v.bias. The file's architecture field and its tensors "
+            r"must describe the same model")):
+        load_model(ModelSource("gguf", str(tmp_path), gguf_file="labelled-llama.gguf"), "fp32", "cpu")
+
+
 # --- the preflight: what it refuses before any job -----------------------------------------------------------
 
 def test_a_model_folder_without_tokenizer_files_is_refused_by_the_preflight(tmp_path):

@@ -168,3 +168,34 @@ def check_gguf(source: ModelSource) -> None:
         raise ModelLoadError("loading a GGUF file needs accelerate: pip install 'stagereplay[gguf]'") from exc
 
 
+
+
+@contextmanager
+def gguf_name_maps_once():
+    """gguf-py's ``get_tensor_name_map`` made once per (architecture, layers) while transformers' name map is made:
+    ``get_gguf_hf_weights_map`` calls it again for every submodule (319 times at 24 layers, 4 s on the 2-core VM;
+    quadratic in the layers). The map is read only; the names it gives are the same."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def unused_gguf_tensors(model, path: str | Path) -> list[str]:
+    """The tensors of the GGUF file ``path`` that give no parameter of ``model`` (loaded from it), with the parameter
+    they would map to where there is one. transformers' ``load_gguf_checkpoint`` skips such a tensor without a word:
+    Qwen2's six ``attn_{q,k,v}.bias`` tensors in a file labelled ``llama`` were dropped and the logits changed."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    reader = gguf_reader(path)
+    architecture = gguf_utils.read_field(reader, "general.architecture")[0]
+    # the name map does not depend on the processor's config (only the tensor processing does)
+    processor = gguf_utils.TENSOR_PROCESSORS.get(architecture, gguf_utils.TensorProcessor)(config={})
+    with gguf_name_maps_once():
+        name_map = gguf_utils.get_gguf_hf_weights_map(model, processor)
+    parameters = set(model.state_dict())
+    return sorted(t.name for t in reader.tensors if name_map.get(t.name) not in parameters)
