@@ -15,7 +15,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay.config import check_boundary, typed_command_line_values
+from stagereplay.config import check_boundary, check_boundary_set, typed_command_line_values
 from stagereplay.data.datasets import DatasetError, load_source
 from stagereplay.data.prompts import Prompter, UnknownCharactersError, check_template
 from stagereplay.data.toy import build_tokenizer
@@ -219,6 +219,12 @@ def test_marker_and_token_id_both_given_are_refused():
         check_boundary({"marker": ";", "token_id": 7})
     for ok in ({"token_id": 7}, {"marker": None, "token_id": 7}, {"marker": ";"}, None):
         check_boundary(ok)
+    # neither: the rerun of reconstruct_prefixes deleted its parts, then died with a traceback
+    with pytest.raises(ValueError, match=re.escape(
+            "boundary.marker is null and no boundary.token_id is given, so the stage boundary could never be found: "
+            "give a marker string (the default is '</think>') or a token_id")):
+        check_boundary_set({"marker": None, "token_id": None, "occurrence": 1})
+    check_boundary_set({"marker": None, "token_id": 7})
 
 
 def test_config_mistakes_are_refused_when_the_workflow_is_parsed(tmp_path):
@@ -226,6 +232,10 @@ def test_config_mistakes_are_refused_when_the_workflow_is_parsed(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "boundary.marker ';' and boundary.token_id 7 are both set" in out, out[-3000:]
+    tiny_config(tmp_path, boundary={"marker": None})
+    proc = snakemake(tmp_path, "--dry-run", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "boundary.marker is null and no boundary.token_id is given" in out, out[-3000:]
     tiny_config(tmp_path, prompt={"template": "Q:{problem}="})
     proc = snakemake(tmp_path, "--dry-run", check=False)
     out = proc.stdout + proc.stderr

@@ -89,6 +89,18 @@ def check_boundary(boundary: dict | None) -> None:
         )
 
 
+def check_boundary_set(boundary: dict) -> None:
+    """Refuse a boundary with neither a marker nor a token id (``boundary: {marker: null}``), which no generated text
+    could reach: the run would generate, then fail after its jobs had deleted their old outputs.
+
+    ``boundary`` is the validated block, defaults filled in."""
+    if boundary.get("marker") is None and boundary.get("token_id") is None:
+        raise ValueError(
+            "boundary.marker is null and no boundary.token_id is given, so the stage boundary could never be found: "
+            "give a marker string (the default is '</think>') or a token_id"
+        )
+
+
 # The constructions the matched experiment builds at every revision it generates (stagereplay.experiments.matched).
 MATCHED_CONSTRUCTIONS = ("live", "prefill")
 

@@ -8,7 +8,7 @@ import yaml
 from snakemake.utils import update_config, validate
 
 import stagereplay
-from stagereplay.config import check_boundary, check_transplant_pair, typed_command_line_values
+from stagereplay.config import check_boundary, check_boundary_set, check_transplant_pair, typed_command_line_values
 from stagereplay.data.prompts import check_template
 from stagereplay.models.sources import revision_slug
 from stagereplay.models.sources import ModelLoadError, resolve_source
@@ -53,6 +53,7 @@ check_decode_settings(
 if config["boundary"].get("token_id") is not None:
     # The user gave no marker with it (check_boundary): the default's marker does not apply.
     config["boundary"]["marker"] = None
+check_boundary_set(config["boundary"])
 if config["reference_precision"] not in config["precisions"]:
     raise ValueError(
         f"reference_precision: {config['reference_precision']!r} is not one of precisions "

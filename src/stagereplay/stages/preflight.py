@@ -13,6 +13,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
+from stagereplay.config import check_boundary_set
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_characters, check_context
 from stagereplay.decode.regimes import check_static_options
@@ -104,6 +105,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                           config.get("decode_attention", "masked"), config.get("decode_prefill_group"),
                           config.get("decode_kernels", "library"))
     check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
+    check_boundary_set(config.get("boundary") or {})
     if jobs_run_here:  # the Triton options need the GPU the jobs will get
         check_device_options(resolve_device(config.get("device", "auto")).type, config.get("decode_attention", "masked"),
                              config.get("decode_kernels", "library"))
