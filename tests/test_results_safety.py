@@ -100,6 +100,21 @@ def test_an_intact_run_passes_and_each_damaged_file_is_named_with_its_fix(tmp_pa
     assert "has no recorded sha256 and does not open" in by_file[str(unrecorded)]
 
 
+def test_a_damaged_record_of_prepared_models_gets_advice_that_works(tmp_path):
+    """A prepared snapshot lives in the model store, not in results: the run keeps only its record of the entries
+    (models/<revision>.json), which every model-loading job takes as input. A missing or damaged store entry is
+    named before any job by store_entries and prepared again by the job that loads it (tests/test_model_store.py)."""
+    root = tmp_path / "results" / "tiny"
+    record = root / "models" / "primary.json"
+    write_text_atomic(record, '{"format": 1}\n')
+    record.write_text("{")
+    with pytest.raises(DamagedResultsError) as err:
+        verify_results(root)
+    assert (f"{record} is damaged: its sha256 is" in str(err.value) and "restore it from a copy (cp -p), or delete "
+            "it: the next run writes it again from the model store (nothing is converted while the store's entries "
+            "are whole) and reruns every job that loads the model" in str(err.value))
+
+
 def test_touched_files_are_trusted_and_a_copy_is_hashed_once_and_a_dry_run_writes_nothing(tmp_path):
     """Snakemake touches every output after its job: the mtime is not the key, the size and inode are."""
     root = tmp_path / "results" / "tiny"
