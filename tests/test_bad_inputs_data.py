@@ -17,7 +17,7 @@ from snakemake.utils import validate
 
 from stagereplay.config import check_boundary, check_boundary_set, typed_command_line_values
 from stagereplay.data.datasets import DatasetError, load_source
-from stagereplay.data.prompts import Prompter, UnknownCharactersError, check_template
+from stagereplay.data.prompts import Prompter, UnknownCharactersError, UnreachableBoundaryError, check_template
 from stagereplay.data.toy import build_tokenizer
 from stagereplay.stages.preflight import check_run
 from workflow_runner import snakemake, snakemake_command, tiny_config
@@ -195,6 +195,17 @@ def test_prompt_text_the_tokenizer_cannot_encode_is_refused(prompt, match):
     with pytest.raises(UnknownCharactersError, match=match):
         check_run(valid_config(prompt=prompt, n_items=2))
     assert check_run(valid_config(prompt={"template": "Q:{question}="}, n_items=2))["n_items"] == 2
+
+
+def test_a_boundary_marker_the_tokenizer_cannot_produce_is_refused_by_the_preflight():
+    """Before: generation ran, no item reached the boundary, and three later stages failed with a traceback."""
+    with pytest.raises(UnreachableBoundaryError, match=re.escape(
+            "boundary.marker 'END' cannot be produced by the tokenizer of ") + r".*primary: " + re.escape(
+            "it has characters the tokenizer does not know ('D', 'E', 'N'), so no generated text could contain it "
+            "and no item would reach the stage boundary; it knows only the characters '+-0123456789:;=AQ'")):
+        check_run(valid_config(boundary={"marker": "END"}, n_items=2))
+    for marker in (";", "=;", "</think>"):  # a special token of the toy's is a marker it can write
+        check_run(valid_config(boundary={"marker": marker}, n_items=2))
 
 
 # --- 3. config mistakes -------------------------------------------------------------------------------------

@@ -149,3 +149,26 @@ def check_characters(item_id: str, question: str, tokenizer, model: str, alone: 
                 f"see (dropped, or read as the unknown token){_known_characters(tokenizer)}. Change the prompt "
                 f"settings to text the tokenizer covers{joined}, or use a model whose tokenizer covers it"
             )
+
+
+class UnreachableBoundaryError(ValueError):
+    """A boundary marker the model's tokenizer cannot produce, so no generated text could reach the boundary."""
+
+
+def check_marker(marker: str | None, tokenizer, model: str) -> None:
+    """Refuse a ``boundary.marker`` that no generated text could contain: the boundary is matched on the decoded
+    text, so the marker must survive encoding and decoding (a character the tokenizer does not know is dropped)."""
+    if not marker:
+        return
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.decode(ids)
+    if marker in decoded:
+        return
+    unknown = unknown_characters(tokenizer, marker)
+    why = (f"it has characters the tokenizer does not know ({', '.join(map(repr, unknown))})" if unknown else
+           f"its tokens decode to {decoded!r}")
+    raise UnreachableBoundaryError(
+        f"boundary.marker {marker!r} cannot be produced by the tokenizer of {model}: {why}, so no generated text "
+        f"could contain it and no item would reach the stage boundary{_known_characters(tokenizer)}. Give a marker "
+        "the model writes, or its token id as boundary.token_id"
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from stagereplay.config import check_boundary_set
 from stagereplay.data import datasets
-from stagereplay.data.prompts import Prompter, check_characters, check_context
+from stagereplay.data.prompts import Prompter, check_characters, check_context, check_marker
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.decode.static import check_device_options
 from stagereplay.models.snapshot import checked_stand_in
@@ -134,6 +134,8 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                 f"boundary.token_id {token_id} is outside the vocabulary of {source.describe()} ({vocab} ids): the "
                 "boundary could never appear; give an id the model can produce, or a marker string"
             )
+        if token_id is None:
+            check_marker((config.get("boundary") or {}).get("marker"), tokenizer, source.describe())
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
         context = getattr(model_config, "max_position_embeddings", None)
         longest, alone = 0, {}
