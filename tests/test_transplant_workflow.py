@@ -120,6 +120,7 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
     shutil.rmtree(store / record["snapshots"]["bf16"]["key"])
     sweeps = ["--config", "transplant={sweeps: [all, v_only]}"]
     dry = snakemake(run, "-n", "--cores", "1", *sweeps)
-    assert "the bf16 snapshot of" in dry.stderr and "is gone in the model store" in dry.stderr, dry.stderr[-3000:]
+    out = dry.stdout + dry.stderr
+    assert "the bf16 snapshot of" in out and "is gone in the model store" in out, out[-3000:]
     assert jobs_planned(run, *sweeps) == {"transplant_caches", "plot_figures", "build_report", "build_item_browser",
                                           "all"}
