@@ -118,6 +118,8 @@ def test_a_gguf_whose_architecture_field_lies_is_refused_naming_the_tensors_left
             r"blk.1.attn_k.bias, blk.1.attn_q.bias, blk.1.attn_v.bias. The file's architecture field and its tensors "
             r"must describe the same model")):
         load_model(ModelSource("gguf", str(tmp_path), gguf_file="labelled-llama.gguf"), "fp32", "cpu")
+    with pytest.raises(ModelLoadError, match=r"6 GGUF tensors give no parameter of the 'llama' model"):
+        check_model(ModelSource("gguf", str(tmp_path), gguf_file="labelled-llama.gguf"))  # the preflight
 
 
 @pytest.mark.parametrize("qtype,older_gguf", [("Q8_K", False), ("IQ2_XXS", True), ("TQ1_0", True), ("IQ1_M", True)])

@@ -234,6 +234,16 @@ def check_weights_match_config(loading_info: dict, requested: ModelSource, confi
     )
 
 
+def meta_model(config):
+    """The model ``from_pretrained`` builds for ``config``, on the meta device: its parameter names, no memory."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+
+
 def check_gguf_tensors_used(model, source: ModelSource, requested: ModelSource) -> None:
     """Refuse a GGUF file of which a tensor gives no parameter of the model loaded from it (transformers drops it
     silently): the file's architecture field names another model than its tensors are (the safetensors path refuses

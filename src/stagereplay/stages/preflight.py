@@ -19,7 +19,13 @@ from stagereplay.data.prompts import Prompter, check_characters, check_context, 
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.decode.static import check_device_options
 from stagereplay.models.snapshot import checked_stand_in
-from stagereplay.models.loading import checked_config, checked_tokenizer, resolve_device
+from stagereplay.models.loading import (
+    check_gguf_tensors_used,
+    checked_config,
+    checked_tokenizer,
+    meta_model,
+    resolve_device,
+)
 from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
 from stagereplay.models.gguf_files import gguf_read_once
 
@@ -33,6 +39,8 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
     instead of three or four times, which took the better part of a minute for a Qwen2 vocabulary."""
     with gguf_read_once() if source.kind == "gguf" else nullcontext():
         resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
+        if resolved.kind == "gguf":  # every tensor must give a parameter (the parameter names, not the weights)
+            check_gguf_tensors_used(meta_model(config), resolved, source)
         return config, checked_tokenizer(resolved, source, common, getattr(config, "vocab_size", None))
 
 
