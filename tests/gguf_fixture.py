@@ -44,20 +44,23 @@ def tiny_qwen2_model(vocab_size: int, seed: int = 0, layers: int = 2):
     return model
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, architecture: str = "qwen2", layers: int = 2):
+def write_tiny_gguf(path: Path, seed: int = 0, architecture: str = "qwen2", layers: int = 2, raw_types=None):
     """Write a tiny random Qwen2-shaped model to ``path`` (F32 tensors); return the in-memory HF model.
 
-    ``architecture`` is written as the file's ``general.architecture`` (tests write an unsupported one).
+    ``architecture`` is written as the file's ``general.architecture`` (tests write an unsupported one);
+    ``raw_types`` (GGUF tensor name: ggml type name) writes those tensors as zero blocks of that type.
     """
     tokens, merges = byte_level_vocab()
     model = tiny_qwen2_model(len(tokens), seed, layers)
     normal = len(tokens) - len(SPECIALS)
-    write_qwen2_gguf(path, model, tokens, merges, normal, "tiny-random-qwen2", architecture, rope_base=10000.0)
+    write_qwen2_gguf(path, model, tokens, merges, normal, "tiny-random-qwen2", architecture, rope_base=10000.0,
+                     raw_types=raw_types)
     return model
 
 
 def write_qwen2_gguf(path: Path, model, tokens: list[str], merges: list[str], normal: int, name: str,
-                     architecture: str = "qwen2", rope_base: float = 10000.0, unused: int = 0) -> None:
+                     architecture: str = "qwen2", rope_base: float = 10000.0, unused: int = 0,
+                     raw_types: dict | None = None) -> None:
     """``model``'s tensors (F32) and a byte-level BPE tokenizer as llama.cpp's converter lays a Qwen2 GGUF out:
     ``tokens`` are ``normal`` regular tokens, then the specials, then ``unused`` padding tokens."""
     import gguf
@@ -88,7 +91,14 @@ def write_qwen2_gguf(path: Path, model, tokens: list[str], merges: list[str], no
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
     for tensor_name, tensor in model.state_dict().items():
         base, suffix = tensor_name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+        name = f"{names.get_name(base)}.{suffix}"
+        if name in (raw_types or {}):
+            kind = gguf.GGMLQuantizationType[raw_types[name]]
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            rows, cols = tensor.shape
+            writer.add_tensor(name, np.zeros((rows, cols // block * size), dtype=np.uint8), raw_dtype=kind)
+            continue
+        writer.add_tensor(name, tensor.float().numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

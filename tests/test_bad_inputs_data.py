@@ -15,9 +15,9 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay.config import check_boundary, typed_command_line_values
+from stagereplay.config import check_boundary, check_boundary_set, typed_command_line_values
 from stagereplay.data.datasets import DatasetError, load_source
-from stagereplay.data.prompts import Prompter, UnknownCharactersError, check_template
+from stagereplay.data.prompts import Prompter, UnknownCharactersError, UnreachableBoundaryError, check_template
 from stagereplay.data.toy import build_tokenizer
 from stagereplay.stages.preflight import check_run
 from workflow_runner import snakemake, snakemake_command, tiny_config
@@ -146,6 +146,27 @@ def test_a_missing_value_marker_is_not_text(tmp_path, source, content, match):
         load_source({"source": source, "path": str(path)}, numeric=False)
 
 
+def test_item_ids_keep_their_written_form_and_a_missing_one_is_refused(tmp_path):
+    """A Parquet integer id column with a missing value: pandas reads it as float64 ("1.0", "nan")."""
+    path = tmp_path / "d.parquet"
+    fields = {"id": "id"}
+    pd.DataFrame({"id": pd.array([1, 2, 3], dtype="Int64"), "question": ["1+1", "2+2", "3+3"],
+                  "answer": ["2", "4", "6"]}).to_parquet(path)
+    assert [r["item_id"] for r in load_source({"source": "parquet", "path": str(path), "fields": fields})] == [
+        "1", "2", "3"]
+    pd.DataFrame({"id": pd.array([1, None, 3], dtype="Int64"), "question": ["1+1", "2+2", "3+3"],
+                  "answer": ["2", "4", "6"]}).to_parquet(path)
+    with pytest.raises(DatasetError, match=re.escape(
+            f"{path}: row 3 has no item id (field 'id'); give it one, or leave dataset.fields.id unset to number "
+            "every row (row-000001, ...)")):
+        load_source({"source": "parquet", "path": str(path), "fields": fields})
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text(json.dumps({"id": 7, "question": "1+1", "answer": "2"}) + "\n"
+                     + json.dumps({"id": None, "question": "2+2", "answer": "4"}) + "\n")
+    with pytest.raises(DatasetError, match="line 2 has no item id"):
+        load_source({"source": "jsonl", "path": str(jsonl), "fields": fields})
+
+
 def test_characters_outside_the_toy_vocabulary_are_refused_naming_item_and_characters(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"question": "12+3", "answer": "15"}) + "\n"
@@ -158,6 +179,33 @@ def test_characters_outside_the_toy_vocabulary_are_refused_naming_item_and_chara
         check_run(cfg)
     path.write_text(json.dumps({"question": "12+3", "answer": "15"}) + "\n")
     assert check_run(valid_config(dataset={"source": "jsonl", "path": str(path)}, n_items=1))["n_items"] == 1
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"instruction": "Solve this:"}, r"the prompt text 'Solve this:\\n\\n[0-9+-]+' \(prompt.instruction: 'Solve this:', "
+     r"the tokenizer's chat template\) has characters the tokenizer of .*primary does not know \('\\n', ' ', 'S', "
+     r"'e', 'h', 'i', 'l', 'o', 's', 't', 'v'\).*Change the prompt settings to text the tokenizer covers \(an "
+     r"instruction is joined to the question by a blank line, '\\n\\n'\)"),
+    ({"template": "Question: {question} Answer:"}, r"the prompt text 'Question: [0-9+-]+ Answer:' \(prompt.template: "
+     r"'Question: \{question\} Answer:'\) has characters .*\(' ', 'e', 'i', 'n', 'o', 'r', 's', 't', 'u', 'w'\)"),
+    ({"system": "Be brief"}, r"the prompt text 'Be brief' \(prompt.system: 'Be brief'"),
+])
+def test_prompt_text_the_tokenizer_cannot_encode_is_refused(prompt, match):
+    """The question alone was checked: prompt.instruction reached the toy as Q::12+7=<think>."""
+    with pytest.raises(UnknownCharactersError, match=match):
+        check_run(valid_config(prompt=prompt, n_items=2))
+    assert check_run(valid_config(prompt={"template": "Q:{question}="}, n_items=2))["n_items"] == 2
+
+
+def test_a_boundary_marker_the_tokenizer_cannot_produce_is_refused_by_the_preflight():
+    """Before: generation ran, no item reached the boundary, and three later stages failed with a traceback."""
+    with pytest.raises(UnreachableBoundaryError, match=re.escape(
+            "boundary.marker 'END' cannot be produced by the tokenizer of ") + r".*primary: " + re.escape(
+            "it has characters the tokenizer does not know ('D', 'E', 'N'), so no generated text could contain it "
+            "and no item would reach the stage boundary; it knows only the characters '+-0123456789:;=AQ'")):
+        check_run(valid_config(boundary={"marker": "END"}, n_items=2))
+    for marker in (";", "=;", "</think>"):  # a special token of the toy's is a marker it can write
+        check_run(valid_config(boundary={"marker": marker}, n_items=2))
 
 
 # --- 3. config mistakes -------------------------------------------------------------------------------------
@@ -182,6 +230,12 @@ def test_marker_and_token_id_both_given_are_refused():
         check_boundary({"marker": ";", "token_id": 7})
     for ok in ({"token_id": 7}, {"marker": None, "token_id": 7}, {"marker": ";"}, None):
         check_boundary(ok)
+    # neither: the rerun of reconstruct_prefixes deleted its parts, then died with a traceback
+    with pytest.raises(ValueError, match=re.escape(
+            "boundary.marker is null and no boundary.token_id is given, so the stage boundary could never be found: "
+            "give a marker string (the default is '</think>') or a token_id")):
+        check_boundary_set({"marker": None, "token_id": None, "occurrence": 1})
+    check_boundary_set({"marker": None, "token_id": 7})
 
 
 def test_config_mistakes_are_refused_when_the_workflow_is_parsed(tmp_path):
@@ -189,6 +243,10 @@ def test_config_mistakes_are_refused_when_the_workflow_is_parsed(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "boundary.marker ';' and boundary.token_id 7 are both set" in out, out[-3000:]
+    tiny_config(tmp_path, boundary={"marker": None})
+    proc = snakemake(tmp_path, "--dry-run", "--no-hooks", check=False)  # when parsed, not only by the preflight
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "boundary.marker is null and no boundary.token_id is given" in out, out[-3000:]
     tiny_config(tmp_path, prompt={"template": "Q:{problem}="})
     proc = snakemake(tmp_path, "--dry-run", check=False)
     out = proc.stdout + proc.stderr

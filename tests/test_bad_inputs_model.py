@@ -7,11 +7,13 @@ and the workflow only where Snakemake itself is what is tested.
 """
 
 import json
+import re
 import shutil
 import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -105,6 +107,47 @@ def test_tied_embeddings_saved_buffers_and_gguf_are_not_refused(tmp_path, four_l
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     load_model(ModelSource("gguf", str(tmp_path), gguf_file="tiny.gguf"), "fp32", "cpu")
+
+
+def test_a_gguf_whose_architecture_field_lies_is_refused_naming_the_tensors_left_over(tmp_path):
+    """Qwen2's tensors labelled llama: transformers' loader dropped the six q/k/v biases and the logits changed."""
+    write_tiny_gguf(tmp_path / "labelled-llama.gguf", architecture="llama")
+    with pytest.raises(ModelLoadError, match=(
+            r"labelled-llama.gguf.*: 6 GGUF tensors give no parameter of the 'llama' model its general.architecture "
+            r"field names, and would be dropped: blk.0.attn_k.bias, blk.0.attn_q.bias, blk.0.attn_v.bias, "
+            r"blk.1.attn_k.bias, blk.1.attn_q.bias, blk.1.attn_v.bias. The file's architecture field and its tensors "
+            r"must describe the same model")):
+        load_model(ModelSource("gguf", str(tmp_path), gguf_file="labelled-llama.gguf"), "fp32", "cpu")
+    with pytest.raises(ModelLoadError, match=r"6 GGUF tensors give no parameter of the 'llama' model"):
+        check_model(ModelSource("gguf", str(tmp_path), gguf_file="labelled-llama.gguf"))  # the preflight
+
+
+@pytest.mark.parametrize("qtype,older_gguf", [("Q8_K", False), ("IQ2_XXS", True), ("TQ1_0", True), ("IQ1_M", True)])
+def test_a_gguf_tensor_of_a_type_that_cannot_be_read_is_refused_by_the_preflight_from_the_header(
+        tmp_path, monkeypatch, qtype, older_gguf):
+    """A type gguf-py cannot dequantise ended in "cannot reshape array of size 0" while loading: the gguf-py the
+    issue was found with gave an empty array for IQ2_XXS, TQ1_0 and IQ1_M (played here), this one raises for Q8_K."""
+    import gguf.quants
+
+    from stagereplay.models import gguf_files
+
+    if older_gguf:
+        dequantize = gguf.quants.dequantize
+        monkeypatch.setattr(gguf.quants, "dequantize", lambda data, kind: np.empty(0, dtype=np.float32)
+                            if kind.name == qtype else dequantize(data, kind))
+    gguf_files.dequantizable.cache_clear()
+    write_tiny_gguf(tmp_path / "q.gguf", raw_types={"blk.0.attn_q.weight": qtype})
+    source = ModelSource("gguf", str(tmp_path), gguf_file="q.gguf")
+    try:
+        with pytest.raises(ModelLoadError, match=(
+                r"GGUF file .*q.gguf: 1 tensors cannot be read \(transformers dequantises a GGUF through gguf-py "
+                rf"[0-9.]+\): blk.0.attn_q.weight \({qtype}, which gguf-py cannot dequantise\). Use a file "
+                "quantised to a type it reads")):
+            check_model(source)
+        write_tiny_gguf(tmp_path / "f32.gguf")
+        check_model(ModelSource("gguf", str(tmp_path), gguf_file="f32.gguf"))
+    finally:
+        gguf_files.dequantizable.cache_clear()
 
 
 # --- the preflight: what it refuses before any job -----------------------------------------------------------

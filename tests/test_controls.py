@@ -21,7 +21,7 @@ from stagereplay.experiments.audit import (
     compare_row,
     layout_parity,
 )
-from stagereplay.experiments.bridge import bridge, bridge_rows_of, choose_bridge_items
+from stagereplay.experiments.bridge import BRIDGE_SCHEMA, bridge, bridge_rows_of, choose_bridge_items
 from stagereplay.experiments.cache_differences import compare_layers
 from stagereplay.experiments.matched import fixed_prefix, matched
 from stagereplay.experiments.recipe import run
@@ -486,3 +486,16 @@ def test_report_sections_from_frames():
     lines, numbers = audit_section(RevisionData("primary", {}, _frames={"audit": audit}))
     assert (numbers["reproduced"]["k"], numbers["reproduced"]["n"]) == (1, 2)
     assert "1 / 2" in "\n".join(lines) and "b fixed_prefix fp32 prefill 2" in "\n".join(lines)
+
+
+def test_a_bridge_of_no_rows_says_whether_none_was_asked_for_or_none_reached_the_boundary(tmp_path):
+    """bridge.n_rows: 0 made the report say that no bridge row reached the boundary, which is not what happened."""
+    path = tmp_path / "bridge.parquet"
+    for n_rows, says in ((0, "No bridge row was asked for (bridge.n_rows: 0), so the incremental cache was not "
+                             "compared with the live one; set bridge.n_rows above 0 to compare them."),
+                         (3, "No bridge row reached the boundary: there is no cache to compare.")):
+        write_parquet(pd.DataFrame(columns=BRIDGE_SCHEMA.names), path,
+                      {"stage": "gather", "parts": [{"config": {"bridge": {"n_rows": n_rows, "seed": 0}}}]},
+                      BRIDGE_SCHEMA)
+        lines, _ = bridge_section(RevisionData("primary", {"bridge": str(path)}))
+        assert says in lines and len([line for line in lines if line.startswith("No bridge row")]) == 1

@@ -107,6 +107,34 @@ def test_baseline_pair_comes_from_one_experiment_and_a_missing_one_is_named():
         baseline_rows(baseline, "fp32", ("incremental", "prefix_cached"))
 
 
+def test_a_run_where_no_item_reached_the_boundary_transplants_nothing_and_the_report_says_so_once(tmp_path):
+    """max_stage_tokens: 1 (or a marker the model never writes): generation ran, then select_transplant_items,
+    dump_caches and measure_divergence_onset failed saying "add them to fixed_prefix.constructions"."""
+    from stagereplay.analysis.report import no_boundary_line
+    from stagereplay.io.parquet import read_parquet, write_parquet
+    from stagereplay.stages.transplant_selection import select_transplant_items
+
+    rows = [{"item_index": i, "item_id": f"toy-{i}", "revision": "primary", "experiment": "matched",
+             "precision": "bf16", "construction": "live", "replica": replica, "status": "boundary_missing",
+             "prompt_ids": [1, 2], "stage_ids": [3], "suffix_ids": []} for i in range(2) for replica in (1, 2)]
+    ledger = pd.DataFrame(rows)
+    assert baseline_rows(ledger, "bf16", ("live", "prefill")).empty
+    write_parquet(ledger, tmp_path / "ledger.parquet", {"stage": "gather"})
+    select_transplant_items(str(tmp_path / "ledger.parquet"), str(tmp_path / "selection.parquet"),
+                            revision="primary", precision="bf16", select="divergent")
+    assert read_parquet(tmp_path / "selection.parquet").empty
+    assert no_boundary_line(ledger) == (
+        "**No item reached the stage boundary at this revision** (2 boundary_missing): there are no prefixes, so no "
+        "construction was compared and the fixed-prefix, bridge, transplant and divergence stages had nothing to do. "
+        "Check `boundary` and `max_stage_tokens` above: the marker must be text the model writes within the stage "
+        "budget. Each item is listed under \"Items excluded and why\".")
+    reached = pd.DataFrame([dict(rows[0], status="ok")] + rows[1:])
+    assert no_boundary_line(reached) is None
+    # a pair the experiments did not run is still named where items did reach the boundary
+    with pytest.raises(ValueError, match=r"the baseline has no \['prefill'\] rows at bf16; add them to"):
+        baseline_rows(reached, "bf16", ("live", "prefill"))
+
+
 def test_a_transplant_pair_that_did_not_run_is_refused_when_the_workflow_is_parsed(tmp_path):
     check_transplant_pair(["incremental", "chunked"], ALL)
     check_transplant_pair(["live", "prefill"], ["incremental", "prefill"])

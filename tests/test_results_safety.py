@@ -5,6 +5,7 @@ the console at least once per interval while its per-batch bar stays in the job'
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -100,6 +101,21 @@ def test_an_intact_run_passes_and_each_damaged_file_is_named_with_its_fix(tmp_pa
     assert "has no recorded sha256 and does not open" in by_file[str(unrecorded)]
 
 
+def test_a_damaged_record_of_prepared_models_gets_advice_that_works(tmp_path):
+    """A prepared snapshot lives in the model store, not in results: the run keeps only its record of the entries
+    (models/<revision>.json), which every model-loading job takes as input. A missing or damaged store entry is
+    named before any job by store_entries and prepared again by the job that loads it (tests/test_model_store.py)."""
+    root = tmp_path / "results" / "tiny"
+    record = root / "models" / "primary.json"
+    write_text_atomic(record, '{"format": 1}\n')
+    record.write_text("{")
+    with pytest.raises(DamagedResultsError) as err:
+        verify_results(root)
+    assert (f"{record} is damaged: its sha256 is" in str(err.value) and "restore it from a copy (cp -p), or delete "
+            "it: the next run writes it again from the model store (nothing is converted while the store's entries "
+            "are whole) and reruns every job that loads the model" in str(err.value))
+
+
 def test_touched_files_are_trusted_and_a_copy_is_hashed_once_and_a_dry_run_writes_nothing(tmp_path):
     """Snakemake touches every output after its job: the mtime is not the key, the size and inode are."""
     root = tmp_path / "results" / "tiny"
@@ -127,6 +143,37 @@ def test_transplant_ids_that_are_not_selected_items_are_refused():
         check_transplant_select(["toy-001", "nope"], ids)
     with pytest.raises(ValueError, match="sample:4 asks for more items than the 3 selected"):
         check_transplant_select("sample:4", ids)
+
+
+def test_a_full_disk_while_writing_is_named_with_the_file_the_free_space_and_what_it_needed(tmp_path, monkeypatch):
+    """The disk filling during a job gave `returned non-zero exit status 120` and an empty log: the job's log is on
+    the full disk, so the message goes to the job's own stderr (Snakemake's console) as well as to the exception."""
+    import errno
+
+    import stagereplay.io.parquet as parquet
+
+    path = tmp_path / "results" / "tiny" / "primary" / "ledger.parquet"
+    write_parquet(pd.DataFrame({"x": [1]}), path, {"stage": "test"})
+    before = path.read_bytes()
+
+    def fills_the_disk(table, where, **kwargs):
+        Path(where).write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    console, log = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(parquet.pq, "write_table", fills_the_disk)
+    monkeypatch.setattr(parquet.sys, "__stderr__", console)
+    monkeypatch.setattr(parquet.sys, "stderr", log)  # a job's stderr is its log
+    with pytest.raises(parquet.NoSpaceError) as err:
+        write_parquet(pd.DataFrame({"x": list(range(1000))}), path, {"stage": "test"})
+    message = (rf"no space left on device writing {re.escape(str(path))}: the disk holding "
+               rf"{re.escape(str(path.parent))} has [0-9.]+ [kMGT]?B(ytes)? free of [0-9.]+ [kMGT]?B; the file needed "
+               r"about 8.0 kB \(its table before compression\), and 1.0 kB of it were written before the disk filled. "
+               r"Free space there \(or point the run at a disk with room\) and rerun: ledger.parquet was not replaced, "
+               "the results already there are as they were")
+    assert re.search(message, str(err.value)) and re.search(message, console.getvalue()), console.getvalue()
+    assert path.read_bytes() == before  # the old file as it was, its record beside it, no temp file left
+    assert sorted(p.name for p in path.parent.iterdir()) == [".ledger.parquet.sha256", "ledger.parquet"]
 
 
 # --- progress on the console ----------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """End to end: the dump and transplant stages in the workflow, rerun triggers, and the later-revision command."""
 
 import hashlib
+import json
+import os
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from stagereplay.io import cache_dumps
-from stagereplay.io.parquet import read_provenance
+from stagereplay.io.parquet import read_provenance, write_text_atomic
 from stagereplay.stages.integrity import verify_results
 from stagereplay.stages.transplant import TRANSPLANT_SCHEMA
 
@@ -23,9 +27,9 @@ def snapshot(root):
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def jobs_planned(workdir, *args):
+def jobs_planned(workdir, *args, configfile=None):
     """Rule names a dry run would execute."""
-    out = snakemake(workdir, "-n", "--cores", "1", *args).stdout
+    out = snakemake(workdir, "-n", "--cores", "1", *args, configfile=configfile).stdout
     table = out.split("Job stats:", 1)[1].split("\n\n", 1)[0] if "Job stats:" in out else ""
     rows = [line.split() for line in table.splitlines() if line.strip()]
     return {row[0] for row in rows if len(row) == 2 and row[1].isdigit() and row[0] != "total"}
@@ -72,6 +76,15 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
         "select_transplant_items", "transplant_caches", "find_minimal_transplants", "plot_figures", "build_report",
         "build_item_browser", "all"}
     assert jobs_planned(run, "--config", "dump={items: none}") == {"dump_caches", "all"}
+    # the same config with the keys of dataset: and boundary: in another order reruns nothing (params are compared
+    # by their repr), nor does another chunk_size where no construction is chunked
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert list(config["dataset"]) == sorted(config["dataset"])  # as the run was made
+    reordered = dict(config, dataset=dict(reversed(config["dataset"].items())),
+                     boundary=dict(reversed(config["boundary"].items())))
+    (run / "reordered.yaml").write_text(yaml.safe_dump(reordered, sort_keys=False))
+    assert jobs_planned(run, configfile=run / "reordered.yaml") == set()
+    assert jobs_planned(run, "--config", "chunk_size=5") == set()
 
     # the later revision: its own constructions of the primary's prefixes; nothing already done is touched
     before = snapshot(res)
@@ -91,3 +104,23 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
     report = (res / "report/report.md").read_text()
     assert "## Revision `later`" in report and "### Transplants" in report.split("## Revision `later`")[1]
     assert not (res / "later/ledger.parquet").exists()  # no generation at the later revision
+
+    # a store entry gone (removed to free disk, or damaged): the check says so before any job, and a transplant-only
+    # edit plans the transplants alone, never prepare_model or the generation (the job that loads the entry prepares
+    # it again, byte for byte the recorded snapshot: tests/test_model_store.py). The run's records point at a store
+    # of their own here, so that the shared one keeps its entries.
+    store = tmp_path / "store"
+    record_path = res / "models/primary.json"
+    record = json.loads(record_path.read_text())
+    for snapshot_record in record["snapshots"].values():
+        shutil.copytree(Path(record["store"]) / snapshot_record["key"], store / snapshot_record["key"], symlinks=True)
+    mtime = record_path.stat().st_mtime_ns
+    write_text_atomic(record_path, json.dumps(dict(record, store=str(store)), indent=1, sort_keys=True) + "\n")
+    os.utime(record_path, ns=(mtime, mtime))  # the record as it was written, in another store
+    shutil.rmtree(store / record["snapshots"]["bf16"]["key"])
+    sweeps = ["--config", "transplant={sweeps: [all, v_only]}"]
+    dry = snakemake(run, "-n", "--cores", "1", *sweeps)
+    out = dry.stdout + dry.stderr
+    assert "the bf16 snapshot of" in out and "is gone in the model store" in out, out[-3000:]
+    assert jobs_planned(run, *sweeps) == {"transplant_caches", "plot_figures", "build_report", "build_item_browser",
+                                          "all"}

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -11,7 +12,7 @@ import pytest
 from stagereplay.io.parquet import read_provenance
 from test_model_store import entry_files
 from test_prepared_model import assert_each_precision_prepared_once_and_loaded_by_every_job
-from workflow_runner import snakemake, snakemake_command, tiny_config
+from workflow_runner import REPO, snakemake, snakemake_command, tiny_config
 
 # A sitecustomize that makes importlib.metadata say the packages ``hidden`` are not installed and the packages
 # ``changed`` are another build of their version.
@@ -123,6 +124,11 @@ def test_bad_config_fails_before_any_work(tmp_path):
 def test_lint_is_clean(tmp_path):
     tiny_config(tmp_path)
     proc = snakemake(tmp_path, "--lint", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # and the workflow is formatted, at the line length pyproject.toml gives snakefmt (120)
+    pytest.importorskip("snakefmt")
+    proc = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "workflow"], cwd=REPO,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

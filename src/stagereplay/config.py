@@ -89,6 +89,29 @@ def check_boundary(boundary: dict | None) -> None:
         )
 
 
+def canonical(value):
+    """``value`` with every mapping in it rebuilt in sorted key order (lists keep theirs): Snakemake compares a
+    job's params by their ``repr``, so the same config with the keys of ``dataset:`` in another order would rerun
+    every job that has it."""
+    if isinstance(value, dict):
+        return {key: canonical(value[key]) for key in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(canonical(v) for v in value)
+    return value
+
+
+def check_boundary_set(boundary: dict) -> None:
+    """Refuse a boundary with neither a marker nor a token id (``boundary: {marker: null}``), which no generated text
+    could reach: the run would generate, then fail after its jobs had deleted their old outputs.
+
+    ``boundary`` is the validated block, defaults filled in."""
+    if boundary.get("marker") is None and boundary.get("token_id") is None:
+        raise ValueError(
+            "boundary.marker is null and no boundary.token_id is given, so the stage boundary could never be found: "
+            "give a marker string (the default is '</think>') or a token_id"
+        )
+
+
 # The constructions the matched experiment builds at every revision it generates (stagereplay.experiments.matched).
 MATCHED_CONSTRUCTIONS = ("live", "prefill")
 

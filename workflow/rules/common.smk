@@ -8,7 +8,13 @@ import yaml
 from snakemake.utils import update_config, validate
 
 import stagereplay
-from stagereplay.config import check_boundary, check_transplant_pair, typed_command_line_values
+from stagereplay.config import (
+    canonical,
+    check_boundary,
+    check_boundary_set,
+    check_transplant_pair,
+    typed_command_line_values,
+)
 from stagereplay.data.prompts import check_template
 from stagereplay.models.sources import revision_slug
 from stagereplay.models.sources import ModelLoadError, resolve_source
@@ -28,6 +34,9 @@ update_config(_given, _command_line)
 check_boundary(_given.get("boundary"))
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 check_template(config["prompt"].get("template"))
+# Params are compared by their repr: every mapping in sorted key order, whatever order the config files give.
+for _key in list(config):
+    config[_key] = canonical(config[_key])
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -39,9 +48,7 @@ CODE_VERSION = stagereplay.__version__
 
 REVISIONS = {revision_slug(r): r for r in config["revisions"]}
 if len(REVISIONS) != len(config["revisions"]):
-    raise ValueError(
-        f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them"
-    )
+    raise ValueError(f"revisions: {config['revisions']} map to clashing folder names {sorted(REVISIONS)}; rename them")
 SHARDS = list(range(config["shards"]))
 check_decode_settings(
     config["batch_size"],
@@ -53,6 +60,7 @@ check_decode_settings(
 if config["boundary"].get("token_id") is not None:
     # The user gave no marker with it (check_boundary): the default's marker does not apply.
     config["boundary"]["marker"] = None
+check_boundary_set(config["boundary"])
 if config["reference_precision"] not in config["precisions"]:
     raise ValueError(
         f"reference_precision: {config['reference_precision']!r} is not one of precisions "
@@ -70,10 +78,7 @@ if TRANSPLANT_PRECISION not in config["precisions"]:
         f"transplant.precision: {TRANSPLANT_PRECISION!r} is not among precisions {config['precisions']}; "
         "the fixed prefixes exist only at those precisions"
     )
-TRANSPLANT_REVISIONS = {
-    revision_slug(r): r
-    for r in (config["transplant"].get("revisions") or config["revisions"][:1])
-}
+TRANSPLANT_REVISIONS = {revision_slug(r): r for r in (config["transplant"].get("revisions") or config["revisions"][:1])}
 if PRIMARY in TRANSPLANT_REVISIONS:  # its transplant baseline is its ledger: the pair must be among what ran
     check_transplant_pair(config["transplant"]["constructions"], config["fixed_prefix"]["constructions"])
 # Every revision some stage runs at: the generated ones, then transplant-only ones.
@@ -157,133 +162,158 @@ def generation_kwargs(revision):
         allow_pickle=config["allow_pickle"],
         offline=config["offline"],
         seed=config["seed"],
-        chunk_size=config["chunk_size"],
     )
+
+
+def chunked(constructions):
+    """chunk_size, where one of a job's constructions is chunked: elsewhere it changes no result, and in the job's
+    params it would rerun the job."""
+    return {"chunk_size": config["chunk_size"]} if "chunked" in constructions else {}
 
 
 def model_kwargs(wildcards):
     """reconstruct_prefixes: the generation's settings at one precision and shard, and the bridge rows."""
-    return dict(
-        generation_kwargs(wildcards.revision),
-        precision=wildcards.precision,
-        shard=int(wildcards.shard),
-        n_shards=config["shards"],
-        bridge=config["bridge"],
+    return canonical(
+        dict(
+            generation_kwargs(wildcards.revision),
+            precision=wildcards.precision,
+            shard=int(wildcards.shard),
+            n_shards=config["shards"],
+            bridge=config["bridge"],
+        )
     )
 
 
 def fixed_prefix_kwargs(wildcards):
     """The fixed-prefix 2x2 and the audit."""
-    return dict(
-        generation_kwargs(wildcards.revision),
-        precision=wildcards.precision,
-        shard=int(wildcards.shard),
-        n_shards=config["shards"],
-        reference_precision=config["reference_precision"],
-        fixed_prefix_constructions=list(config["fixed_prefix"]["constructions"]),
+    return canonical(
+        dict(
+            generation_kwargs(wildcards.revision),
+            precision=wildcards.precision,
+            shard=int(wildcards.shard),
+            n_shards=config["shards"],
+            reference_precision=config["reference_precision"],
+            fixed_prefix_constructions=list(config["fixed_prefix"]["constructions"]),
+            **chunked(config["fixed_prefix"]["constructions"]),
+        )
     )
 
 
 def batch_invariance_kwargs(wildcards):
     """Model settings of the generation (every precision in one job), and the control's sample."""
-    return dict(
-        generation_kwargs(wildcards.revision),
-        precisions=config["precisions"],
-        sample=config["batch_invariance"]["sample"],
-        sample_seed=config["batch_invariance"]["seed"],
+    return canonical(
+        dict(
+            generation_kwargs(wildcards.revision),
+            precisions=config["precisions"],
+            sample=config["batch_invariance"]["sample"],
+            sample_seed=config["batch_invariance"]["seed"],
+        )
     )
 
 
 def cache_difference_kwargs(wildcards):
     settings = config["cache_differences"]
-    return dict(
-        model=resolve_path(config["model"]),
-        revision=REVISIONS[wildcards.revision],
-        model_fingerprint=model_files(REVISIONS[wildcards.revision]),
-        prepared_models=prepared_folder(wildcards.revision),
-        revision_slug=wildcards.revision,
-        precisions=settings["precisions"],
-        prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
-        n_items=settings["n_items"],
-        seed=config["seed"],
-        chunk_size=config["chunk_size"],
-        threads=config["threads"],
-        device=config["device"],
-        attn_implementation=config["attn_implementation"],
-        trust_remote_code=config["trust_remote_code"],
-        allow_pickle=config["allow_pickle"],
-        offline=config["offline"],
+    return canonical(
+        dict(
+            model=resolve_path(config["model"]),
+            revision=REVISIONS[wildcards.revision],
+            model_fingerprint=model_files(REVISIONS[wildcards.revision]),
+            prepared_models=prepared_folder(wildcards.revision),
+            revision_slug=wildcards.revision,
+            precisions=settings["precisions"],
+            prefix_precision=settings.get("prefix_precision") or config["precisions"][0],  # null defaults go unset
+            n_items=settings["n_items"],
+            seed=config["seed"],
+            threads=config["threads"],
+            device=config["device"],
+            attn_implementation=config["attn_implementation"],
+            trust_remote_code=config["trust_remote_code"],
+            allow_pickle=config["allow_pickle"],
+            offline=config["offline"],
+        )
     )
 
 
 def replay_model_kwargs(wildcards):
     """Model settings of the dump and transplant stages: the generation's, without items, shards or budgets."""
-    return dict(
-        model=resolve_path(config["model"]),
-        revision=ALL_REVISIONS[wildcards.revision],
-        model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
-        prepared_models=prepared_folder(wildcards.revision),
-        device=config["device"],
-        attn_implementation=config["attn_implementation"],
-        threads=config["threads"],
-        trust_remote_code=config["trust_remote_code"],
-        allow_pickle=config["allow_pickle"],
-        offline=config["offline"],
+    return canonical(
+        dict(
+            model=resolve_path(config["model"]),
+            revision=ALL_REVISIONS[wildcards.revision],
+            model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+            prepared_models=prepared_folder(wildcards.revision),
+            device=config["device"],
+            attn_implementation=config["attn_implementation"],
+            threads=config["threads"],
+            trust_remote_code=config["trust_remote_code"],
+            allow_pickle=config["allow_pickle"],
+            offline=config["offline"],
+        )
     )
 
 
 def dump_kwargs(wildcards):
     """A batched baseline's rows are rebuilt in their batch, which continues them: the suffix budget too."""
-    return dict(
-        replay_model_kwargs(wildcards),
-        items=config["dump"]["items"],
-        max_new_tokens=config["max_new_tokens"],
-        chunk_size=config["chunk_size"],
-        constructions=list(config["transplant"]["constructions"]),
+    return canonical(
+        dict(
+            replay_model_kwargs(wildcards),
+            items=config["dump"]["items"],
+            max_new_tokens=config["max_new_tokens"],
+            constructions=list(config["transplant"]["constructions"]),
+            **chunked(config["transplant"]["constructions"]),
+        )
     )
 
 
 def baseline_kwargs(wildcards):
-    return dict(
-        replay_model_kwargs(wildcards),
-        precision=TRANSPLANT_PRECISION,
-        max_new_tokens=config["max_new_tokens"],
-        answer_format=config["answer_format"],
-        stage_end=config["stage_end"],
-        chunk_size=config["chunk_size"],
-        constructions=list(config["transplant"]["constructions"]),
+    return canonical(
+        dict(
+            replay_model_kwargs(wildcards),
+            precision=TRANSPLANT_PRECISION,
+            max_new_tokens=config["max_new_tokens"],
+            answer_format=config["answer_format"],
+            stage_end=config["stage_end"],
+            constructions=list(config["transplant"]["constructions"]),
+            **chunked(config["transplant"]["constructions"]),
+        )
     )
 
 
 def transplant_kwargs(wildcards):
-    return dict(
-        replay_model_kwargs(wildcards),
-        precision=TRANSPLANT_PRECISION,
-        max_new_tokens=config["max_new_tokens"],
-        sweeps=config["transplant"]["sweeps"],
-        chunk_size=config["chunk_size"],
-        constructions=list(config["transplant"]["constructions"]),
+    return canonical(
+        dict(
+            replay_model_kwargs(wildcards),
+            precision=TRANSPLANT_PRECISION,
+            max_new_tokens=config["max_new_tokens"],
+            sweeps=config["transplant"]["sweeps"],
+            constructions=list(config["transplant"]["constructions"]),
+            **chunked(config["transplant"]["constructions"]),
+        )
     )
 
 
 def minimal_transplant_kwargs(wildcards):
-    return dict(
-        replay_model_kwargs(wildcards),
-        precision=TRANSPLANT_PRECISION,
-        max_new_tokens=config["max_new_tokens"],
-        budget=config["transplant"]["minimal"]["budget"],
-        chunk_size=config["chunk_size"],
-        constructions=list(config["transplant"]["constructions"]),
+    return canonical(
+        dict(
+            replay_model_kwargs(wildcards),
+            precision=TRANSPLANT_PRECISION,
+            max_new_tokens=config["max_new_tokens"],
+            budget=config["transplant"]["minimal"]["budget"],
+            constructions=list(config["transplant"]["constructions"]),
+            **chunked(config["transplant"]["constructions"]),
+        )
     )
 
 
 def onset_kwargs(wildcards):
     """Both transplant constructions of every divergent item, rebuilt in their batch (which continues them)."""
-    return dict(
-        replay_model_kwargs(wildcards),
-        max_new_tokens=config["max_new_tokens"],
-        chunk_size=config["chunk_size"],
-        constructions=list(config["transplant"]["constructions"]),
+    return canonical(
+        dict(
+            replay_model_kwargs(wildcards),
+            max_new_tokens=config["max_new_tokens"],
+            constructions=list(config["transplant"]["constructions"]),
+            **chunked(config["transplant"]["constructions"]),
+        )
     )
 
 
@@ -331,20 +361,22 @@ def snapshot_keys(revision, precisions):
 
 
 def prepare_kwargs(wildcards):
-    return dict(
-        model=resolve_path(config["model"]),
-        revision=ALL_REVISIONS[wildcards.revision],
-        model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
-        precisions=revision_precisions(wildcards.revision),
-        threads=config["threads"],
-        trust_remote_code=config["trust_remote_code"],
-        allow_pickle=config["allow_pickle"],
-        offline=config["offline"],
+    return canonical(
+        dict(
+            model=resolve_path(config["model"]),
+            revision=ALL_REVISIONS[wildcards.revision],
+            model_fingerprint=model_files(ALL_REVISIONS[wildcards.revision]),
+            precisions=revision_precisions(wildcards.revision),
+            threads=config["threads"],
+            trust_remote_code=config["trust_remote_code"],
+            allow_pickle=config["allow_pickle"],
+            offline=config["offline"],
+        )
     )
 
 
 def prepare_keys(wildcards):
-    return snapshot_keys(wildcards.revision, revision_precisions(wildcards.revision))
+    return canonical(snapshot_keys(wildcards.revision, revision_precisions(wildcards.revision)))
 
 
 def job_precision(wildcards):
@@ -363,7 +395,7 @@ def snapshots_of(precisions_of):
     """A params function: {precision: store key} of the snapshots a job loads, at ``precisions_of(wildcards)``."""
 
     def keys(wildcards):
-        return snapshot_keys(wildcards.revision, precisions_of(wildcards))
+        return canonical(snapshot_keys(wildcards.revision, precisions_of(wildcards)))
 
     return keys
 
@@ -553,4 +585,3 @@ def report_inputs(wildcards):
 
 def figure_files(fmt):
     return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
-

@@ -21,20 +21,26 @@ def preflight():
         dataset=dataset_config(),
         revisions=list(ALL_REVISIONS.values()),  # transplant-only revisions too
     )
-    # A GGUF source is checked through a current snapshot of it in the model store where an earlier run left one (seconds
-    # instead of reading the GGUF's metadata again; stagereplay.models.snapshot.checked_stand_in).
+    # A GGUF source is checked through a current snapshot of it in the model store where an earlier run left one
+    # (seconds instead of reading the GGUF's metadata again; stagereplay.models.snapshot.checked_stand_in).
     store = ModelStore(STORE_ROOT)
     prepared = {
         name: [store.path(key) for key in snapshot_keys(slug, revision_precisions(slug)).values() if key]
         for slug, name in ALL_REVISIONS.items()
     }
     fingerprints = {name: model_files(name) for name in ALL_REVISIONS.values()}
-    summary = check_run(checked, jobs_run_here=jobs_run_here(), prepared=prepared, fingerprints=fingerprints,
-                        cache=FILE_HASHES)
-    stand_ins = [f"{name} through {info['checked_from']}" for name, info in summary["revisions"].items()
-                 if info["checked_from"] != "source"]
-    logger.info(f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}"
-                + (f" (model {'; '.join(stand_ins)}, its prepared snapshot)" if stand_ins else ""))
+    summary = check_run(
+        checked, jobs_run_here=jobs_run_here(), prepared=prepared, fingerprints=fingerprints, cache=FILE_HASHES
+    )
+    stand_ins = [
+        f"{name} through {info['checked_from']}"
+        for name, info in summary["revisions"].items()
+        if info["checked_from"] != "source"
+    ]
+    logger.info(
+        f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}"
+        + (f" (model {'; '.join(stand_ins)}, its prepared snapshot)" if stand_ins else "")
+    )
 
 
 onstart:

@@ -170,9 +170,23 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
     return lines
 
 
-def _bridge_reading(groups: list[tuple[str, pd.DataFrame]]) -> list[str]:
-    """What this run's bridge rows show, in sentences built from their counts."""
+def bridge_rows_asked(provenance: dict) -> int | None:
+    """``bridge.n_rows`` as the generation jobs that wrote the bridge (or its gathered parts) record it; None where
+    the provenance does not say."""
+    asked = set()
+    for prov in provenance.get("parts") or [provenance]:
+        bridge = (prov.get("config") or {}).get("bridge", "unrecorded")
+        if bridge != "unrecorded":
+            asked.add(int((bridge or {}).get("n_rows") or 0))
+    return asked.pop() if len(asked) == 1 else None
+
+
+def _bridge_reading(groups: list[tuple[str, pd.DataFrame]], asked: int | None = None) -> list[str]:
+    """What this run's bridge rows show, in sentences built from their counts (``asked``: bridge.n_rows)."""
     if not groups or all(len(g) == 0 for _, g in groups):
+        if asked == 0:
+            return ["No bridge row was asked for (bridge.n_rows: 0), so the incremental cache was not compared with "
+                    "the live one; set bridge.n_rows above 0 to compare them."]
         return ["No bridge row reached the boundary: there is no cache to compare."]
     inc = [(p, count_true(g, "bit_exact"), len(g)) for p, g in groups]
     words = join_words([f"{k} / {n} rows in {p}" for p, k, n in inc])
@@ -239,7 +253,7 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
                   f"{format_int(r.first_position_differs)} |" for r in bad.itertuples(index=False)]
     if no_boundary:
         lines += ["", f"{no_boundary} bridge row(s) drawn for items that never reached the boundary are not counted."]
-    lines += [""] + _bridge_reading([g for g in groups])
+    lines += [""] + _bridge_reading([g for g in groups], bridge_rows_asked(data.provenance("bridge")))
     plan = recorded_batch_plan(data.paths["bridge"]) if data.paths.get("bridge") and data.has("bridge") else None
     if plan is not None:
         lines += ["", f"Batched run (batch size {plan['batch_size']}, plan seed {plan['seed']}): each live row is "

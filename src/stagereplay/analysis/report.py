@@ -135,6 +135,19 @@ def regime_line(ledger: pd.DataFrame) -> tuple[str, dict]:
     return f"Numerical regime of the ledger's rows: {named}.", regime
 
 
+def no_boundary_line(ledger: pd.DataFrame) -> str | None:
+    """The one line that says no item reached the stage boundary, where none did (else None): then there are no
+    prefixes, and the stages after generation had nothing to compare, dump or transplant."""
+    if ledger.empty or (ledger["status"] == "ok").any():
+        return None
+    statuses = ledger.drop_duplicates("item_index")["status"].value_counts().sort_index()
+    counted = join_words([f"{n} {status}" for status, n in statuses.items()])
+    return (f"**No item reached the stage boundary at this revision** ({counted}): there are no prefixes, so no "
+            "construction was compared and the fixed-prefix, bridge, transplant and divergence stages had nothing to "
+            "do. Check `boundary` and `max_stage_tokens` above: the marker must be text the model writes within "
+            "the stage budget. Each item is listed under \"Items excluded and why\".")
+
+
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
@@ -182,6 +195,10 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
         if data.has("ledger"):
             line, numbers["regime"] = regime_line(data.ledger)
             lines += [line, ""]
+            reached = no_boundary_line(data.ledger)
+            if reached:
+                lines += [reached, ""]
+                numbers["no_item_reached_boundary"] = True
         elif not has_ledger:
             present = [PRODUCERS[k].split(" ")[0] for k in PRODUCERS if data.has(k)]
             lines += [f"No ledger for this revision: its results on disk are {join_words(present)}; only what they "

@@ -116,8 +116,14 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
                 f"{at} has a non-numeric gold answer {gold!r}, but answer_format needs a number; "
                 "fix the row or choose answer_format: boxed"
             ) from None
-    item_id = raw.get(fields["id"]) if fields.get("id") else None
-    item_id = str(item_id) if item_id not in (None, "") else f"row-{line_no:06d}"
+    if fields.get("id"):
+        item_id = raw.get(fields["id"])
+        if item_id is None or str(item_id).strip() in ("", *MISSING_VALUES):  # a float NaN's str is 'nan'
+            raise DatasetError(f"{at} has no item id (field {fields['id']!r}); give it one, or leave dataset.fields.id "
+                               "unset to number every row (row-000001, ...)")
+        item_id = str(item_id)
+    else:
+        item_id = f"row-{line_no:06d}"
     return {"item_id": item_id, "question": question, "gold_answer": gold, "source_row": line_no}
 
 
@@ -160,10 +166,24 @@ def _read_csv(path: Path) -> pd.DataFrame:
     return pd.DataFrame(records, columns=header, dtype=str)
 
 
+def _read_parquet(path: Path) -> pd.DataFrame:
+    """Every cell the Python value the file holds: an integer stays an integer and a missing one is None; a float
+    column is read as pandas reads it (a missing value NaN, which the row check names)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    return pd.DataFrame({
+        name: column.to_pandas() if pa.types.is_floating(column.type) else pd.Series(column.to_pylist(), dtype=object)
+        for name, column in zip(table.column_names, table.columns)})
+
+
 def load_table(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
     path = Path(path)
     _check_file(path)
-    df = pd.read_parquet(path) if path.suffix == ".parquet" else _read_csv(path)
+    # A Parquet file is read as the Python values it holds: pandas would make an integer column with a missing
+    # value float64, and its ids "1.0", "2.0" and "nan".
+    df = _read_parquet(path) if path.suffix == ".parquet" else _read_csv(path)
     missing = [fields[k] for k in ("question",) if fields[k] not in df.columns]
     if missing:
         raise DatasetError(f"{path}: no column {missing[0]!r}; set dataset.fields to the file's column names "

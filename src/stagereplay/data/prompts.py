@@ -47,17 +47,37 @@ class Prompter:
     def __post_init__(self):
         check_template(self.template)
 
-    def __call__(self, question: str) -> list[int]:
+    def text(self, question: str) -> tuple[str, bool]:
+        """The prompt's text as the tokenizer gets it, and whether the tokenizer adds its special tokens to it."""
         content = f"{self.instruction}\n\n{question}" if self.instruction else question
         if self.template is not None:
-            return self.tokenizer(self.template.format(question=content), add_special_tokens=False)["input_ids"]
+            return self.template.format(question=content), False
         if getattr(self.tokenizer, "chat_template", None):
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
                 {"role": "user", "content": content}
             ]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(content)["input_ids"]
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+        return content, True
+
+    def written_parts(self, question: str) -> list[str]:
+        """The prompt's text that the config and the item write (the chat template's own text aside, which comes
+        with the tokenizer): the filled-in raw template, else the user message and the system prompt."""
+        content = f"{self.instruction}\n\n{question}" if self.instruction else question
+        if self.template is not None:
+            return [self.template.format(question=content)]
+        return [content] + ([self.system] if self.system and getattr(self.tokenizer, "chat_template", None) else [])
+
+    def settings(self) -> str:
+        """The prompt keys in use, for messages."""
+        used = [f"prompt.{key}: {value!r}" for key, value in
+                (("instruction", self.instruction), ("template", self.template), ("system", self.system))
+                if value is not None]
+        chat = getattr(self.tokenizer, "chat_template", None) and self.template is None
+        return ", ".join(used + (["the tokenizer's chat template"] if chat else [])) or "no prompt settings"
+
+    def __call__(self, question: str) -> list[int]:
+        text, special = self.text(question)
+        return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
 def check_context(item_id: str, n_prompt: int, max_stage_tokens: int, max_new_tokens: int,
@@ -94,21 +114,61 @@ def unknown_characters(tokenizer, text: str, alone: dict | None = None) -> list[
     return [c for c in suspects if seen(text.replace(c, "")) == ids]
 
 
-def check_characters(item_id: str, question: str, tokenizer, model: str, alone: dict | None = None) -> None:
+def _known_characters(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    # A small vocabulary (the toy's 21 tokens) can be listed: it says what the model reads.
+    return (f"; it knows only the characters {''.join(sorted(t for t in vocab if len(t) == 1))!r} (the embedded "
+            "toy model reads arithmetic chains such as 37+45-12, not word problems)" if len(vocab) <= 256 else "")
+
+
+def check_characters(item_id: str, question: str, tokenizer, model: str, alone: dict | None = None,
+                     prompter: Prompter | None = None) -> None:
     """Raise :class:`UnknownCharactersError` naming the item and the characters its tokenizer cannot encode.
 
     A character-level tokenizer such as the toy's drops every other character: "Natalia sold clips to 48
-    friends" would reach the model as ``48``. ``alone`` is :func:`unknown_characters`' cache.
+    friends" would reach the model as ``48``. ``alone`` is :func:`unknown_characters`' cache. With ``prompter`` the
+    whole prompt is checked as the model sees it, so that characters of the instruction, the template or the system
+    prompt (``prompt.instruction: "Solve this:"`` reached the toy as ``Q::12+7=``) are refused too.
     """
     unknown = unknown_characters(tokenizer, question, alone)
-    if not unknown:
+    if unknown:
+        raise UnknownCharactersError(
+            f"item {item_id!r}: the question {question[:60]!r} has characters the tokenizer of {model} does not know "
+            f"({', '.join(map(repr, unknown))}), which the model would never see (dropped, or read as the unknown "
+            f"token){_known_characters(tokenizer)}. Fix or remove the item, or use a model whose tokenizer covers it"
+        )
+    if prompter is None:
         return
-    vocab = tokenizer.get_vocab()
-    # A small vocabulary (the toy's 21 tokens) can be listed: it says what the model reads.
-    accepted = (f"; it knows only the characters {''.join(sorted(t for t in vocab if len(t) == 1))!r} (the embedded "
-                "toy model reads arithmetic chains such as 37+45-12, not word problems)" if len(vocab) <= 256 else "")
-    raise UnknownCharactersError(
-        f"item {item_id!r}: the question {question[:60]!r} has characters the tokenizer of {model} does not know "
-        f"({', '.join(map(repr, unknown))}), which the model would never see (dropped, or read as the unknown "
-        f"token){accepted}. Fix or remove the item, or use a model whose tokenizer covers it"
+    joined = " (an instruction is joined to the question by a blank line, '\\n\\n')" if prompter.instruction else ""
+    for text in prompter.written_parts(question):
+        unknown = unknown_characters(tokenizer, text, alone)
+        if unknown:
+            raise UnknownCharactersError(
+                f"item {item_id!r}: the prompt text {text[:80]!r} ({prompter.settings()}) has characters the "
+                f"tokenizer of {model} does not know ({', '.join(map(repr, unknown))}), which the model would never "
+                f"see (dropped, or read as the unknown token){_known_characters(tokenizer)}. Change the prompt "
+                f"settings to text the tokenizer covers{joined}, or use a model whose tokenizer covers it"
+            )
+
+
+class UnreachableBoundaryError(ValueError):
+    """A boundary marker the model's tokenizer cannot produce, so no generated text could reach the boundary."""
+
+
+def check_marker(marker: str | None, tokenizer, model: str) -> None:
+    """Refuse a ``boundary.marker`` that no generated text could contain: the boundary is matched on the decoded
+    text, so the marker must survive encoding and decoding (a character the tokenizer does not know is dropped)."""
+    if not marker:
+        return
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.decode(ids)
+    if marker in decoded:
+        return
+    unknown = unknown_characters(tokenizer, marker)
+    why = (f"it has characters the tokenizer does not know ({', '.join(map(repr, unknown))})" if unknown else
+           f"its tokens decode to {decoded!r}")
+    raise UnreachableBoundaryError(
+        f"boundary.marker {marker!r} cannot be produced by the tokenizer of {model}: {why}, so no generated text "
+        f"could contain it and no item would reach the stage boundary{_known_characters(tokenizer)}. Give a marker "
+        "the model writes, or its token id as boundary.token_id"
     )

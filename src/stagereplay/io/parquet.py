@@ -12,10 +12,13 @@ comment line adds the size and inode it was written with):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +32,57 @@ PROVENANCE_KEY = b"stagereplay"
 CONTENT_KEY = b"stagereplay.content_sha256"
 
 
-def atomic_path(path: str | Path):
-    """Context manager yielding a temp path beside ``path``; renamed onto it only if the block succeeds."""
-    return _AtomicPath(Path(path))
+def atomic_path(path: str | Path, size_hint: int | None = None):
+    """Context manager yielding a temp path beside ``path``; renamed onto it only if the block succeeds.
+
+    A full disk raises :class:`NoSpaceError` naming the file, the disk's free space and what the file needed
+    (``size_hint``: the bytes the writer expects to write, where it knows), also on the job's console: its log is
+    usually on the same disk and may get nothing."""
+    return _AtomicPath(Path(path), size_hint)
+
+
+class NoSpaceError(OSError):
+    """The disk filled while a results file was written; the file it would have replaced is as it was."""
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
+
+
+def size_text(n: int) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def no_space_message(path: Path, written: int, size_hint: int | None, replaced: bool = False) -> str:
+    usage = shutil.disk_usage(path.parent)
+    needed = (f"about {size_text(size_hint)} (its table before compression)" if size_hint
+              else f"more than the {size_text(written)} written")
+    return (f"no space left on device writing {path}: the disk holding {path.parent} has {size_text(usage.free)} "
+            f"free of {size_text(usage.total)}; the file needed {needed}, and {size_text(written)} of it were written "
+            "before the disk filled. Free space there (or point the run at a disk with room) and rerun: "
+            + (f"{path.name} was written, but not the record of its sha256 (the results check opens it instead)"
+               if replaced else f"{path.name} was not replaced, the results already there are as they were"))
+
+
+def _tell_console(message: str) -> None:
+    """A job's stderr is its log, often on the full disk: the message goes to the job's own stderr too, which
+    Snakemake shows on the console."""
+    console = sys.__stderr__
+    if console is not None and console is not sys.stderr:
+        try:
+            console.write(f"[stagereplay] {message}\n")
+            console.flush()
+        except OSError:
+            pass
 
 
 class _AtomicPath:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, size_hint: int | None = None):
+        self.path, self.size_hint = path, size_hint
 
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,9 +91,23 @@ class _AtomicPath:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            return False
+        if exc_type is None:
+            try:
+                return self._commit()
+            except OSError as error:
+                exc = error
+        replaced = not self.tmp.exists() and exc_type is None  # the rename was done: only the hash record failed
+        written = self.path.stat().st_size if replaced else self.tmp.stat().st_size if self.tmp.exists() else 0
+        self.tmp.unlink(missing_ok=True)
+        if is_no_space(exc):
+            message = no_space_message(self.path, written, self.size_hint, replaced)
+            _tell_console(message)
+            raise NoSpaceError(errno.ENOSPC, message) from exc
+        if exc_type is None:
+            raise exc
+        return False
+
+    def _commit(self) -> bool:
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
         digest = sha256_of_file(self.tmp)
@@ -138,7 +198,7 @@ def write_parquet(df: pd.DataFrame, path: str | Path, provenance: dict, schema: 
     meta[PROVENANCE_KEY] = json.dumps(provenance, sort_keys=True, default=str).encode()
     meta[CONTENT_KEY] = content_sha256(table, meta[PROVENANCE_KEY]).encode()
     table = table.replace_schema_metadata(meta)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, size_hint=table.nbytes) as tmp:
         pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
 
 

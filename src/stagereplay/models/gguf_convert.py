@@ -34,7 +34,6 @@ gives (but a tied lm_head), fails the conversion before anything is written, nam
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import inspect
 import json
@@ -49,7 +48,7 @@ import numpy as np
 import torch
 
 from stagereplay.io.fingerprints import tensor_digest, weights_sha256
-from stagereplay.models.gguf_files import gguf_read_once, gguf_reader
+from stagereplay.models.gguf_files import gguf_name_maps_once, gguf_read_once, gguf_reader
 from stagereplay.models.loading import PRECISIONS, checked_config, checked_tokenizer
 from stagereplay.models.sources import ModelLoadError, ModelSource
 
@@ -217,21 +216,6 @@ def _write_configs(model, out: Path) -> None:
     shutil.rmtree(scratch)
 
 
-@contextmanager
-def _name_maps_once():
-    """gguf-py's ``get_tensor_name_map`` made once per (architecture, layers) while transformers' name map is made:
-    ``get_gguf_hf_weights_map`` calls it again for every submodule (319 times at 24 layers, 4 s on the 2-core VM;
-    quadratic in the layers). The map is read only; the names it gives are the same."""
-    import gguf
-
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
-
-
 def _read(f, tensor, path) -> np.ndarray:
     """A tensor's bytes, read from the file into memory of its own, shaped as gguf-py's reader shapes them (read,
     not mapped: the file's pages do not stay in the process's memory as the walk goes on)."""
@@ -337,7 +321,7 @@ def convert_gguf(path: str | Path, outs: dict[str, str | Path], *, file_digests:
         first, wanted = models[next(iter(outs))], saved[next(iter(outs))]
         tied = {name: source_name for name, source_name in _tied(first).items() if name not in wanted}
         try:
-            with _name_maps_once():
+            with gguf_name_maps_once():
                 name_map = gguf_utils.get_gguf_hf_weights_map(first, processor)
         except NotImplementedError as exc:  # a model type gguf-py has no tensor names for (as load_model fails)
             raise GGUFConvertError(f"cannot map the tensors of {path}: {exc}") from exc

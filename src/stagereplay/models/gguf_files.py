@@ -154,6 +154,40 @@ def gguf_architecture(path: str | Path) -> str:
     return field.contents()
 
 
+@functools.lru_cache(maxsize=None)
+def dequantizable(qtype) -> bool:
+    """Whether gguf-py dequantises a block of ``qtype`` into the values it holds (it raises for some types it knows,
+    and an older gguf-py gives an empty array for some others)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    try:
+        return dequantize(np.zeros((1, size), dtype=np.uint8), qtype).size == block
+    except Exception:  # NotImplementedError, or whatever a half-supported type raises
+        return False
+
+
+def unreadable_gguf_tensors(reader) -> list[str]:
+    """The tensors of a parsed GGUF file that cannot be dequantised, each with its type and why, from the header
+    alone: a type gguf-py cannot dequantise, or rows whose length is not a whole number of the type's blocks."""
+    from gguf import GGML_QUANT_SIZES
+
+    found = []
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type
+        if not dequantizable(qtype):
+            found.append(f"{tensor.name} ({qtype.name}, which gguf-py cannot dequantise)")
+            continue
+        block = GGML_QUANT_SIZES[qtype][0]
+        row = int(tensor.shape[0])  # the GGUF order: the length of a row first
+        if row % block or not row:
+            found.append(f"{tensor.name} ({qtype.name}, rows of {row} values: not a whole number of its "
+                         f"{block}-value blocks)")
+    return found
+
+
 def check_gguf(source: ModelSource) -> None:
     path = Path(source.path) / source.gguf_file
     architecture = gguf_architecture(path)
@@ -162,9 +196,50 @@ def check_gguf(source: ModelSource) -> None:
             f"GGUF file {path} holds a {architecture!r} model; the cache code supports "
             f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
         )
+    unreadable = unreadable_gguf_tensors(gguf_reader(path))
+    if unreadable:
+        from importlib.metadata import version
+
+        shown = ", ".join(unreadable[:8]) + (f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else "")
+        raise ModelLoadError(
+            f"GGUF file {path}: {len(unreadable)} tensors cannot be read (transformers dequantises a GGUF through "
+            f"gguf-py {version('gguf')}): {shown}. Use a file quantised to a type it reads (F32, F16, BF16, Q8_0, "
+            "Q4_K, Q6_K, ...), or a newer gguf package where it reads this type"
+        )
     try:
         import accelerate  # noqa: F401  (transformers' GGUF loading needs it)
     except ImportError as exc:
         raise ModelLoadError("loading a GGUF file needs accelerate: pip install 'stagereplay[gguf]'") from exc
 
 
+
+
+@contextmanager
+def gguf_name_maps_once():
+    """gguf-py's ``get_tensor_name_map`` made once per (architecture, layers) while transformers' name map is made:
+    ``get_gguf_hf_weights_map`` calls it again for every submodule (319 times at 24 layers, 4 s on the 2-core VM;
+    quadratic in the layers). The map is read only; the names it gives are the same."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def unused_gguf_tensors(model, path: str | Path) -> list[str]:
+    """The tensors of the GGUF file ``path`` that give no parameter of ``model`` (loaded from it), with the parameter
+    they would map to where there is one. transformers' ``load_gguf_checkpoint`` skips such a tensor without a word:
+    Qwen2's six ``attn_{q,k,v}.bias`` tensors in a file labelled ``llama`` were dropped and the logits changed."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    reader = gguf_reader(path)
+    architecture = gguf_utils.read_field(reader, "general.architecture")[0]
+    # the name map does not depend on the processor's config (only the tensor processing does)
+    processor = gguf_utils.TENSOR_PROCESSORS.get(architecture, gguf_utils.TensorProcessor)(config={})
+    with gguf_name_maps_once():
+        name_map = gguf_utils.get_gguf_hf_weights_map(model, processor)
+    parameters = set(model.state_dict())
+    return sorted(t.name for t in reader.tensors if name_map.get(t.name) not in parameters)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from stagereplay.models import invariant
-from stagereplay.models.gguf_files import check_gguf
+from stagereplay.models.gguf_files import check_gguf, unused_gguf_tensors
 from stagereplay.models.sources import (
     SUPPORTED_MODEL_TYPES,
     ModelLoadError,
@@ -234,6 +234,30 @@ def check_weights_match_config(loading_info: dict, requested: ModelSource, confi
     )
 
 
+def meta_model(config):
+    """The model ``from_pretrained`` builds for ``config``, on the meta device: its parameter names, no memory."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+
+
+def check_gguf_tensors_used(model, source: ModelSource, requested: ModelSource) -> None:
+    """Refuse a GGUF file of which a tensor gives no parameter of the model loaded from it (transformers drops it
+    silently): the file's architecture field names another model than its tensors are (the safetensors path refuses
+    such tensors in :func:`check_weights_match_config`, the converter in its plan)."""
+    unused = unused_gguf_tensors(model, Path(source.path) / source.gguf_file)
+    if unused:
+        raise ModelLoadError(
+            f"{requested.describe()}: {len(unused)} GGUF tensors give no parameter of the {model.config.model_type!r} "
+            f"model its general.architecture field names, and would be dropped: {_named(unused)}. The file's "
+            "architecture field and its tensors must describe the same model: convert the checkpoint again (with "
+            "llama.cpp's convert_hf_to_gguf.py), or point model at the checkpoint it was made from"
+        )
+
+
 def load_model(
     source: ModelSource,
     precision: str,
@@ -272,6 +296,8 @@ def load_model(
     except Exception as exc:
         raise ModelLoadError(f"cannot load {requested.describe()}: {exc}") from exc
     check_weights_match_config(loading_info, requested, config)
+    if source.kind == "gguf":
+        check_gguf_tensors_used(model, source, requested)
     tokenizer = checked_tokenizer(source, requested, common, model.config.vocab_size, load_tokenizer)
     model.to(dev).eval()
     model.requires_grad_(False)

@@ -87,6 +87,11 @@ def fix(path: Path) -> str:
     if path.parent.name == "caches":
         return (f"delete the folder {path.parent} to recompute it (and what depends on it) with the next run, or "
                 "restore the file from a copy")
+    if path.parent.name == "models" and path.suffix == ".json":
+        # the run's record of its model store entries: every model-loading job takes it as input
+        return ("restore it from a copy (cp -p), or delete it: the next run writes it again from the model store "
+                "(nothing is converted while the store's entries are whole) and reruns every job that loads the model "
+                "(the snapshots themselves are in the model store, which stagereplay-store check verifies)")
     return "delete it to recompute it (and what depends on it) with the next run, or restore it from a copy"
 
 

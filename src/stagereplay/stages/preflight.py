@@ -13,12 +13,19 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
+from stagereplay.config import check_boundary_set
 from stagereplay.data import datasets
-from stagereplay.data.prompts import Prompter, check_characters, check_context
+from stagereplay.data.prompts import Prompter, check_characters, check_context, check_marker
 from stagereplay.decode.regimes import check_static_options
 from stagereplay.decode.static import check_device_options
 from stagereplay.models.snapshot import checked_stand_in
-from stagereplay.models.loading import checked_config, checked_tokenizer, resolve_device
+from stagereplay.models.loading import (
+    check_gguf_tensors_used,
+    checked_config,
+    checked_tokenizer,
+    meta_model,
+    resolve_device,
+)
 from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
 from stagereplay.models.gguf_files import gguf_read_once
 
@@ -32,6 +39,8 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
     instead of three or four times, which took the better part of a minute for a Qwen2 vocabulary."""
     with gguf_read_once() if source.kind == "gguf" else nullcontext():
         resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
+        if resolved.kind == "gguf":  # every tensor must give a parameter (the parameter names, not the weights)
+            check_gguf_tensors_used(meta_model(config), resolved, source)
         return config, checked_tokenizer(resolved, source, common, getattr(config, "vocab_size", None))
 
 
@@ -104,6 +113,7 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                           config.get("decode_attention", "masked"), config.get("decode_prefill_group"),
                           config.get("decode_kernels", "library"))
     check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
+    check_boundary_set(config.get("boundary") or {})
     if jobs_run_here:  # the Triton options need the GPU the jobs will get
         check_device_options(resolve_device(config.get("device", "auto")).type, config.get("decode_attention", "masked"),
                              config.get("decode_kernels", "library"))
@@ -132,11 +142,13 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                 f"boundary.token_id {token_id} is outside the vocabulary of {source.describe()} ({vocab} ids): the "
                 "boundary could never appear; give an id the model can produce, or a marker string"
             )
+        if token_id is None:
+            check_marker((config.get("boundary") or {}).get("marker"), tokenizer, source.describe())
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
         context = getattr(model_config, "max_position_embeddings", None)
         longest, alone = 0, {}
         for item_id, question in zip(selected["item_id"], selected["question"]):
-            check_characters(item_id, question, tokenizer, source.describe(), alone)
+            check_characters(item_id, question, tokenizer, source.describe(), alone, prompter)
             n_prompt = len(prompter(question))
             check_context(item_id, n_prompt, config["max_stage_tokens"], config["max_new_tokens"], context)
             longest = max(longest, n_prompt)

@@ -38,6 +38,13 @@ def baseline_rows(baseline: pd.DataFrame, precision: str, pair) -> pd.DataFrame:
     if rep1.empty:
         raise ValueError(f"the baseline has no rows at precision {precision!r}; transplant.precision must be one of "
                          f"the precisions the baseline ran ({sorted(baseline['precision'].unique())})")
+    columns = ["item_index", "item_id", "row_a", "row_b", "suffix_a", "suffix_b"]
+    if not (rep1["status"] == "ok").any():
+        # no item reached the stage boundary (or every one overflowed): no prefix, so no construction but the live
+        # generation's rows, and nothing to compare; the report says why each item was left out
+        log.warning("no item of the baseline reached the stage boundary at %s (statuses %s): nothing to transplant",
+                    precision, sorted(rep1["status"].unique()))
+        return pd.DataFrame(columns=columns)
     missing = [c for c in pair if c not in set(rep1["construction"])]
     if missing:
         raise ValueError(f"transplant.constructions {list(pair)}: the baseline has no {missing} rows at {precision}; "
@@ -59,7 +66,7 @@ def baseline_rows(baseline: pd.DataFrame, precision: str, pair) -> pd.DataFrame:
                              "prefix ids (the fixed-prefix 2x2 runs on the reference precision's prefixes)")
         rows.append({"item_index": int(item_index), "item_id": a["item_id"], "row_a": a, "row_b": b,
                      "suffix_a": list(a["suffix_ids"]), "suffix_b": list(b["suffix_ids"])})
-    return pd.DataFrame(rows, columns=["item_index", "item_id", "row_a", "row_b", "suffix_a", "suffix_b"])
+    return pd.DataFrame(rows, columns=columns)
 
 
 def select_transplant_items(baseline_path: str, out_path: str, *, revision: str, precision: str, select,
