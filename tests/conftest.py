@@ -29,6 +29,15 @@ SLOWEST_FIRST = ["test_cluster_executor.py", "test_batched_workflow.py", "test_i
                  "test_bad_inputs.py", "test_input_fingerprints.py"]
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The job servers this process's workflows started exit with it, not after their idle time (under xdist a
+    worker that finishes first may stop a server another worker's run still uses: that run's next jobs start in
+    their own processes, or start a server again)."""
+    from stagereplay.stages.job_server import stop_servers
+
+    stop_servers(os.environ["STAGEREPLAY_JOB_SERVER_DIR"])
+
+
 def pytest_collection_modifyitems(config, items):
     """The files of SLOWEST_FIRST first, in its order; every other file after them, in collection order."""
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}

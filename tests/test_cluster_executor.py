@@ -137,9 +137,10 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
     profile = code / "profiles/cluster-generic"
     settings = yaml.safe_load((profile / "config.yaml").read_text())
     # The local run's model jobs fork from the job server (but the first, which starts it), the submitted ones are
-    # fresh processes: the byte comparison below also shows that a forked job computes what a fresh one does.
+    # fresh processes (the profile turns the server off): the byte comparison below also shows that a forked job
+    # computes what a fresh one does.
     cfg = tiny_config(tmp_path / "local", **TINY, job_server=True, job_server_idle_s=120)
-    tiny_config(tmp_path / "cluster", **TINY)
+    tiny_config(tmp_path / "cluster", **TINY, job_server=True)
 
     submit = settings["cluster-generic-submit-cmd"]
     assert submit.startswith("sbatch ")

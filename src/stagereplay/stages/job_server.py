@@ -173,6 +173,23 @@ def run_in_child(conn: socket.socket, script: str) -> int | None:
     return int(status)
 
 
+def stop_servers(where: str | Path | None = None) -> int:
+    """Ask every server with a socket in ``where`` (default: :func:`folder`) to exit; returns how many answered.
+    Jobs they forked run on to their end."""
+    stopped = 0
+    for path in sorted(Path(where or folder()).glob("*.sock")):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect(str(path))
+                header = json.dumps({"stop": True}).encode()
+                conn.sendall(len(header).to_bytes(8, "big") + header)
+                stopped += conn.makefile("rb").readline().strip() == b"0"
+        except OSError:
+            pass
+    return stopped
+
+
 def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -244,6 +261,11 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 print(f"a job's request failed: {exc}", flush=True)
                 conn.close()
                 continue
+            if request.get("stop"):
+                conn.sendall(b"0\nstopping\n")
+                conn.close()
+                why = "asked to stop"
+                break
             if server_key(environment) != key:  # a source file changed since the imports: this server is stale
                 conn.sendall(b"0\nits source files changed since it started\n")
                 conn.close()
