@@ -7,7 +7,7 @@ byte-level BPE tokens with their merges, the specials, padding) and a small mode
 in a fresh process (the imports of torch, transformers and stagereplay timed apart, as the workflow has them before
 its preflight), for every source tree of ``--src``, the trees' processes interleaved, so that old and new code are
 compared under the same load. Each process also reports a digest of what the check built (the model config's values
-and ``snapshot.tokenizer_signature`` of the tokenizer: its pipeline, vocabulary, special tokens, chat template and
+and ``signatures.tokenizer_signature`` of the tokenizer: its pipeline, vocabulary, special tokens, chat template and
 probe encodings), so the run says whether the trees build the same config and tokenizer.
 
 ``--profile`` adds one process per tree that splits the check into its parts by wrapping the functions it calls
@@ -41,7 +41,10 @@ import hashlib, json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
 from stagereplay.models.sources import ModelSource
-from stagereplay.models.snapshot import IGNORED_CONFIG_KEYS, tokenizer_signature
+try:
+    from stagereplay.models.signatures import IGNORED_CONFIG_KEYS, tokenizer_signature
+except ImportError:  # a tree from before the signatures had their own module
+    from stagereplay.models.snapshot import IGNORED_CONFIG_KEYS, tokenizer_signature
 from stagereplay.stages.preflight import check_model
 imported = time.perf_counter() - t0
 folder, gguf_file, mode = sys.argv[1:4]

@@ -141,6 +141,10 @@ folder = sys.argv[1]
 import transformers
 from tokenizers import Tokenizer
 from stagereplay.models import snapshot
+try:
+    from stagereplay.models import signatures
+except ImportError:  # a tree from before the signatures had their own module
+    signatures = snapshot
 manifest = snapshot.read_manifest(folder)
 cls = getattr(transformers, manifest.get("tokenizer_class") or "AutoTokenizer")
 path = folder + "/tokenizer.json"
@@ -158,7 +162,7 @@ _, times["deepcopy"] = timed(lambda: copy.deepcopy(pipelines["from_file"]))  # w
 loader = snapshot._tokenizer_loader(manifest)
 job, times["job_load"] = timed(lambda: loader(folder) if loader else transformers.AutoTokenizer.from_pretrained(folder))
 backend, times["backend_from_file"] = timed(lambda: transformers.TokenizersBackend.from_pretrained(folder))
-probes = [*snapshot.PROBE_TEXTS, PROMPT, "12 + 30 = 42\n\n<|im_start|>user\nnaïve café 😀<|im_end|>"]
+probes = [*signatures.PROBE_TEXTS, PROMPT, "12 + 30 = 42\n\n<|im_start|>user\nnaïve café 😀<|im_end|>"]
 ref = pipelines["from_file"]
 def same_pipeline(p):
     return (p.get_vocab(with_added_tokens=True) == ref.get_vocab(with_added_tokens=True)
@@ -166,8 +170,8 @@ def same_pipeline(p):
             and all(p.encode(t).ids == ref.encode(t).ids for t in probes))
 exact = {name: same_pipeline(p) for name, p in pipelines.items()}
 exact["job_pipeline"] = same_pipeline(job.backend_tokenizer)
-job_signature = snapshot.tokenizer_signature(job)
-exact["backend_from_file_signature"] = snapshot.tokenizer_signature(backend) == job_signature
+job_signature = signatures.tokenizer_signature(job)
+exact["backend_from_file_signature"] = signatures.tokenizer_signature(backend) == job_signature
 print(json.dumps({"times": times, "exact": exact, "job_class": type(job).__name__, "vocab": len(job),
                   "merges_bytes": len(text)}))
 """

@@ -190,7 +190,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 import transformers
-from stagereplay.models import loading, snapshot
+from stagereplay.models import loading, signatures, snapshot
 from stagereplay.models.loading import set_determinism
 from stagereplay.models.sources import ModelSource
 from stagereplay.io.file_hashes import HashCache
@@ -235,7 +235,7 @@ t = time.perf_counter()
 loaded = snapshot.load_prepared(out, source, precision, device, "sdpa", cache=cache)
 total = time.perf_counter() - t
 parts["rest"] = total - sum(v for k, v in parts.items() if k != "imports_model_tokenizer_code")
-probe = loaded.tokenizer(snapshot.PROBE_TEXTS[0])["input_ids"]
+probe = loaded.tokenizer(signatures.PROBE_TEXTS[0])["input_ids"]
 print(json.dumps({"load_prepared": total, "imports": imported, **parts, "probe": probe,
                   "dtype": str(next(loaded.model.parameters()).dtype), "training": loaded.model.training}))
 """

@@ -27,8 +27,9 @@ from stagereplay.data.prompts import PromptTooLongError
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.models.loading import load_model
 from stagereplay.models.sources import ModelLoadError, ModelSource, resolve_source
+from stagereplay.stages.gather import gather_ledger
 from stagereplay.stages.preflight import check_model, check_run
-from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
+from stagereplay.stages.reconstruct import reconstruct_prefixes
 from stagereplay.stages.select import select_items
 from stagereplay.stages.settings import ReconstructSettings, from_params
 from workflow_runner import snakemake

@@ -9,7 +9,7 @@ from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.stages.cache_differences import measure_cache_differences
-from stagereplay.stages.reconstruct import PREFIX_SCHEMA
+from stagereplay.stages.gather import PREFIX_SCHEMA
 from stagereplay.stages.settings import CacheDifferenceSettings, from_params
 
 PROMPT, STAGE = [5, 9, 12, 7, 3, 20, 14], [8, 15, 4, 19, 11, 6]  # ids within the toy vocabulary (21)

@@ -30,7 +30,7 @@ from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
 from stagereplay.models.sources import ModelSource
-from stagereplay.stages.controls import check_audit
+from stagereplay.stages.gather import check_audit
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "data/toy/primary"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gguf_fixture import CHAT_TEMPLATE, SPECIALS, byte_level_vocab, write_tiny_gguf
-from stagereplay.models import gguf_convert, snapshot
+from stagereplay.models import gguf_convert, signatures, snapshot
 from stagereplay.io.fingerprints import tensor_digest
 from stagereplay.models.gguf_convert import GGUFConvertError, convert_gguf
 from stagereplay.models.loading import load_model, set_determinism
@@ -187,7 +187,7 @@ def test_the_converter_writes_what_loading_and_saving_the_gguf_writes(ggufs, cas
         direct = load_model(gguf_source(path), precision, "cpu", "eager")
         assert tensor_differences(record, direct) == []
         assert record["tied"] == ({"lm_head.weight": "model.embed_tokens.weight"} if CASES[case][2] else {})
-        expected = snapshot.model_signature(direct)
+        expected = signatures.model_signature(direct)
         today = tmp_path / f"today-{precision}"
         today.mkdir()
         snapshot._write_converted(direct, gguf_source(path), None, today)
@@ -196,7 +196,7 @@ def test_the_converter_writes_what_loading_and_saving_the_gguf_writes(ggufs, cas
         assert [name for name, data in ours.items() if theirs[name] != data] == []  # every file, byte for byte
         again = load_model(ModelSource("local", str(out)), precision, "cpu", "eager",
                            load_tokenizer=snapshot.verbatim_tokenizer(record["tokenizer_class"]))
-        assert snapshot.compare_signatures(expected, snapshot.model_signature(again)) == []
+        assert signatures.compare_signatures(expected, signatures.model_signature(again)) == []
 
 
 def test_the_file_digests_are_those_of_the_files_written(ggufs, tmp_path):

@@ -19,7 +19,7 @@ from gguf_fixture import write_tiny_gguf, write_vocab_gguf
 from stagereplay.models import gguf_files
 from stagereplay.models.loading import checked_config, checked_tokenizer
 from stagereplay.models.sources import ModelLoadError, ModelSource
-from stagereplay.models.snapshot import IGNORED_CONFIG_KEYS, tokenizer_signature
+from stagereplay.models.signatures import IGNORED_CONFIG_KEYS, tokenizer_signature
 from stagereplay.stages.preflight import check_model
 
 # Beyond the snapshot signature's probes: specials alone and inside words, a long digit run, bytes outside ASCII.

@@ -19,7 +19,7 @@ from stagereplay.io.fingerprints import (
     fingerprint_layers,
 )
 from stagereplay.io.parquet import write_parquet
-from stagereplay.stages.reconstruct import PREFIX_SCHEMA
+from stagereplay.stages.gather import PREFIX_SCHEMA
 
 from test_tampering import ledger_rows
 

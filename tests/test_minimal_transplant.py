@@ -109,7 +109,8 @@ def divergent_ledger(tmp_path_factory):
     from toy_divergence import DEFAULT_BOUNDARY, toy_items
 
     from stagereplay.io.parquet import read_parquet, write_parquet
-    from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
+    from stagereplay.stages.gather import gather_ledger
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
     from stagereplay.stages.select import select_items
     from stagereplay.stages.settings import ReconstructSettings, from_params
 
@@ -137,7 +138,7 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     from stagereplay.stages.divergence_onset import ONSET_SCHEMA, measure_divergence_onset
     from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA, find_minimal_transplants
     from stagereplay.stages.settings import MinimalTransplantSettings, OnsetSettings, from_params
-    from stagereplay.stages.transplant import select_transplant_items
+    from stagereplay.stages.transplant_selection import select_transplant_items
 
     folder, model, divergent = divergent_ledger
     ledger = str(folder / "ledger.parquet")

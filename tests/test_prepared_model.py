@@ -13,7 +13,7 @@ import torch
 from gguf_fixture import write_tiny_gguf
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.parquet import read_provenance
-from stagereplay.models import snapshot
+from stagereplay.models import signatures, snapshot
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 from stagereplay.stages.prepare import prepare_model
@@ -42,27 +42,27 @@ def test_gguf_snapshot_loads_as_the_gguf_does(gguf_source, tmp_path, precision):
     direct = load_model(gguf_source, precision, "cpu", "sdpa")
     prepared = snapshot.load_prepared(tmp_path / precision, gguf_source, precision, "cpu", "sdpa")
     assert state_bytes(prepared) == state_bytes(direct)  # bytes and dtype of every tensor, in its own words
-    assert snapshot.compare_signatures(snapshot.model_signature(direct), snapshot.model_signature(prepared)) == []
+    assert signatures.compare_signatures(signatures.model_signature(direct), signatures.model_signature(prepared)) == []
     assert prepared.info["model_source"] == direct.info["model_source"] == gguf_source.describe()
     assert prepared.info["model_snapshot"]["sha256"] == manifest["snapshot"]["sha256"]
-    assert manifest["weights_sha256"] == snapshot.weights_sha256(snapshot.tensor_digests(direct.model))
+    assert manifest["weights_sha256"] == snapshot.weights_sha256(signatures.tensor_digests(direct.model))
 
 
 def test_the_check_sees_a_tokenizer_that_only_differs_in_its_normaliser(gguf_source, tmp_path):
     # Loaded by AutoTokenizer, the saved GGUF tokenizer gets its model class's pipeline (an NFC normaliser the GGUF
     # has not): ids agree on ASCII, yet the snapshot would not be the source. The verbatim loader keeps the GGUF's.
     snapshot.prepare_snapshot(gguf_source, "fp32", tmp_path / "fp32")
-    direct = snapshot.model_signature(load_model(gguf_source, "fp32", "cpu"))
+    direct = signatures.model_signature(load_model(gguf_source, "fp32", "cpu"))
     by_class = load_model(ModelSource("local", str(tmp_path / "fp32")), "fp32", "cpu")
     assert by_class.tokenizer.backend_tokenizer.normalizer is not None
-    problems = snapshot.compare_signatures(direct, snapshot.model_signature(by_class))
+    problems = signatures.compare_signatures(direct, signatures.model_signature(by_class))
     assert len(problems) == 1 and problems[0].startswith("tokenizer differs in") and "pipeline" in problems[0]
 
 
 def tokenizer_state(tokenizer) -> dict:
     """A tokenizer as a job sees it, beyond its signature: class, added tokens and special tokens with their
     flags, the keywords it was built with."""
-    return {"class": type(tokenizer).__name__, "signature": snapshot.tokenizer_signature(tokenizer),
+    return {"class": type(tokenizer).__name__, "signature": signatures.tokenizer_signature(tokenizer),
             "added": {i: repr(t) for i, t in tokenizer.added_tokens_decoder.items()},
             "special": {k: repr(v) for k, v in tokenizer._special_tokens_map.items()},
             "extra_special": [repr(t) for t in tokenizer._extra_special_tokens],
@@ -93,7 +93,7 @@ def test_the_snapshot_tokenizer_is_what_from_pretrained_makes_of_its_pipeline(gg
     assert tokenizer_state(fast) == tokenizer_state(plain())
     assert fast.backend_tokenizer.normalizer is None  # the GGUF's pipeline, not the class's (NFC)
     source = load_model(gguf_source, "bf16", "cpu").tokenizer
-    texts = [*snapshot.PROBE_TEXTS, "12 + 7 = 19\n\n<|im_start|>user\ncaf\u00e9 <think>x</think>"]
+    texts = [*signatures.PROBE_TEXTS, "12 + 7 = 19\n\n<|im_start|>user\ncaf\u00e9 <think>x</think>"]
     for text in texts:
         assert fast(text)["input_ids"] == source(text)["input_ids"], text
         assert fast.decode(fast(text)["input_ids"]) == source.decode(source(text)["input_ids"]), text

@@ -15,7 +15,7 @@ from snakemake.utils import validate
 
 from stagereplay.config import check_transplant_pair
 from stagereplay.experiments.rows import LAYOUT_COLUMNS
-from stagereplay.stages.transplant import baseline_rows
+from stagereplay.stages.transplant_selection import baseline_rows
 from workflow_runner import snakemake, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 from stagereplay.analysis.report import build_report
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import CorruptFileError, read_parquet, write_parquet
-from stagereplay.stages.reconstruct import gather_ledger
+from stagereplay.stages.gather import gather_ledger
 
 
 def ledger_rows(n=6):

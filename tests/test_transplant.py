@@ -28,7 +28,8 @@ from stagereplay.experiments.transplant import (
 from stagereplay.io import cache_dumps as cache_io
 from stagereplay.io.fingerprints import fingerprint_layers, tensor_bytes
 from stagereplay.models import compat
-from stagereplay.stages.transplant import TRANSPLANT_SCHEMA, Rebuild, baseline_rows
+from stagereplay.stages.transplant import TRANSPLANT_SCHEMA, Rebuild
+from stagereplay.stages.transplant_selection import baseline_rows
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 N_NEW = 12
@@ -395,7 +396,8 @@ def toy_ledger(tmp_path_factory):
     """A gathered bf16 ledger of three toy items (the matched experiment), as the workflow makes it."""
     from pathlib import Path
 
-    from stagereplay.stages.reconstruct import gather_ledger, reconstruct_prefixes
+    from stagereplay.stages.gather import gather_ledger
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
     from stagereplay.stages.select import select_items as select_from_dataset
     from stagereplay.stages.settings import ReconstructSettings, from_params
 
@@ -434,7 +436,8 @@ def test_dump_caches_writes_both_constructions_bit_exact_with_the_ledger(toy_led
 def test_transplant_caches_all_layer_transplants_follow_the_donor(toy_ledger, tmp_path):
     from stagereplay.io.parquet import read_parquet
     from stagereplay.stages.settings import TransplantSettings, from_params
-    from stagereplay.stages.transplant import select_transplant_items, transplant_caches
+    from stagereplay.stages.transplant import transplant_caches
+    from stagereplay.stages.transplant_selection import select_transplant_items
 
     folder, model = toy_ledger
     chosen = select_transplant_items(str(folder / "ledger.parquet"), str(tmp_path / "selection.parquet"),

@@ -21,7 +21,6 @@ from stagereplay.experiments.rows import LEDGER_SCHEMA, ledger_row
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
-from stagereplay.stages.gather import check_audit, gather_audit, gather_bridge  # noqa: F401 (their old home)
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import BatchInvarianceSettings, ControlSettings
@@ -62,7 +61,8 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
 
 def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSettings) -> None:
     """Recompute the ledger rows of one precision and shard through the experiments; write one audit record per
-    row (never fails on a mismatch: the findings are the output; :func:`check_audit` stops the pipeline)."""
+    row (never fails on a mismatch: the findings are the output; :func:`~stagereplay.stages.gather.check_audit`
+    stops the pipeline)."""
     selection = read_parquet(items_path)
     ledger = read_parquet(ledger_path)
     check_fingerprint_scheme(ledger_path)  # its cache fingerprints are compared with recomputed ones

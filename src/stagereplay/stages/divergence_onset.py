@@ -24,7 +24,8 @@ from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import OnsetSettings
-from stagereplay.stages.transplant import Rebuild, _baseline_pair, _batches_with, baseline_rows
+from stagereplay.stages.transplant import Rebuild, _batches_with
+from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
 
@@ -71,7 +72,7 @@ def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings
     """Every divergent item of the pair, at every precision of the baseline, rebuilt in its recorded batch."""
     baseline = read_parquet(baseline_path)
     check_fingerprint_scheme(baseline_path)  # rebuilt caches are checked against its rows by cache fingerprint
-    pair = _baseline_pair(baseline_path, s.constructions)
+    pair = baseline_pair(baseline_path, s.constructions)
     rows, infos, plans = [], [], {}
     for precision in sorted(baseline["precision"].unique()):
         pairs = baseline_rows(baseline, precision, pair)

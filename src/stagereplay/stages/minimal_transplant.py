@@ -23,7 +23,8 @@ from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import MinimalTransplantSettings
-from stagereplay.stages.transplant import Rebuild, _baseline_pair, _batches_with, baseline_rows
+from stagereplay.stages.transplant import Rebuild, _batches_with
+from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
 
@@ -92,7 +93,7 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
     if chosen:
         baseline = read_parquet(baseline_path)
         check_fingerprint_scheme(baseline_path)
-        pair = _baseline_pair(baseline_path, s.constructions)
+        pair = baseline_pair(baseline_path, s.constructions)
         by_index = {int(p["item_index"]): p for p in baseline_rows(baseline, s.precision, pair).to_dict("records")}
         missing = sorted(chosen - set(by_index))
         if missing:

@@ -1,6 +1,6 @@
 """Stage ``reconstruct_prefixes``: each item's prefix with its live cache, the matched experiment while that cache
 exists, and the bridge rows (a live cache cannot cross a process boundary). Its gathers (``gather_ledger``,
-``gather_prefixes``) load no model and live in :mod:`stagereplay.stages.gather` (named here too)."""
+``gather_prefixes``) load no model and live in :mod:`stagereplay.stages.gather`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from stagereplay.experiments.matched import matched
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.models.loading import eos_token_ids
-from stagereplay.stages.gather import PREFIX_SCHEMA, gather_ledger, gather_prefixes  # noqa: F401 (their old home)
+from stagereplay.stages.gather import PREFIX_SCHEMA
 from stagereplay.stages.jobs import config_of, load
 from stagereplay.stages.preflight import check_decode_settings
 from stagereplay.stages.progress import progress

@@ -11,7 +11,7 @@ the live cache, byte for byte (``live_fingerprint_match``), otherwise the rows s
 rebuilt cache and every own continuation must equal the baseline's exactly, or the stage stops.
 
 The outcome-blind selection of the items to transplant (``select_transplant_items``, with ``baseline_rows``) loads
-no model and lives in :mod:`stagereplay.stages.transplant_selection` (named here too).
+no model and lives in :mod:`stagereplay.stages.transplant_selection`.
 """
 
 from __future__ import annotations
@@ -34,13 +34,7 @@ from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import DumpSettings, ReplaySettings, TransplantSettings
-from stagereplay.stages.transplant_selection import (  # noqa: F401 (the selection stage's old home)
-    BASELINE_EXPERIMENT,
-    SELECTION_SCHEMA,
-    _baseline_pair,
-    baseline_rows,
-    select_transplant_items,
-)
+from stagereplay.stages.transplant_selection import BASELINE_EXPERIMENT, baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
 
@@ -176,7 +170,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
     check_fingerprint_scheme(baseline_path)  # rebuilt caches are matched to its rows by cache fingerprint
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pair = _baseline_pair(baseline_path, s.constructions)
+    pair = baseline_pair(baseline_path, s.constructions)
     rows, total, job, plan = [], 0, None, None
     for precision in ([] if s.items == "none" else sorted(baseline["precision"].unique())):
         pairs = baseline_rows(baseline, precision, pair)
@@ -224,7 +218,7 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     selection = read_parquet(selection_path)
     baseline = read_parquet(baseline_path)
     check_fingerprint_scheme(baseline_path)
-    pair = _baseline_pair(baseline_path, s.constructions)
+    pair = baseline_pair(baseline_path, s.constructions)
     pairs = baseline_rows(baseline, s.precision, pair)
     by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
     missing = [int(i) for i in selection["item_index"] if int(i) not in by_index]

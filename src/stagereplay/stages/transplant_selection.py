@@ -72,7 +72,7 @@ def baseline_rows(baseline: pd.DataFrame, precision: str, pair) -> pd.DataFrame:
 def select_transplant_items(baseline_path: str, out_path: str, *, revision: str, precision: str, select,
                             seed: int = 0, constructions=("live", "prefill")) -> pd.DataFrame:
     """Write the outcome-blind transplant selection (before any transplant runs), with its rule and seed."""
-    pairs = baseline_rows(read_parquet(baseline_path), precision, _baseline_pair(baseline_path, constructions))
+    pairs = baseline_rows(read_parquet(baseline_path), precision, baseline_pair(baseline_path, constructions))
     chosen = choose_transplant_items(pairs[["item_index", "item_id", "suffix_a", "suffix_b"]], select, seed)
     chosen["revision"] = revision
     chosen["precision"] = precision
@@ -91,7 +91,7 @@ def select_transplant_items(baseline_path: str, out_path: str, *, revision: str,
     return chosen
 
 
-def _baseline_pair(baseline_path: str, constructions) -> tuple[str, str]:
+def baseline_pair(baseline_path: str, constructions) -> tuple[str, str]:
     """The pair as the baseline names it: a replayed baseline holds ``incremental`` where the pair says ``live``."""
     if read_provenance(baseline_path).get("stage") == "replay_fixed_prefixes":
         return tuple(rebuilt_as(c) for c in constructions)
