@@ -25,10 +25,12 @@ RUN_BY = {
     "snakemake -n": "test_workflow.py::test_default_workflow_end_to_end",
     "snakemake --cores all --config 'transplant={revisions: [primary, later]}'":
         "test_transplant_workflow.py::test_transplant_stage_reruns_alone_and_at_a_later_revision",
-    "snakemake --report report.html": "test_transplant_workflow.py::test_transplant_stage_reruns_alone_and_at_a_later_revision",
+    "snakemake --report report.html":
+        "test_transplant_workflow.py::test_transplant_stage_reruns_alone_and_at_a_later_revision",
     "stagereplay-store ": "test_model_store.py::test_the_command_lists_and_removes_entries",
     "snakemake --unlock": "test_crash.py::test_killed_in_the_middle_of_generation_then_rerun_incomplete",
-    "snakemake --cores all --rerun-incomplete": "test_crash.py::test_killed_in_the_middle_of_generation_then_rerun_incomplete",
+    "snakemake --cores all --rerun-incomplete":
+        "test_crash.py::test_killed_in_the_middle_of_generation_then_rerun_incomplete",
     "sha256sum -c": "test_results_safety.py::test_every_atomic_write_records_the_sha256_of_its_bytes",
     "SHAPE=tiny bash scripts/multigpu_demo.sh": "test_readme_commands.py::test_the_multigpu_demo_runs_on_the_cpu",
     "snakemake --cores 2 results/toy_training/primary/fingerprint_check.json":

@@ -15,7 +15,7 @@ import pandas as pd
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_percent,
-                                                format_proportion, join_words, seeded)
+                                                format_proportion, join_words)
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.provenance import recorded_batch_plan
 
@@ -23,8 +23,8 @@ from stagereplay.io.provenance import recorded_batch_plan
 def _pair_statistics(cmp: pd.DataFrame, seed: int) -> tuple[dict, dict, dict | None]:
     """Suffix disagreements, label flips and the paired accuracy difference of one comparison table."""
     n = len(cmp)
-    dis = seeded(stats.proportion(int(cmp["disagree"].sum()), n), seed)
-    flips = seeded(stats.proportion(int(cmp["label_differs"].sum()), n), seed)
+    dis = stats.proportion(int(cmp["disagree"].sum()), n)
+    flips = stats.proportion(int(cmp["label_differs"].sum()), n)
     acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
            if n else None)
     return dis, flips, acc
@@ -36,7 +36,7 @@ def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]
     lines, out = [], {}
     for r in rep.itertuples(index=False):
         out.setdefault(r.precision, {})[r.construction] = {
-            "n": int(r.n), "identical": int(r.identical), "seed": data.seed,
+            "n": int(r.n), "identical": int(r.identical),
             "method": "replica pairs compared on stage ids, cache fingerprint and suffix fingerprint (sha256 bytes)"}
         ref = ("all exact" if study.REPLICAS_EXACT.get(r.precision) else "—") if experiment == "matched" else "—"
         lines.append(f"| {r.precision} | {r.construction} | {ref} | {r.identical} / {r.n} bit-identical |")
@@ -70,8 +70,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
         out[precision] = {"n_items": len(live1), "n_compared": n, "boundary_missing": int(len(missing)),
                           "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
                           "label_flips": flips, "accuracy_difference": acc, "replicas": rep.get(precision, {}),
-                          "first_divergence": seeded(stats.first_divergence_summary(
-                              cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)}
+                          "first_divergence": stats.first_divergence_summary(
+                              cmp.loc[cmp["disagree"], "first_divergence"].tolist())}
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
         claim2.append(f"| {precision} | {ref_dis if ref_dis else '—'} | {format_proportion(dis)} |")
@@ -107,7 +107,7 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
         dis, flips, acc = _pair_statistics(cmp, seed)
-        fd = seeded(stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)
+        fd = stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist())
         nonfinite = fixed[(fixed["precision"] == precision) & (fixed["status"] == "nonfinite")]
         same = data.coinciding.get((data.revision, precision))
         out[precision] = {"constructions": [a, b], "n_compared": n, "suffix_disagreements": dis, "label_flips": flips,
@@ -153,8 +153,8 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
              f"| precision | construction | suffixes that differ from {reference} | Wilson 95% upper bound | labels "
              "that differ |", "| --- | --- | --- | --- | --- |"]
     for r in cells.itertuples(index=False):
-        dis = seeded(stats.proportion(int(r.k), int(r.n)), data.seed)
-        flips = seeded(stats.proportion(int(r.label_flips), int(r.n)), data.seed)
+        dis = stats.proportion(int(r.k), int(r.n))
+        flips = stats.proportion(int(r.label_flips), int(r.n))
         out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
             "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
             "suffix_disagreements": dis, "label_flips": flips}
@@ -212,11 +212,11 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
         no_boundary = int((bridge["status"] != "ok").sum())
         bridge = bridge[bridge["status"] == "ok"]
     exact = count_true(bridge, "bit_exact")
-    stat = seeded(stats.proportion(exact, len(bridge)), data.seed)
+    stat = stats.proportion(exact, len(bridge))
     # one column per precision: the bridge is a claim about each precision's caches, not about their sum
     groups = ([(str(p), g) for p, g in bridge.groupby("precision", sort=True)]
               if "precision" in bridge.columns and len(bridge) else [("this run", bridge)])
-    by_precision = {name: seeded(stats.proportion(count_true(g, "bit_exact"), len(g)), data.seed)
+    by_precision = {name: stats.proportion(count_true(g, "bit_exact"), len(g))
                     for name, g in groups if name != "this run"}
 
     def row(label: str, reference: str, column: str) -> str:
@@ -249,7 +249,7 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     return lines + [""], {"bit_exact": stat, "bit_exact_by_precision": by_precision,
                           "not_bit_exact_items": [str(i) for i in bad["item_id"]],
                           "prefill_bit_exact_by_precision": {
-                              name: seeded(stats.proportion(count_true(g, "prefill_bit_exact"), len(g)), data.seed)
+                              name: stats.proportion(count_true(g, "prefill_bit_exact"), len(g))
                               for name, g in groups if name != "this run" and "prefill_bit_exact" in g.columns},
                           "batch_plan": None if plan is None else {k: plan[k] for k in ("seed", "batch_size")}}
 

@@ -1,8 +1,9 @@
 """The Markdown report and stats.json, built from the results files alone (no model is loaded).
 
 Every sentence of the report is built from the run's own files: the audit's verdict first (a failed audit is the
-first thing the report says), then what produced the run (model, dataset, budgets, boundary, seed, regimes, code
-and software, from the provenance the files record; "not recorded" where they record nothing), then per revision
+first thing the report says), then the findings (:mod:`~stagereplay.analysis.findings`: each claim of the study,
+this run's figure and whether the study's conclusion holds, from the numbers of ``stats.json``), then what produced
+the run (model, dataset, budgets, boundary, seed, regimes, code and software, from the provenance the files record; "not recorded" where they record nothing), then per revision
 one table per claim of the reference study with the study's figure beside this run's, then what the study did not
 measure (margins at the divergence, per-layer cache differences, the transplant localisation, the minimal sufficient
 transplants and the onset of the cache difference in divergent items, batch invariance),
@@ -41,6 +42,7 @@ from stagereplay.analysis.audit_report import audit_banner, audit_section, audit
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section
 from stagereplay.analysis.claims import bridge_section, exclusions_section, fixed_prefix_section, matched_section
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
+from stagereplay.analysis.findings import findings_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
 from stagereplay.analysis.revision_data import PRODUCERS, RevisionData
@@ -162,11 +164,12 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     builder = {"stagereplay": __version__, "git_commit": git_commit()}
     lines = [f"# stagereplay report: run `{run}`", ""]
     lines += audit_banner(verdicts)
+    findings_at = len(lines)  # the findings summarise the sections below: written once they are built
     lines += identity_lines
     lines += ["Columns headed \"reference study\" hold the reference study's figures "
               f"({study.MODEL}, {study.LAYERS} layers, {study.N_ITEMS} items; docs/STUDY.md), not this run's. "
-              "Intervals are 95%; every number of this run is in `stats.json` with its n, method and seed "
-              f"(seed {seed}: bootstrap). Report built by stagereplay {builder['stagereplay']} at commit "
+              "Intervals are 95%; every number of this run is in `stats.json` with its n and method, and the "
+              f"bootstrap results with their seed ({seed}). Report built by stagereplay {builder['stagereplay']} at commit "
               f"`{builder['git_commit']}` from the results files alone.", ""]
     lines += item_browser_line(item_browser, out_md)
     if only_on_disk:
@@ -209,6 +212,8 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
                       f"{', '.join(not_here)}.", ""]
             numbers["not_produced"] = not_here
         all_stats["revisions"][data.revision] = numbers
+    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
+    lines[findings_at:findings_at] = findings_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
     write_text_atomic(out_md, "\n".join(lines) + "\n")
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True, allow_nan=False) + "\n")

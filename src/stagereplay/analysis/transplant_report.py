@@ -7,7 +7,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_percent, join_words, seeded
+from stagereplay.analysis.report_format import format_percent, join_words
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -64,7 +64,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
             out["sweep"].append({"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
                                  "positions": r.positions, "direction": r.direction, "n": int(r.n),
                                  "donor": int(r.donor), "recipient": int(r.recipient), "neither": int(r.neither),
-                                 "seed": data.seed, "method": "outcome counts; wilson interval on the donor share",
+                                 "method": "outcome counts; wilson interval on the donor share",
                                  "follows_donor": stats.proportion(int(r.donor), int(r.n))})
         by_label = rest.groupby("label", sort=False).agg(donor=("donor", "sum"), n=("n", "sum"))
         carries = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == r["n"]]
@@ -92,8 +92,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     for r in full.itertuples(index=False):
         sel = _divergent(_all_layer_rows(transplant[(transplant["precision"] == r.precision)
                                                     & (transplant["direction"] == r.direction)]))
-        out["all_layers"].setdefault(r.precision, {})[r.direction] = seeded(
-            stats.follow_rate(sel["outcome"].tolist()), data.seed)
+        out["all_layers"].setdefault(r.precision, {})[r.direction] = stats.follow_rate(sel["outcome"].tolist())
         parity = "—"
         if {"cache_fingerprint", "donor_cache_fingerprint"} <= set(sel.columns):
             both = sel[sel["cache_fingerprint"].notna() & sel["donor_cache_fingerprint"].notna()]
