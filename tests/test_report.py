@@ -217,7 +217,7 @@ def test_report_refuses_duplicate_audit_rows(tmp_path):
 def test_findings_lead_the_report_and_say_where_the_study_holds(built):
     ledger, report, stats_json = built
     assert report.index("## Findings") < report.index("## What produced this run") < report.index("## Revision")
-    findings = {f["claim"].removesuffix(" (`primary`)"): f for f in stats_json["findings"]}
+    findings = {f["claim"]: f for f in stats_json["findings"]}
     numbers = stats_json["revisions"]["primary"]
     # the synthetic run: one bridge row and two audited rows fail, every replica pair is exact
     assert findings["bridge: incremental cache bit-exact with the live cache"]["holds"] == "no"
@@ -234,8 +234,7 @@ def test_findings_lead_the_report_and_say_where_the_study_holds(built):
     covers = acc["bootstrap_low"] <= 0 <= acc["bootstrap_high"]
     assert findings["bf16: accuracy difference live − prefill, points"]["holds"] == ("yes" if covers else "no")
     assert findings["all-layer transplant: divergent continuations follow their cache donor"]["holds"] == "yes"
-    assert "| bridge: incremental cache bit-exact with the live cache (`primary`) | 12 / 12 | 11 / 12 | **no** |" \
-        in report
+    assert "| bridge: incremental cache bit-exact with the live cache | 12 / 12 | 11 / 12 | **no** |" in report
 
 
 def test_a_split_in_fp32_is_a_finding_against_the_study(tmp_path):
@@ -246,5 +245,5 @@ def test_a_split_in_fp32_is_a_finding_against_the_study(tmp_path):
     path = write(ledger, tmp_path / "ledger.parquet")
     build_report({"primary": path}, str(tmp_path / "report.md"), str(tmp_path / "stats.json"), "t")
     findings = {f["claim"]: f for f in json.loads((tmp_path / "stats.json").read_text())["findings"]}
-    row = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ (`primary`)"]
+    row = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ"]
     assert row["this_run"].startswith("1 / ") and row["holds"] == "no"

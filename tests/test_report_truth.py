@@ -343,6 +343,38 @@ def test_the_model_files_and_the_dataset_content_are_named(tmp_path):
     assert stats["identity"]["dataset_fingerprint"]["file"] == ["cd" * 32]
 
 
+def test_identity_shows_only_what_applies_once(tmp_path):
+    """A jsonl dataset recorded with every schema default, a CPU run's determinism flags, the numerics regime and
+    the transplant selection: the keys the source reads, no CUDA-only flag, numerics once, how items were drawn."""
+    flags = {"deterministic_algorithms": True, "cublas_workspace_config": ":4096:8", "tf32_matmul": False,
+             "tf32_cudnn": False, "float32_matmul_precision": "highest"}
+    prov = {"stage": "gather", "parts": [part_provenance("bf16", device="cpu:x86_64 AVX2", numerics=flags)]}
+    ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)
+    dataset = {"source": "jsonl", "size": 5000, "seed": 0, "path": "d.jsonl", "name": None, "subset": None,
+               "split": "test", "revision": None, "fields": {"question": "question", "answer": "answer"}}
+    selection = write_with(pd.DataFrame({"item_index": range(4), "item_id": [f"item-{i}" for i in range(4)]}),
+                           tmp_path / "items.parquet",
+                           {"stage": "select_items", "seed": 0, "config": {"dataset": dataset, "n_items": 4}})
+    selected = {"rule": "divergent:12", "seed": 0, "n_candidates": 200, "n_divergent": 38, "n_selected": 12,
+                "decided_from": "suffix token ids of the two constructions (replica 1); never correctness or "
+                                "transplant outcomes"}
+    transplant = write_with(synthetic_transplant("primary"), tmp_path / "transplant.parquet",
+                            {**part_provenance("bf16", device="cpu:x86_64 AVX2", numerics=flags),
+                             "stage": "transplant_caches", "selection": selected,
+                             "config": {"sweeps": ["all", "k_only"]}})
+    text, _ = run(tmp_path, ledger, {"transplant": {"primary": transplant}}, selection=selection)
+    ident = text.split("## What produced this run")[1].split("\n## ")[0]
+    row = next(line for line in ident.splitlines() if line.startswith("| dataset |"))
+    assert row == "| dataset | source `jsonl`, path `d.jsonl`, fields answer `answer`, question `question` |"
+    flags_row = next(line for line in ident.splitlines() if line.startswith("| determinism flags |"))
+    assert "deterministic_algorithms True" in flags_row and "float32_matmul_precision `highest`" in flags_row
+    assert "cublas" not in flags_row and "tf32" not in flags_row
+    regime = next(line for line in ident.splitlines() if line.startswith("| numerics and decode regime |"))
+    assert regime == "| numerics and decode regime | numerics `default`; decode_regime `eager`; batch_size 1 |"
+    assert ("| transplants `primary` | rule `divergent:12` (seed 0): 12 items drawn from the 38 divergent of 200 "
+            "candidates (outcome-blind); sweeps [`all`, `k_only`] |") in ident
+
+
 def test_a_hub_commit_is_named(tmp_path):
     prov = {"stage": "gather", "parts": [part_provenance("bf16", model_commit="0123abcd", model_source="org/m@main")]}
     ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)

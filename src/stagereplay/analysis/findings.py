@@ -37,10 +37,10 @@ def _replicas(numbers: dict) -> tuple[int, int]:
     return same, total
 
 
-def _revision_rows(revision: str, numbers: dict) -> list[tuple[str, str, str, str]]:
-    """(claim, reference study, this run, holds) for one revision's numbers."""
+def _revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str, str, str, str]]:
+    """(claim, reference study, this run, holds) for one revision's numbers; ``named``: the claim names it."""
     rows = []
-    where = f" (`{revision}`)"
+    where = f" (`{revision}`)" if named else ""
     matched = numbers.get("matched") or {}
     same, total = _replicas(numbers)
     if total:
@@ -102,7 +102,8 @@ def _revision_rows(revision: str, numbers: dict) -> list[tuple[str, str, str, st
 
 def findings_section(revisions: dict[str, dict]) -> tuple[list[str], list[dict]]:
     """The "Findings" table from the per-revision numbers of stats.json (``stats["revisions"]``), and its record."""
-    rows = [row for revision, numbers in revisions.items() for row in _revision_rows(revision, numbers)]
+    named = len(revisions) > 1
+    rows = [row for revision, numbers in revisions.items() for row in _revision_rows(revision, numbers, named)]
     if not rows:
         return [], []
     lines = ["## Findings", "",
