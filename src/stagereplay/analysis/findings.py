@@ -51,11 +51,11 @@ def _revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str,
         ref = study.MATCHED_DISAGREEMENTS["bf16"]
         dis = cell["suffix_disagreements"]
         rows.append(("bf16 live vs prefill of identical tokens: suffixes differ" + where, str(ref), _count(dis),
-                     (HOLDS if dis["k"] else DOES_NOT_HOLD) + " (the split occurs; how often depends on model and "
-                     "CPU)"))
+                     (HOLDS if dis["k"] else DOES_NOT_HOLD) + " (the study: the split occurs; how often depends on "
+                     "model and CPU)"))
         flips = cell["label_flips"]
         rows.append(("bf16: correctness labels that differ" + where, str(study.MATCHED_LABEL_FLIPS["bf16"]),
-                     _count(flips), HOLDS if flips["k"] else DOES_NOT_HOLD))
+                     _count(flips), (HOLDS if flips["k"] else DOES_NOT_HOLD) + " (the study: some labels differ)"))
         acc = cell.get("accuracy_difference")
         if acc:
             includes_zero = acc["bootstrap_low"] <= 0 <= acc["bootstrap_high"]
