@@ -4,7 +4,8 @@ Every sentence of the report is built from the run's own files: the audit's verd
 first thing the report says), then the findings (:mod:`~stagereplay.analysis.findings`: each claim of the study,
 this run's figure and whether the study's conclusion holds, from the numbers of ``stats.json``), then what produced
 the run (model, dataset, budgets, boundary, seed, regimes, code and software, from the provenance the files record;
-"not recorded" where they record nothing), then per revision one table per claim of the reference study with the study's figure beside this run's, then what the study did not
+"not recorded" where they record nothing), then per revision one table per claim of the reference study with the
+study's figure beside this run's, then what the study did not
 measure (margins at the divergence, per-layer cache differences, the transplant localisation, the minimal sufficient
 transplants and the onset of the cache difference in divergent items, batch invariance),
 the items excluded and why, and the figures with their captions. The reference study's numbers come from
