@@ -247,3 +247,10 @@ def test_figure_2_draws_equal_steps_of_two_series_side_by_side(drawn, tmp_path):
     lines = {ln.get_label(): ln.get_xdata()[1:] for ln in fig.axes[0].get_lines() if "matched" in ln.get_label()}
     bf16, fp32 = (next(x for label, x in lines.items() if p in label) for p in ("bf16", "fp32"))
     assert len(bf16) == len(fp32) and (bf16 != fp32).all() and abs(bf16 - fp32).max() <= 0.3
+
+
+def test_layer_labels_read_alike_for_one_layer_and_a_band():
+    assert analysis.transplant_label({"layer_set": "L4", "component": "kv"}) == "layer 4 · KV"
+    assert analysis.transplant_label({"layer_set": "0-1", "component": "k"}) == "layers 0-1 · K"
+    assert analysis.transplant_label({"layer_set": "all", "component": "kv", "positions": "stage"}) == \
+        "layers all · KV · stage positions"

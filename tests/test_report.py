@@ -247,3 +247,31 @@ def test_a_split_in_fp32_is_a_finding_against_the_study(tmp_path):
     findings = {f["claim"]: f for f in json.loads((tmp_path / "stats.json").read_text())["findings"]}
     row = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ"]
     assert row["this_run"].startswith("1 / ") and row["holds"] == "no"
+
+
+def build_section(ledger, tmp_path_factory=None) -> str:
+    """The fixed-prefix section of a report built from ``ledger`` alone."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    path = write(ledger, folder / "ledger.parquet")
+    build_report({"primary": path}, str(folder / "report.md"), str(folder / "stats.json"), "t")
+    return (folder / "report.md").read_text().split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+
+
+def test_fp32_accuracy_in_the_two_tables_is_explained_and_no_column_repeats_the_interval(built):
+    _, report, _ = built
+    section = report.split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+    assert "Wilson 95% upper bound |" not in section  # the interval beside each count already ends there
+    # the synthetic ledger: every row of an item has one prefix, so the two tables count the same prefixes
+    assert "Other prefixes than the matched rows'" not in section
+    ledger = synthetic_ledger("primary")
+    own = ledger[ledger["experiment"] == "matched"].assign(precision="fp32")  # fp32 generating its own prefixes
+    own["prefix_fingerprint"] = own["prefix_fingerprint"].where(own["item_index"] % 4 != 0, "other")
+    text = build_section(pd.concat([ledger, own], ignore_index=True))
+    n = len(set(own["item_index"]) & set(ledger.loc[ledger["experiment"] == "fixed_prefix", "item_index"]))
+    k = len({i for i in own["item_index"] if i % 4 == 0} & set(ledger.loc[ledger["experiment"] == "fixed_prefix",
+                                                                          "item_index"]))
+    assert f"at fp32, {k} of {n} items' fixed-prefix rows continue other prefix ids than its matched rows" in text
+    assert "at bf16" not in text

@@ -14,7 +14,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_percent,
+from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int,
                                                 format_proportion, join_words)
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.provenance import recorded_batch_plan
@@ -85,6 +85,21 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
     return lines, out
 
 
+def _other_prefixes(ledger: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """Per precision: items whose fixed-prefix rows have another prefix fingerprint than their matched rows, of the
+    items with both (replica 1); only precisions where some differ."""
+    rows = ledger[(ledger["replica"] == 1) & ledger["prefix_fingerprint"].notna()]
+    found = {}
+    for precision, group in rows.groupby("precision", sort=False):
+        matched = group[group["experiment"] == "matched"].groupby("item_index")["prefix_fingerprint"].first()
+        fixed = group[group["experiment"] == "fixed_prefix"].groupby("item_index")["prefix_fingerprint"].first()
+        both = matched.index.intersection(fixed.index)
+        differ = int((matched[both] != fixed[both]).sum())
+        if differ:
+            found[str(precision)] = (differ, len(both))
+    return found
+
+
 def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     """Claim 4: the fixed-prefix 2x2 (construction x precision) over identical token states."""
     ledger, seed = data.ledger, data.seed
@@ -100,9 +115,9 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {}
     lines = header + [
         f"| precision | reference study: suffixes that differ | this run: {a} vs {b}, suffixes that "
-        f"differ | Wilson 95% upper bound | labels that differ | accuracy {a} / {b}, difference "
-        f"({a} − {b}) | first divergence (median [IQR]) |",
-        "| --- | --- | --- | --- | --- | --- | --- |"]
+        f"differ | labels that differ | accuracy {a} / {b}, difference ({a} − {b}) | first divergence "
+        "(median [IQR]) |",
+        "| --- | --- | --- | --- | --- | --- |"]
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
@@ -118,8 +133,7 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
         reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
-        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | "
-                     f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} | "
+        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | {format_proportion(flips)} | "
                      f"{format_accuracy(acc) if acc else 'no compared items'} | {fd_text} |")
     shared = [p for p in out if out[p]["same_rows_as_matched"]]
     if shared:
@@ -127,6 +141,15 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                   "rows item for item (the same cache and suffix fingerprints on both sides, the same margins): that "
                   "cell is the matched comparison again, not a second measurement, and the margin test and figures 2 "
                   "and 3 count it once, as matched."]
+    other = _other_prefixes(ledger)
+    if other:
+        lines += ["", "Other prefixes than the matched rows': " + "; ".join(
+            f"at {p}, {k} of {n} items' fixed-prefix rows continue other prefix ids than its matched rows"
+            for p, (k, n) in other.items()) + ". The fixed-prefix rows continue the prefix ids held fixed (the "
+            "reference precision's generation), the matched rows each precision's own, so their accuracies differ "
+            "between the matched and the fixed-prefix table."]
+        for p, (k, n) in other.items():
+            out[p]["items_with_other_prefix_than_matched"] = {"k": k, "n": n}
     overflowed = {p: v["nonfinite_rows"] for p, v in out.items() if v["nonfinite_rows"]}
     if overflowed:
         lines += ["", "Rows with non-finite logits (marked `nonfinite`, never compared): " + ", ".join(
@@ -150,16 +173,15 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
                 if reference == "incremental" else "")
     lines = ["", f"Each replay construction against `{reference}`{stand_in}, over the same prefix ids, in the same "
              "batches and layout, counted as in the 2x2: items whose suffix ids differ.", "",
-             f"| precision | construction | suffixes that differ from {reference} | Wilson 95% upper bound | labels "
-             "that differ |", "| --- | --- | --- | --- | --- |"]
+             f"| precision | construction | suffixes that differ from {reference} | labels that differ |",
+             "| --- | --- | --- | --- |"]
     for r in cells.itertuples(index=False):
         dis = stats.proportion(int(r.k), int(r.n))
         flips = stats.proportion(int(r.label_flips), int(r.n))
         out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
             "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
             "suffix_disagreements": dis, "label_flips": flips}
-        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | "
-                     f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} |")
+        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | {format_proportion(flips)} |")
     same = {}
     for r in cells.itertuples(index=False):
         if r.n and not r.k:

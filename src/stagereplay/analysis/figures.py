@@ -21,6 +21,7 @@ DataFrames. matplotlib runs on the Agg backend.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -285,7 +286,7 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
             ax.set_xticks(range(len(directions)), [d.replace("->", "\n→ ") for d in directions])
             ax.xaxis.tick_top()
             ax.tick_params(axis="x", length=0)
-            names = [lab.replace("layers ", "") + (" (whole state)" if lab == "layers all · KV" else "")
+            names = [re.sub(r"^layers? ", "", lab) + (" (whole state)" if lab == "layers all · KV" else "")
                      for lab in labels]
             ax.set_yticks(range(len(labels)), names)
             ax.tick_params(axis="y", length=0)

@@ -17,6 +17,8 @@ against the reference.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
@@ -303,8 +305,11 @@ def accuracy_differences(pairs: pd.DataFrame, seed: int = 0, n_boot: int = 10000
 
 
 def transplant_label(row) -> str:
-    """Row label of the transplant matrix: layer set and component, plus the positions when not all."""
-    label = f"layers {row['layer_set']} · {row['component'].upper()}"
+    """Row label of the transplant matrix: layer set and component, plus the positions when not all. A single layer
+    (stored as ``L4``) reads "layer 4", a band "layers 0-1", all of them "layers all"."""
+    single = re.fullmatch(r"L(\d+)", str(row["layer_set"]))
+    layers = f"layer {single.group(1)}" if single else f"layers {row['layer_set']}"
+    label = f"{layers} · {row['component'].upper()}"
     if row.get("positions", "all") != "all":
         label += f" · {row['positions']} positions"
     return label
