@@ -37,7 +37,8 @@ RUN_BY = {
         "test_readme_commands.py::test_the_toy_retrain_target_plans_and_training_is_bit_reproducible",
 }
 # Commands for a GPU machine or a cluster: not run here (their CPU stand-ins are above).
-NEEDS_A_GPU_OR_CLUSTER = ("snakemake --cores N --resources gpu=N", "snakemake --cores 4 --resources gpu=4 ",
+NEEDS_A_GPU_OR_CLUSTER = ("snakemake --cores C --resources gpu=N", "snakemake --cores 16 --resources gpu=4 ",
+                          "snakemake --cores 4 --resources gpu=1 ",
                           "snakemake --profile profiles/slurm ", "bash scripts/multigpu_demo.sh")
 
 
@@ -47,7 +48,8 @@ def readme_commands() -> list[str]:
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         found += [line.split("  #")[0].strip() for line in block.splitlines() if line and not line.startswith("#")]
-    found += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    spans = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    found += [" ".join(span.split()) for span in spans]  # a span wrapped over two lines is one command
     commands = []
     for command in found:
         for part in command.split(" && "):
