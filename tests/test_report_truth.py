@@ -485,3 +485,22 @@ def test_the_2x2_and_figures_read_the_same_with_more_constructions(tmp_path):
                                     ("fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig6_accuracy")})
     assert all(Path(path).stat().st_size > 1000 for path in written)
     assert analysis.replay_cells(two)["construction_b"].tolist() == ["prefill", "prefill"]
+
+
+def test_a_layer_bit_identical_in_every_divergent_item_is_marked_in_the_minimal_sets(tmp_path):
+    from report_data import synthetic_minimal_transplant, synthetic_onset
+
+    minimal = write(synthetic_minimal_transplant(), tmp_path / "minimal.parquet")
+    onset = synthetic_onset()
+    inputs = {"minimal_transplant": {"primary": minimal}}
+    # item 0's difference starts at layer 0 in the synthetic table: no layer is identical everywhere, no mark
+    text, stats = run(tmp_path, None, {**inputs, "divergence_onset": {"primary": write(onset, tmp_path / "o.parquet")}})
+    assert "layer 0*" not in text and "Bit-identical in both constructions' caches" not in text
+    assert stats["revisions"]["primary"]["minimal_transplant"]["layers_bit_identical_in_every_divergent_item"] == {
+        p: [] for p in onset["precision"].unique()}
+    onset = onset[onset["item_index"] != 0]  # now layer 0 is bit-identical in every divergent item
+    assert onset.loc[onset["layer"] == 0, "bit_equal"].astype(bool).all()
+    text, _ = run(tmp_path, None, {**inputs, "divergence_onset": {"primary": write(onset, tmp_path / "o.parquet")}},
+                  name="again")
+    assert "layer 0*: " in text and "layer 1: " in text and "layer 1*" not in text
+    assert "Bit-identical in both constructions' caches of every divergent item" in text

@@ -83,6 +83,16 @@ def onset_items(onset: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+def identical_layers(onset: pd.DataFrame | None) -> dict[str, list[int]]:
+    """Per precision, the layers whose K and V are bit-identical between the two constructions in every divergent
+    item of the onset table."""
+    if onset is None or onset.empty:
+        return {}
+    differs = onset.groupby(["precision", "layer"])["bit_equal"].agg(lambda equal: bool(equal.astype(bool).all()))
+    return {str(p): [int(layer) for (q, layer), all_equal in differs.items() if q == p and all_equal]
+            for p in onset["precision"].unique()}
+
+
 def _share(frame: pd.DataFrame, mask) -> dict:
     return stats.proportion(int(np.asarray(mask, dtype=bool).sum()), len(frame))
 
@@ -145,14 +155,24 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                      f"{format_proportion(cell['stage_positions_only'])} | "
                      f"{format_proportion(cell['prompt_positions_only'])} | {_quartiles(found['share_of_state'])} | "
                      f"{_quartiles(g['runs'])} |")
+    same = identical_layers(data.frame("divergence_onset")) if data.has("divergence_onset") else {}
+    out["layers_bit_identical_in_every_divergent_item"] = same
     layer_lines = []
     for precision, by_direction in out["cells"].items():
         for direction, cell in by_direction.items():
             if cell["layer_included"]:
-                shares = ", ".join(f"L{layer} {p['k']}/{p['n']}" for layer, p in cell["layer_included"].items())
+                shares = ", ".join(f"layer {layer}{'*' if int(layer) in same.get(precision, []) else ''}: "
+                                   f"{p['k']}/{p['n']}" for layer, p in cell["layer_included"].items())
                 layer_lines.append(f"- {precision} {direction}: {shares}")
     if layer_lines:
         lines += ["", "Minimal sets that include each layer (figure 7 adds the positions):", "", *layer_lines]
+        marked = {p: layers for p, layers in same.items() if layers and p in out["cells"]}
+        if marked:
+            where = "; ".join(f"{p}: layer(s) {', '.join(map(str, v))}" for p, v in marked.items())
+            lines += ["", "\\* Bit-identical in both constructions' caches of every divergent item "
+                      f"(divergence_onset.parquet): {where}. "
+                      "A minimal set includes such a layer only because its band of layers reaches it: the "
+                      "transplant changes nothing there."]
     missed = frame[~frame["full_sufficient"].astype(bool)]
     out["whole_cache_insufficient"] = [f"{r.item_id} {r.direction}" for r in missed.itertuples(index=False)]
     if len(missed):
