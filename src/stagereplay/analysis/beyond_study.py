@@ -19,7 +19,7 @@ def margins_section(data: RevisionData) -> tuple[list[str], dict]:
     margins = analysis.margin_pairs(data.ledger, data.pairs, skip=skip)
     if margins.empty:
         return ["_No disagreeing suffixes: no margin at a first divergence to report._", ""], {}
-    lines = ["Per disagreeing item, the reference construction's (live or incremental) top-2 logit margin at the "
+    lines = ["Per disagreeing item, the baseline construction's (live or incremental) top-2 logit margin at the "
              "first divergence against the median of its margins at the other decode steps of the same suffix (the "
              "divergence step left out). Items are the unit: one paired value each, tested across items with an "
              "exact one-sided sign test (figure 3).", "",

@@ -36,7 +36,7 @@ CAPTIONS = {
     ),
     "fig3_margins": (
         "Are divergences near-ties?",
-        "One point per disagreeing item: the reference construction's (live in the matched experiment, incremental "
+        "One point per disagreeing item: the baseline construction's (live in the matched experiment, incremental "
         "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence (y) against the median of its margins "
         "at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
         "linear near 0 so that exact ties stay visible; ×k beside a point: k items on it. Points below the diagonal "
@@ -67,7 +67,7 @@ CAPTIONS = {
     ),
     "fig6_accuracy": (
         "Paired accuracy difference between constructions.",
-        "Accuracy of the reference construction (live in the matched experiment, incremental in the fixed-prefix "
+        "Accuracy of the baseline construction (live in the matched experiment, incremental in the fixed-prefix "
         "one, or the first the report names there) minus that of the other (one-shot prefill unless the run chose "
         "another) over the same items, in percentage points, with the seeded paired "
         "bootstrap 95% percentile interval (10,000 resamples of items), per revision, experiment and precision. "

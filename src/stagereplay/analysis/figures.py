@@ -302,7 +302,7 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
 
 
 def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_order=(), coinciding=(), **_) -> None:
-    """Figure 6: accuracy of the reference construction minus the other's, in points, with the paired bootstrap 95%
+    """Figure 6: accuracy of the baseline construction minus the other's, in points, with the paired bootstrap 95%
     CI, one row per revision x experiment x precision; the reference study's matched bf16 result on top."""
     if differences is None or differences.empty:
         return _placeholder(paths, "No data yet for figure 6: no compared items with correctness labels "
@@ -335,7 +335,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
         ax.set_yticks(range(len(labels)), labels)
         ax.set_ylim(len(labels) - 0.5, -0.5)
         ax.tick_params(axis="y", length=0)
-        ax.set_xlabel("reference − prefill (points, 95% CI)", loc="right")
+        ax.set_xlabel("baseline − other construction (points, 95% CI)", loc="right")
         _save(fig, paths)
 
 

@@ -104,7 +104,7 @@ def fixed_prefix_pair(ledger: pd.DataFrame | None) -> tuple[str, str]:
 
 
 def comparisons(ledger: pd.DataFrame | None) -> list[tuple[str, str, str]]:
-    """(experiment, reference construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
+    """(experiment, baseline construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
     return [MATCHED, ("fixed_prefix", *fixed_prefix_pair(ledger))]
 
 
@@ -228,7 +228,7 @@ MARGIN_COLUMNS = ["revision", "experiment", "precision", "item_index", "item_id"
 
 
 def margin_pairs(ledger: pd.DataFrame, pairs: pd.DataFrame, skip=()) -> pd.DataFrame:
-    """One row per disagreeing item: the reference construction's top-2 margin at the first divergence and its
+    """One row per disagreeing item: the baseline construction's top-2 margin at the first divergence and its
     margins at every other decode step of the same suffix (the divergence step left out), with their median and
     the item's within-item percentile (share of other steps at or below the divergence margin).
 
