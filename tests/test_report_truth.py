@@ -504,3 +504,13 @@ def test_a_layer_bit_identical_in_every_divergent_item_is_marked_in_the_minimal_
                   name="again")
     assert "layer 0*: " in text and "layer 1: " in text and "layer 1*" not in text
     assert "Bit-identical in both constructions' caches of every divergent item" in text
+
+
+def test_a_revisions_own_split_count_is_in_its_transplant_section(tmp_path):
+    selected = {"rule": "divergent:12", "seed": 0, "n_candidates": 200, "n_divergent": 41, "n_selected": 12}
+    later = write_with(synthetic_transplant("later"), tmp_path / "later_transplant.parquet",
+                       {"stage": "transplant_caches", "selection": selected})
+    text, stats = run(tmp_path, None, {"transplant": {"later": later}})
+    section = text.split("## Revision `later`")[1]
+    assert "At revision `later` the two constructions continue differently on 41 of 200 items" in section
+    assert stats["revisions"]["later"]["transplant"]["split"] == {"k": 41, "n": 200}

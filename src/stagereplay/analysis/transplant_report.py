@@ -47,7 +47,13 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     lines: list[str] = []
     n_div = int(_divergent(transplant)["item_index"].nunique())
     constructions = sorted(set(transplant["donor"]) | set(transplant["recipient"])) if "donor" in transplant else []
-    lines += [f"{n_div} divergent item(s) of {transplant['item_index'].nunique()} transplanted"
+    selection = data.provenance("transplant").get("selection") or {}
+    split = (f"At revision `{data.revision}` the two constructions continue differently on "
+             f"{selection['n_divergent']} of {selection['n_candidates']} items (the outcome-blind selection's count, "
+             f"rule `{selection.get('rule')}`). " if {"n_divergent", "n_candidates"} <= set(selection) else "")
+    if split:
+        out["split"] = {"k": int(selection["n_divergent"]), "n": int(selection["n_candidates"])}
+    lines += [split + f"{n_div} divergent item(s) of {transplant['item_index'].nunique()} transplanted"
               + (f", between `{constructions[0]}` and `{constructions[1]}`" if len(constructions) == 2 else "")
               + ", each in both directions.", ""]
     if len(rest):
