@@ -141,7 +141,7 @@ def four_comparisons_page(folder: Path) -> Path:
     return page
 
 
-@pytest.mark.parametrize("width", [1280, 820], ids=["side-by-side", "stacked"])
+@pytest.mark.parametrize("width", [1280, 960, 820], ids=["side-by-side", "snakemake-report-iframe", "stacked"])
 def test_the_list_shows_every_comparison_column_whole(chromium, tmp_path, width):
     tab = chromium.new_page(viewport={"width": width, "height": 800})
     tab.goto(four_comparisons_page(tmp_path).as_uri())

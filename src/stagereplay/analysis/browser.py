@@ -214,10 +214,10 @@ h3 { font-size: 13px; margin: 12px 0 4px; }
 #legend { margin: 4px 0 0; }
 main { display: flex; height: calc(100vh - 112px); }
 /* The list is as wide as its compact columns (up to 60%); the detail pane takes the rest. Narrow windows (the
-   iframe of snakemake --report) stack the two. */
+   iframe of snakemake --report, about 960 px at a 1280 px window) stack the two. */
 #list { flex: 0 0 auto; max-width: 60%; overflow: auto; border-right: 1px solid #ccc; }
 #detail { flex: 1 1 0; min-width: 0; overflow: auto; padding: 8px 14px; }
-@media (max-width: 900px) {
+@media (max-width: 1100px) {
   main { flex-direction: column; height: auto; }
   #list { max-width: none; max-height: 45vh; border-right: 0; border-bottom: 1px solid #ccc; }
   #detail { flex: none; overflow: visible; }
