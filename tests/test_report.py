@@ -275,3 +275,11 @@ def test_fp32_accuracy_in_the_two_tables_is_explained_and_no_column_repeats_the_
                                                                           "item_index"]))
     assert f"at fp32, {k} of {n} items' fixed-prefix rows continue other prefix ids than its matched rows" in text
     assert "at bf16" not in text
+
+
+def test_a_transplant_with_no_divergent_item_is_not_measured_in_the_findings():
+    from stagereplay.analysis.findings import findings_section
+
+    numbers = {"primary": {"transplant": {"all_layers": {"bf16": {"live->prefill": {"n": 0, "donor": 0}}}}}}
+    _, record = findings_section(numbers)
+    assert [(r["this_run"], r["holds"]) for r in record] == [("no divergent item", "not measured")]

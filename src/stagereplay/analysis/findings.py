@@ -112,6 +112,8 @@ def findings_section(revisions: dict[str, dict]) -> tuple[list[str], list[dict]]
              "study measured another model on other hardware.", "",
              "| claim | reference study | this run | holds here |", "| --- | --- | --- | --- |"]
     lines += [f"| {claim} | {reference} | {figure} | {holds} |" for claim, reference, figure, holds in rows]
-    record = [{"claim": claim, "reference_study": reference, "this_run": figure, "holds": holds.split(" ")[0]
-               .strip("*")} for claim, reference, figure, holds in rows]
+    verdict = {HOLDS: "yes", DOES_NOT_HOLD: "no", NOT_MEASURED: "not measured"}
+    record = [{"claim": claim, "reference_study": reference, "this_run": figure,
+               "holds": next(v for k, v in verdict.items() if holds.startswith(k))}
+              for claim, reference, figure, holds in rows]
     return lines + [""], record
