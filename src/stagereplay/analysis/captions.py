@@ -31,14 +31,15 @@ CAPTIONS = {
         "disagree. Colour: precision; line style and marker: experiment (solid, circles: matched live vs prefill; "
         "dashed, squares: the fixed-prefix pair, incremental vs prefill unless the run chose others). Each series is "
         "drawn up to 0.15 token left or right of its positions, so that series with equal steps stay visible side "
-        "by side. The x axis spans the whole suffix. n in the legend is the number of disagreeing items. A fixed-prefix cell whose rows repeat the matched rows item for item "
-        "is drawn once, as matched (the report names such cells). One panel per revision.",
+        "by side. The x axis spans the whole suffix. n in the legend is the number of disagreeing items. A "
+        "fixed-prefix cell whose rows repeat the matched rows item for item is drawn once, as matched (the report "
+        "names such cells). One panel per revision.",
     ),
     "fig3_margins": (
         "Are divergences near-ties?",
         "One point per disagreeing item: the baseline construction's (live in the matched experiment, incremental "
-        "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence (y) against the median of its margins "
-        "at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
+        "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence "
+        "(y) against the median of its margins at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
         "linear near 0 so that exact ties stay visible; ×k beside a point: k items on it. Points below the diagonal "
         "split where the greedy choice was closer to a tie than at the item's typical step; the report gives the "
         "exact sign test across items. "
@@ -96,8 +97,8 @@ CAPTIONS = {
         "over items as a thick line with circles, on a symmetric-log axis, linear near 0. Bottom: one open circle "
         "per item, the first construction's top-2 logit margin at the first divergent suffix token (y) against "
         "the max absolute difference of the caches at the last layer (x, symmetric-log); ×k beside a circle: k "
-        "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the onset layer and position and the rank "
-        "correlation are in divergence_onset.parquet and the report.",
+        "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the "
+        "onset layer and position and the rank correlation are in divergence_onset.parquet and the report.",
     ),
 }
 

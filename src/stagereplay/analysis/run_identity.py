@@ -90,8 +90,8 @@ def transplant_text(records: list[dict]) -> str | None:
     for sel in selections:
         if isinstance(sel, dict):
             blind = " (outcome-blind)" if "never correctness" in str(sel.get("decided_from")) else ""
-            chosen.append(f"rule `{sel.get('rule')}` (seed {sel.get('seed')}): {sel.get('n_selected')} items drawn from "
-                          f"the {sel.get('n_divergent')} divergent of {sel.get('n_candidates')} candidates{blind}")
+            chosen.append(f"rule `{sel.get('rule')}` (seed {sel.get('seed')}): {sel.get('n_selected')} items drawn "
+                          f"from the {sel.get('n_divergent')} divergent of {sel.get('n_candidates')} candidates{blind}")
     return "; ".join(chosen or [NOT_RECORDED]) + f"; sweeps {_show(sweeps)}"
 
 
