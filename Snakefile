@@ -4,6 +4,10 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
+# `snakemake --report`: this text opens it; the report itself (findings first) is under Results -> Report.
+report: "workflow/report/workflow.rst"
+
+
 # The embedded default experiment, only when no --configfile is given: a user's config is complete by itself, every
 # key it leaves out taking the schema's default, never the toy's value.
 if not workflow.overwrite_configfiles:

@@ -24,7 +24,7 @@ export HF_HUB_OFFLINE=1
 PY="${PYTHON:-python}"
 
 "$PY" - <<'EOF'
-import importlib, sys
+import importlib.util, sys
 missing = [m for m in ("torch", "transformers", "snakemake", "pandas", "pyarrow", "tqdm", "safetensors", "yaml",
                        "jsonschema") if importlib.util.find_spec(m) is None]
 if missing:

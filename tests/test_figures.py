@@ -213,3 +213,44 @@ def test_figure_7_counts_each_part_of_the_minimal_sets(tables):
     k0 = primary[(primary["component"] == "k") & (primary["layer"] == 0) & (primary["offset"] == 0)].iloc[0]
     # items 0, 2, 4 hold all layers; their components kv, v, k: K is in the sets of items 0 and 4, both directions
     assert (k0["n"], k0["included"]) == (10, 4)
+
+
+def test_figure_7_scales_to_its_shares_and_marks_no_cache_apart_from_zero(tables, drawn):
+    coverage = tables["fig7_minimal_transplant"]
+    fig = drawn("fig7_minimal_transplant", coverage, revision_order=["primary", "later"])
+    images = [image for ax in fig.axes for image in ax.get_images()]
+    top = images[0].get_clim()[1]
+    assert coverage["share"].max() <= top < coverage["share"].max() + 0.1 or top == 0.1  # the data's scale, not 0-1
+    assert any(f"(0 to {top:g})" in ax.get_ylabel() for ax in fig.axes)  # the colour bar names its end
+    panel = fig.axes[0]
+    assert any(p.get_hatch() == "////" for p in panel.patches)  # no cache: hatched under the transparent NaN cells
+    assert images[0].get_cmap().get_bad()[3] == 0  # NaN cells are see-through, a share of 0 is not
+    assert "no cache there" in legend_labels(fig)
+
+
+def test_figure_5_colour_bar_lies_below_a_single_panel(tables, drawn):
+    one = tables["fig5_transplant"]
+    one = one[(one["revision"] == "primary") & (one["precision"] == one["precision"].iloc[0])]
+    fig = drawn("fig5_transplant", one)
+    bar = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(bar) == 1 and bar[0].get_xlabel().startswith("share following the donor")
+    fig.canvas.draw()
+    box = bar[0].xaxis.label.get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0  # the whole label is on the canvas
+
+
+def test_figure_2_draws_equal_steps_of_two_series_side_by_side(drawn, tmp_path):
+    ledger = synthetic_ledger("primary", n_items=20)
+    fp32 = ledger[ledger["experiment"] == "matched"].assign(precision="fp32")  # the same divergences again
+    data = figures.tables({"ledger": {"primary": write(pd.concat([ledger, fp32]), tmp_path / "l.parquet")}})
+    fig = drawn("fig2_first_divergence", data["fig2_first_divergence"])
+    lines = {ln.get_label(): ln.get_xdata()[1:] for ln in fig.axes[0].get_lines() if "matched" in ln.get_label()}
+    bf16, fp32 = (next(x for label, x in lines.items() if p in label) for p in ("bf16", "fp32"))
+    assert len(bf16) == len(fp32) and (bf16 != fp32).all() and abs(bf16 - fp32).max() <= 0.3
+
+
+def test_layer_labels_read_alike_for_one_layer_and_a_band():
+    assert analysis.transplant_label({"layer_set": "L4", "component": "kv"}) == "layer 4 · KV"
+    assert analysis.transplant_label({"layer_set": "0-1", "component": "k"}) == "layers 0-1 · K"
+    assert analysis.transplant_label({"layer_set": "all", "component": "kv", "positions": "stage"}) == \
+        "layers all · KV · stage positions"

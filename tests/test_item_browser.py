@@ -102,7 +102,8 @@ def test_status_labels_of_excluded_items(page):
     # synthetic_ledger: item 3 never reaches its boundary, item 5's matched prefill overflows
     assert page.locator('#items tbody tr[data-item-index="3"] td').nth(2).text_content() == "boundary_missing"
     matched = page.locator('#items tbody tr[data-item-index="5"] td[data-cell="primary/matched/bf16"]')
-    assert "nonfinite" in matched.text_content()
+    assert matched.locator(".status-bad").text_content() == "!"
+    assert "prefill: nonfinite" in matched.get_attribute("title")
 
 
 def test_selected_item_marks_the_first_divergent_token_and_plots_every_step(page, built):
@@ -126,6 +127,63 @@ def test_selected_item_marks_the_first_divergent_token_and_plots_every_step(page
         shown = page.locator("#detail table.transplants tr[data-outcome]").count()
         assert shown == int((transplant["item_index"] == item).sum())
     assert checked
+
+
+def four_comparisons_page(folder: Path) -> Path:
+    """A page with the default run's four comparisons (matched and fixed-prefix, bf16 and fp32) and item ids as
+    long as the embedded set's."""
+    ledger = synthetic_ledger("primary")
+    matched_fp32 = ledger[ledger["experiment"] == "matched"].assign(precision="fp32")
+    ledger = pd.concat([ledger, matched_fp32], ignore_index=True)
+    ledger["item_id"] = ledger["item_index"].map(lambda i: f"synthetic-0-{i:05d}")
+    page = folder / "items.html"
+    write_item_browser(str(page), {"primary": ledger}, {"primary": TEXTS}, {}, run="t")
+    return page
+
+
+@pytest.mark.parametrize("width", [1280, 960, 820], ids=["side-by-side", "snakemake-report-iframe", "stacked"])
+def test_the_list_shows_every_comparison_column_whole(chromium, tmp_path, width):
+    tab = chromium.new_page(viewport={"width": width, "height": 800})
+    tab.goto(four_comparisons_page(tmp_path).as_uri())
+    headers = tab.locator("#items thead th[data-cell]")
+    assert headers.count() == 4
+    pane = tab.locator("#list").bounding_box()
+    assert tab.locator("#list").evaluate("e => e.scrollWidth <= e.clientWidth")  # nothing to scroll sideways to
+    for i in range(4):
+        box = headers.nth(i).bounding_box()
+        assert pane["x"] <= box["x"] and box["x"] + box["width"] <= pane["x"] + pane["width"], (i, box, pane)
+    tab.click('#items tbody tr[data-item-index="1"]')
+    detail = tab.locator("#detail").bounding_box()
+    assert detail["width"] >= 380 and detail["height"] >= 300  # the detail pane keeps room for its suffixes
+    cell = tab.locator('#items tbody tr[data-item-index="0"] td[data-cell="primary/matched/fp32"]')
+    assert "live: " in cell.get_attribute("title") and "prefill: " in cell.get_attribute("title")
+    tab.close()
+
+
+def test_up_and_down_keys_move_through_the_rows_shown(page, built):
+    _, ledger, _ = built
+    divergent = sorted(expected_divergences(ledger))
+    every = sorted(ledger["item_index"].unique().tolist())
+    shown = lambda: page.locator("#detail").get_attribute("data-item-index")  # noqa: E731
+    page.keyboard.press("ArrowDown")  # nothing selected yet: the first row
+    assert shown() == str(every[0])
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowDown")
+    assert shown() == str(every[2])
+    page.keyboard.press("ArrowUp")
+    assert shown() == str(every[1])
+    page.check("#divergent-only")  # the rows the filter hides are skipped
+    page.click(f'#items tbody tr[data-item-index="{divergent[0]}"]')
+    page.keyboard.press("ArrowDown")
+    assert shown() == str(divergent[1])
+    page.keyboard.press("ArrowUp")
+    page.keyboard.press("ArrowUp")  # at the first row shown: stays
+    assert shown() == str(divergent[0])
+    for _ in divergent:
+        page.keyboard.press("ArrowDown")
+    assert shown() == str(divergent[-1])
+    selected = page.locator("#items tbody tr.selected")
+    assert selected.count() == 1 and selected.get_attribute("data-item-index") == str(divergent[-1])
 
 
 def test_token_texts_are_shown_as_text(page, built):

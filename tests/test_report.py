@@ -83,27 +83,28 @@ def test_report_counts_bridge_audit_transplant_and_exclusions(built):
     assert "![fig1_disagreement](figures/fig1_disagreement.png)" in report
 
 
-def test_every_statistic_carries_n_method_and_seed(built):
+def test_every_statistic_carries_n_and_method_and_a_seed_only_where_it_resamples(built):
     _, _, stats_json = built
     found = []
 
-    def walk(node, seed=None):
+    def walk(node):
         if isinstance(node, dict):
             if "method" in node:
-                # A statistic nested in another (follows_donor in a follow rate) takes the enclosing one's seed.
-                seed = node.get("seed", seed)
-                found.append((node, seed))
+                found.append(node)
             for value in node.values():
-                walk(value, seed)
+                walk(value)
         elif isinstance(node, list):
             for value in node:
-                walk(value, seed)
+                walk(value)
 
     walk(stats_json["revisions"])
     assert len(found) > 20
-    for stat, seed in found:
+    resampled = [stat for stat in found if "bootstrap" in stat["method"]]
+    assert resampled and len(resampled) < len(found)
+    for stat in found:
         assert "n" in stat and stat["method"], stat
-        assert seed == 3, stat
+        # the report's seed (3 here) goes with the bootstrap results alone: a count or an exact test uses none
+        assert stat.get("seed") == (3 if stat in resampled else None), stat
 
 
 def test_absent_inputs_are_skipped_with_a_note(tmp_path):
@@ -211,3 +212,74 @@ def test_report_refuses_duplicate_audit_rows(tmp_path):
     with pytest.raises(analysis.DuplicateRowsError, match="audit"):
         build_report({"primary": write(ledger, tmp_path / "ledger.parquet")}, str(tmp_path / "r.md"),
                      str(tmp_path / "s.json"), "t", inputs=paths)
+
+
+def test_findings_lead_the_report_and_say_where_the_study_holds(built):
+    ledger, report, stats_json = built
+    assert report.index("## Findings") < report.index("## What produced this run") < report.index("## Revision")
+    findings = {f["claim"]: f for f in stats_json["findings"]}
+    numbers = stats_json["revisions"]["primary"]
+    # the synthetic run: one bridge row and two audited rows fail, every replica pair is exact
+    assert findings["bridge: incremental cache bit-exact with the live cache"]["holds"] == "no"
+    assert findings["bridge: incremental cache bit-exact with the live cache"]["this_run"] == "11 / 12"
+    assert findings["saved-ledger audit: every row reproduced"]["holds"] == "no"
+    assert findings["replicas on both sides bit-exact"]["holds"] == "yes"
+    n, disagree, *_ = recount(ledger, "matched", "live", "prefill", "bf16")
+    matched = findings["bf16 live vs prefill of identical tokens: suffixes differ"]
+    assert matched["this_run"].startswith(f"{disagree} / {n} (") and matched["reference_study"] == "166 / 200"
+    assert matched["holds"] == ("yes" if disagree else "no")
+    fp32 = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ"]
+    assert fp32["this_run"].startswith("0 / ") and fp32["holds"] == "yes"
+    acc = numbers["matched"]["bf16"]["accuracy_difference"]
+    covers = acc["bootstrap_low"] <= 0 <= acc["bootstrap_high"]
+    assert findings["bf16: accuracy difference live − prefill, points"]["holds"] == ("yes" if covers else "no")
+    assert findings["all-layer transplant: divergent continuations follow their cache donor"]["holds"] == "yes"
+    assert "| bridge: incremental cache bit-exact with the live cache | 12 / 12 | 11 / 12 | **no** |" in report
+
+
+def test_a_split_in_fp32_is_a_finding_against_the_study(tmp_path):
+    ledger = synthetic_ledger("primary")
+    fp32 = (ledger["experiment"] == "fixed_prefix") & (ledger["precision"] == "fp32") & (
+        ledger["construction"] == "prefill") & (ledger["item_index"] == 0)
+    ledger.loc[fp32, "suffix_ids"] = ledger.loc[fp32, "suffix_ids"].map(lambda ids: [99, *list(ids)[1:]])
+    path = write(ledger, tmp_path / "ledger.parquet")
+    build_report({"primary": path}, str(tmp_path / "report.md"), str(tmp_path / "stats.json"), "t")
+    findings = {f["claim"]: f for f in json.loads((tmp_path / "stats.json").read_text())["findings"]}
+    row = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ"]
+    assert row["this_run"].startswith("1 / ") and row["holds"] == "no"
+
+
+def build_section(ledger, tmp_path_factory=None) -> str:
+    """The fixed-prefix section of a report built from ``ledger`` alone."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    path = write(ledger, folder / "ledger.parquet")
+    build_report({"primary": path}, str(folder / "report.md"), str(folder / "stats.json"), "t")
+    return (folder / "report.md").read_text().split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+
+
+def test_fp32_accuracy_in_the_two_tables_is_explained_and_no_column_repeats_the_interval(built):
+    _, report, _ = built
+    section = report.split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
+    assert "Wilson 95% upper bound |" not in section  # the interval beside each count already ends there
+    # the synthetic ledger: every row of an item has one prefix, so the two tables count the same prefixes
+    assert "Other prefixes than the matched rows'" not in section
+    ledger = synthetic_ledger("primary")
+    own = ledger[ledger["experiment"] == "matched"].assign(precision="fp32")  # fp32 generating its own prefixes
+    own["prefix_fingerprint"] = own["prefix_fingerprint"].where(own["item_index"] % 4 != 0, "other")
+    text = build_section(pd.concat([ledger, own], ignore_index=True))
+    n = len(set(own["item_index"]) & set(ledger.loc[ledger["experiment"] == "fixed_prefix", "item_index"]))
+    k = len({i for i in own["item_index"] if i % 4 == 0} & set(ledger.loc[ledger["experiment"] == "fixed_prefix",
+                                                                          "item_index"]))
+    assert f"at fp32, {k} of {n} items' fixed-prefix rows continue other prefix ids than its matched rows" in text
+    assert "at bf16" not in text
+
+
+def test_a_transplant_with_no_divergent_item_is_not_measured_in_the_findings():
+    from stagereplay.analysis.findings import findings_section
+
+    numbers = {"primary": {"transplant": {"all_layers": {"bf16": {"live->prefill": {"n": 0, "donor": 0}}}}}}
+    _, record = findings_section(numbers)
+    assert [(r["this_run"], r["holds"]) for r in record] == [("no divergent item", "not measured")]

@@ -14,7 +14,7 @@ from stagereplay.analysis import stats as stats_module
 from stagereplay.analysis import study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report import build_report
-from stagereplay.analysis.report_format import format_percent, format_proportion
+from stagereplay.analysis.report_format import format_proportion
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -343,6 +343,38 @@ def test_the_model_files_and_the_dataset_content_are_named(tmp_path):
     assert stats["identity"]["dataset_fingerprint"]["file"] == ["cd" * 32]
 
 
+def test_identity_shows_only_what_applies_once(tmp_path):
+    """A jsonl dataset recorded with every schema default, a CPU run's determinism flags, the numerics regime and
+    the transplant selection: the keys the source reads, no CUDA-only flag, numerics once, how items were drawn."""
+    flags = {"deterministic_algorithms": True, "cublas_workspace_config": ":4096:8", "tf32_matmul": False,
+             "tf32_cudnn": False, "float32_matmul_precision": "highest"}
+    prov = {"stage": "gather", "parts": [part_provenance("bf16", device="cpu:x86_64 AVX2", numerics=flags)]}
+    ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)
+    dataset = {"source": "jsonl", "size": 5000, "seed": 0, "path": "d.jsonl", "name": None, "subset": None,
+               "split": "test", "revision": None, "fields": {"question": "question", "answer": "answer"}}
+    selection = write_with(pd.DataFrame({"item_index": range(4), "item_id": [f"item-{i}" for i in range(4)]}),
+                           tmp_path / "items.parquet",
+                           {"stage": "select_items", "seed": 0, "config": {"dataset": dataset, "n_items": 4}})
+    selected = {"rule": "divergent:12", "seed": 0, "n_candidates": 200, "n_divergent": 38, "n_selected": 12,
+                "decided_from": "suffix token ids of the two constructions (replica 1); never correctness or "
+                                "transplant outcomes"}
+    transplant = write_with(synthetic_transplant("primary"), tmp_path / "transplant.parquet",
+                            {**part_provenance("bf16", device="cpu:x86_64 AVX2", numerics=flags),
+                             "stage": "transplant_caches", "selection": selected,
+                             "config": {"sweeps": ["all", "k_only"]}})
+    text, _ = run(tmp_path, ledger, {"transplant": {"primary": transplant}}, selection=selection)
+    ident = text.split("## What produced this run")[1].split("\n## ")[0]
+    row = next(line for line in ident.splitlines() if line.startswith("| dataset |"))
+    assert row == "| dataset | source `jsonl`, path `d.jsonl`, fields answer `answer`, question `question` |"
+    flags_row = next(line for line in ident.splitlines() if line.startswith("| determinism flags |"))
+    assert "deterministic_algorithms True" in flags_row and "float32_matmul_precision `highest`" in flags_row
+    assert "cublas" not in flags_row and "tf32" not in flags_row
+    regime = next(line for line in ident.splitlines() if line.startswith("| numerics and decode regime |"))
+    assert regime == "| numerics and decode regime | numerics `default`; decode_regime `eager`; batch_size 1 |"
+    assert ("| transplants `primary` | rule `divergent:12` (seed 0): 12 items drawn from the 38 divergent of 200 "
+            "candidates (outcome-blind); sweeps [`all`, `k_only`] |") in ident
+
+
 def test_a_hub_commit_is_named(tmp_path):
     prov = {"stage": "gather", "parts": [part_provenance("bf16", model_commit="0123abcd", model_source="org/m@main")]}
     ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", prov)
@@ -410,7 +442,7 @@ def test_each_replay_construction_is_set_against_incremental_per_precision(tmp_p
     assert analysis.fixed_prefix_pair(ledger) == ("incremental", "prefill")
     text, stats = run(tmp_path, write(ledger, tmp_path / "ledger.parquet"))
     section = text.split("### Fixed-prefix 2x2")[1].split("\n### ")[0]
-    assert "| precision | construction | suffixes that differ from incremental | Wilson 95% upper bound |" in section
+    assert "| precision | construction | suffixes that differ from incremental | labels that differ |" in section
     replays = section.split("suffixes that differ from incremental")[1].split("Replicas of each cell")[0]
     table = [line.split(" | ")[:2] for line in replays.splitlines() if line.startswith(("| bf16 | ", "| fp32 | "))]
     assert table == [[f"| {p}", c] for p in ("bf16", "fp32") for c in ("prefill", "chunked", "prefix_cached")]
@@ -425,8 +457,8 @@ def test_each_replay_construction_is_set_against_incremental_per_precision(tmp_p
             assert (dis["k"], dis["n"]) == (differ, n) and (numbers["label_flips"]["k"], n) == (flips, n)
             expected = stats_module.proportion(differ, n)
             assert dis["wilson_low"] == expected["wilson_low"] and dis["wilson_high"] == expected["wilson_high"]
-            row = (f"| {precision} | {construction} | {format_proportion(dis)} | "
-                   f"{format_percent(dis['wilson_high'])}% | {format_proportion(numbers['label_flips'])} |")
+            flips = format_proportion(numbers["label_flips"])
+            row = f"| {precision} | {construction} | {format_proportion(dis)} | {flips} |"
             assert row in section, row
         # the comparison with prefill is the 2x2's own
         assert against["prefill"]["suffix_disagreements"] == fixed[precision]["suffix_disagreements"]
@@ -453,3 +485,32 @@ def test_the_2x2_and_figures_read_the_same_with_more_constructions(tmp_path):
                                     ("fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig6_accuracy")})
     assert all(Path(path).stat().st_size > 1000 for path in written)
     assert analysis.replay_cells(two)["construction_b"].tolist() == ["prefill", "prefill"]
+
+
+def test_a_layer_bit_identical_in_every_divergent_item_is_marked_in_the_minimal_sets(tmp_path):
+    from report_data import synthetic_minimal_transplant, synthetic_onset
+
+    minimal = write(synthetic_minimal_transplant(), tmp_path / "minimal.parquet")
+    onset = synthetic_onset()
+    inputs = {"minimal_transplant": {"primary": minimal}}
+    # item 0's difference starts at layer 0 in the synthetic table: no layer is identical everywhere, no mark
+    text, stats = run(tmp_path, None, {**inputs, "divergence_onset": {"primary": write(onset, tmp_path / "o.parquet")}})
+    assert "layer 0*" not in text and "Bit-identical in both constructions' caches" not in text
+    assert stats["revisions"]["primary"]["minimal_transplant"]["layers_bit_identical_in_every_divergent_item"] == {
+        p: [] for p in onset["precision"].unique()}
+    onset = onset[onset["item_index"] != 0]  # now layer 0 is bit-identical in every divergent item
+    assert onset.loc[onset["layer"] == 0, "bit_equal"].astype(bool).all()
+    text, _ = run(tmp_path, None, {**inputs, "divergence_onset": {"primary": write(onset, tmp_path / "o.parquet")}},
+                  name="again")
+    assert "layer 0*: " in text and "layer 1: " in text and "layer 1*" not in text
+    assert "Bit-identical in both constructions' caches of every divergent item" in text
+
+
+def test_a_revisions_own_split_count_is_in_its_transplant_section(tmp_path):
+    selected = {"rule": "divergent:12", "seed": 0, "n_candidates": 200, "n_divergent": 41, "n_selected": 12}
+    later = write_with(synthetic_transplant("later"), tmp_path / "later_transplant.parquet",
+                       {"stage": "transplant_caches", "selection": selected})
+    text, stats = run(tmp_path, None, {"transplant": {"later": later}})
+    section = text.split("## Revision `later`")[1]
+    assert "At revision `later` the two constructions continue differently on 41 of 200 items" in section
+    assert stats["revisions"]["later"]["transplant"]["split"] == {"k": 41, "n": 200}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from stagereplay.analysis import captions
 from stagereplay.io.parquet import read_provenance
 from test_model_store import entry_files
 from test_prepared_model import assert_each_precision_prepared_once_and_loaded_by_every_job
@@ -75,7 +76,13 @@ def test_default_workflow_end_to_end(tmp_path):
     differences = pd.read_parquet(res / "primary/cache_differences.parquet")
     assert set(differences["precision"]) == {"bf16", "fp32"} and differences["item_index"].nunique() == min(2, ok)
     snakemake(tmp_path, "--report", str(tmp_path / "report.html"))
-    assert "Paired accuracy difference between constructions" in (tmp_path / "report.html").read_text(errors="replace")
+    page = (tmp_path / "report.html").read_text(errors="replace")
+    assert "Paired accuracy difference between constructions" in page
+    for number, (title, _) in enumerate(captions.CAPTIONS.values(), start=1):  # figures by number and title
+        assert f"{number}. {title}" in page, title
+    assert "findings, claims and tables (report.md)" in page  # the report's own page, tables included
+    rendered = (res / "report/report.html").read_text()
+    assert "<h2>Findings</h2>" in rendered and "<table>" in rendered
 
     # a second run of another name on the same model prepares nothing: its record names the same store entries
     record = json.loads((res / "models/primary.json").read_text())

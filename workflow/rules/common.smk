@@ -16,6 +16,7 @@ from stagereplay.config import (
     typed_command_line_values,
 )
 from stagereplay.data.prompts import check_template
+from stagereplay.analysis.captions import CAPTIONS
 from stagereplay.models.sources import revision_slug
 from stagereplay.models.sources import ModelLoadError, resolve_source
 from stagereplay.models.store import ModelStore, planned_keys, resolve_root
@@ -558,6 +559,12 @@ FIGURE_NAMES = [
     "fig7_minimal_transplant",
     "fig8_divergence_onset",
 ]
+
+
+def figure_title(name):
+    """A figure's name in the Snakemake report: its number and title, as the report's captions give them."""
+    title = CAPTIONS[name][0]
+    return f"{FIGURE_NAMES.index(name) + 1}. {title}"
 
 
 def report_revisions():

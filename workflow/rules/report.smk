@@ -7,11 +7,10 @@ rule plot_figures:
                 f"{RESULTS}/report/figures/{name}.{fmt}",
                 caption=f"../report/{name}.rst",
                 category="Figures",
-                subcategory=name.split("_", 1)[0],
-                labels={"figure": name, "format": fmt.upper()},
+                labels={"figure": figure_title(name), "format": fmt.upper()},
             )
             for name in FIGURE_NAMES
-            for fmt in ("pdf", "png")
+            for fmt in ("png", "pdf")
         },
     log:
         f"{LOGS}/plot_figures.log",
@@ -35,6 +34,12 @@ rule build_report:
         item_browser=f"{RESULTS}/report/items.html",
     output:
         report=f"{RESULTS}/report/report.md",
+        report_html=report(
+            f"{RESULTS}/report/report.html",
+            caption="../report/report.rst",
+            category="Report",
+            labels={"page": "findings, claims and tables (report.md)"},
+        ),
         stats=f"{RESULTS}/report/stats.json",
     log:
         f"{LOGS}/build_report.log",

@@ -1,5 +1,6 @@
 # Not part of the default target: retrains the embedded toy revisions from their seeds and checks the weights'
-# fingerprints against the shipped ones (bit-identical for the same torch build and thread count).
+# fingerprints against the shipped ones; the job fails when they differ (they are bit-identical only for the same
+# torch build, CPU kernel set and thread count).
 rule train_toy_model:
     output:
         weights="results/toy_training/{toy_revision}/model.safetensors",

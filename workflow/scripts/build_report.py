@@ -18,4 +18,5 @@ results_dir = Path(snakemake.output.report).parent.parent
 build_report(inputs.pop("ledger", {}), snakemake.output.report, snakemake.output.stats, snakemake.params.run,
              snakemake.params.seed, inputs=inputs,
              figures=dict(zip(snakemake.params.figure_names, snakemake.input.figures)),
-             results_dir=str(results_dir), item_browser=snakemake.input.item_browser)
+             results_dir=str(results_dir), item_browser=snakemake.input.item_browser,
+             out_html=snakemake.output.report_html)

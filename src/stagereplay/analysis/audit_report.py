@@ -11,7 +11,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import count_true, format_ids, seeded
+from stagereplay.analysis.report_format import count_true, format_ids
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -96,7 +96,7 @@ def audit_section(data: RevisionData) -> tuple[list[str], dict]:
     audit = data.frame("audit")
     analysis.check_unique(audit, "audit", ["revision", *AUDIT_KEY])
     ok = count_true(audit, "reproduced")
-    stat = seeded(stats.proportion(ok, len(audit)), data.seed)
+    stat = stats.proportion(ok, len(audit))
     lines = ["#### Claim: saved-ledger audit", "",
              "The reference study counts retained trajectories (one per item); the ledger holds one row per item, "
              "experiment, precision, construction and replica. Both are given.", "",
@@ -111,9 +111,9 @@ def audit_section(data: RevisionData) -> tuple[list[str], dict]:
                          f"{c['k']} / {c['n']} |")
         lines.append(f"| items all of whose ledger rows reproduced | — | {counts['items']['k']} / "
                      f"{counts['items']['n']} |")
-        out.update(trajectories={p: seeded(stats.proportion(c["k"], c["n"]), data.seed)
+        out.update(trajectories={p: stats.proportion(c["k"], c["n"])
                                  for p, c in counts["trajectories"].items()},
-                   items=seeded(stats.proportion(counts["items"]["k"], counts["items"]["n"]), data.seed))
+                   items=stats.proportion(counts["items"]["k"], counts["items"]["n"]))
     lines.append(f"| ledger rows reproduced (trajectories and fingerprints) | — (not counted in rows) | "
                  f"{ok} / {len(audit)} |")
     if data.has("ledger"):

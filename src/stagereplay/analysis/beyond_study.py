@@ -9,7 +9,7 @@ import pandas as pd
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (NOT_RECORDED, count_true, format_percent, format_proportion,
-                                                join_words, seeded)
+                                                join_words)
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -19,7 +19,7 @@ def margins_section(data: RevisionData) -> tuple[list[str], dict]:
     margins = analysis.margin_pairs(data.ledger, data.pairs, skip=skip)
     if margins.empty:
         return ["_No disagreeing suffixes: no margin at a first divergence to report._", ""], {}
-    lines = ["Per disagreeing item, the reference construction's (live or incremental) top-2 logit margin at the "
+    lines = ["Per disagreeing item, the baseline construction's (live or incremental) top-2 logit margin at the "
              "first divergence against the median of its margins at the other decode steps of the same suffix (the "
              "divergence step left out). Items are the unit: one paired value each, tested across items with an "
              "exact one-sided sign test (figure 3).", "",
@@ -29,8 +29,7 @@ def margins_section(data: RevisionData) -> tuple[list[str], dict]:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     out: dict = {}
     for (experiment, precision), g in margins.groupby(["experiment", "precision"], sort=True):
-        test = seeded(stats.divergence_margin_test(
-            list(zip(g["margin_divergence"], g["other_margins"]))), data.seed)
+        test = stats.divergence_margin_test(list(zip(g["margin_divergence"], g["other_margins"])))
         out.setdefault(experiment, {})[precision] = test
         if not test["n"]:
             continue
@@ -66,7 +65,6 @@ def cache_differences_section(data: RevisionData) -> tuple[list[str], dict]:
             "first_layer_differs": int(differs[0]) if differs else None, "max_abs": float(g["max_abs_max"].max()),
             "items_differing_per_layer": [int(x) for x in g["n_differ"]],
             "rms_median_of_differing_per_layer": [None if pd.isna(x) else float(x) for x in g["rms_median"]],
-            "seed": data.seed,
             "method": "per-layer byte comparison, max-abs and RMS of the difference (fp64) over a seeded item sample"}
         rms = "—" if pd.isna(last["rms_median"]) else f"{last['rms_median']:.3g}"
         lines.append(f"| {precision} | {component.upper()} | {int(g['n'].max())} | {len(same)} / {len(g)} | "
@@ -112,12 +110,9 @@ def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
                 both_ok = g[(g["status_batched"] == "ok") & (g["status_alone"] == "ok")]
             else:
                 both_ok = g
-            counts = {"cache_equal": seeded(stats.proportion(count_true(with_cache, "cache_equal"), len(with_cache)),
-                                             data.seed),
-                      "suffix_equal": seeded(stats.proportion(count_true(both_ok, "suffix_equal"), len(both_ok)),
-                                              data.seed),
-                      "label_equal": seeded(stats.proportion(count_true(both_ok, "label_equal"), len(both_ok)),
-                                             data.seed)}
+            counts = {"cache_equal": stats.proportion(count_true(with_cache, "cache_equal"), len(with_cache)),
+                      "suffix_equal": stats.proportion(count_true(both_ok, "suffix_equal"), len(both_ok)),
+                      "label_equal": stats.proportion(count_true(both_ok, "label_equal"), len(both_ok))}
             fd = stats.first_divergence_summary([int(x) for x in both_ok["first_divergence"].dropna()])
             out.setdefault(precision, {})[construction] = {
                 **counts, "first_divergence": fd, "n": len(g), "n_without_cache": len(g) - len(with_cache),

@@ -188,7 +188,11 @@ PAGE = """<!DOCTYPE html>
 <label><input type="checkbox" id="divergent-only"> divergent items only</label>
 <label>in <select id="cell-filter"><option value="">any comparison</option></select></label>
 <span id="shown-count"></span>
+<span class="hint">↑/↓: previous/next item shown</span>
 </div>
+<p id="legend" class="hint">Each comparison column: the correctness label of its two constructions (✓ right,
+✗ wrong, – none, ! a status other than ok), then ≠ and the first divergent decode step, or = for
+identical suffixes; hover a cell for it in words.</p>
 </header>
 <main>
 <div id="list"><table id="items"><thead></thead><tbody></tbody></table></div>
@@ -207,12 +211,24 @@ h1 { font-size: 17px; margin: 0 0 4px; }
 h2 { font-size: 15px; margin: 0 0 6px; }
 h3 { font-size: 13px; margin: 12px 0 4px; }
 #controls label { margin-right: 14px; }
-main { display: flex; height: calc(100vh - 92px); }
-#list { flex: 0 0 46%; overflow: auto; border-right: 1px solid #ccc; }
-#detail { flex: 1; overflow: auto; padding: 8px 14px; }
+#legend { margin: 4px 0 0; }
+main { display: flex; height: calc(100vh - 112px); }
+/* The list is as wide as its compact columns (up to 60%); the detail pane takes the rest. Narrow windows (the
+   iframe of snakemake --report, about 960 px at a 1280 px window) stack the two. */
+#list { flex: 0 0 auto; max-width: 60%; overflow: auto; border-right: 1px solid #ccc; }
+#detail { flex: 1 1 0; min-width: 0; overflow: auto; padding: 8px 14px; }
+@media (max-width: 1100px) {
+  main { flex-direction: column; height: auto; }
+  #list { max-width: none; max-height: 45vh; border-right: 0; border-bottom: 1px solid #ccc; }
+  #detail { flex: none; overflow: visible; }
+}
 table { border-collapse: collapse; }
 #items th, #items td { padding: 3px 6px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
-#items thead th { position: sticky; top: 0; background: #f6f6f6; }
+#items td.item-id { max-width: 11em; overflow: hidden; text-overflow: ellipsis; }
+#items td.status-bad { white-space: normal; overflow-wrap: anywhere; max-width: 8em; }
+#items thead th { position: sticky; top: 0; background: #f6f6f6; vertical-align: bottom; white-space: normal; }
+#items thead th .sub { display: block; font-weight: normal; color: #666; font-size: 11px; white-space: nowrap; }
+#items td.comparison { text-align: center; }
 #items tbody tr { cursor: pointer; }
 #items tbody tr:hover { background: #f0f5ff; }
 #items tbody tr.selected { background: #dde8ff; }
@@ -271,14 +287,53 @@ function label(correct) {
 }
 function cellTitle(cell) {
   return cell.experiment + " " + cell.precision + " (" + cell.a + " / " + cell.b + ")" +
-    (DATA.items.some(it => it.revision !== CELLS[0].revision) ? " \u00b7 " + cell.revision : "");
+    (manyRevisions() ? " \u00b7 " + cell.revision : "");
+}
+function manyRevisions() {
+  return DATA.items.some(it => it.revision !== CELLS[0].revision);
+}
+function cellHeader(cell) {
+  const name = cell.experiment === "fixed_prefix" ? "fixed-prefix" : cell.experiment;
+  return el("th", {title: cellTitle(cell) + (cell.note ? "; " + cell.note : ""), "data-cell": cell.key},
+    name, el("span", {class: "sub"}, cell.precision), el("span", {class: "sub"}, cell.a + " \u00b7 " + cell.b),
+    ...(manyRevisions() ? [el("span", {class: "sub"}, cell.revision)] : []));
+}
+function sideWords(c, side) {
+  if (!side) return c + ": no row";
+  if (side.status !== "ok") return c + ": " + side.status;
+  return c + ": " + (side.correct === true ? "right" : side.correct === false ? "wrong" : "no label");
+}
+// One comparison as a compact status: a label per construction, then whether and where the suffixes diverge.
+function comparisonCell(cell, entry) {
+  const td = el("td", {"data-cell": cell.key, class: "comparison"});
+  if (!entry) return td;
+  const words = [];
+  for (const c of [cell.a, cell.b]) {
+    const side = entry.sides[c];
+    // a status other than ok is one mark here (the row's status column and the cell's title name it)
+    td.append(side ? (side.status === "ok" ? label(side.correct) : el("span", {class: "status-bad"}, "!"))
+                   : el("span", {class: "na"}, "\u2013"));
+    words.push(sideWords(c, side));
+  }
+  td.append(" ");
+  if (entry.divergent) {
+    td.append(el("span", {class: "diverges"}, "\u2260" + entry.first_divergence));
+    words.push("suffixes diverge at decode step " + entry.first_divergence);
+  } else if (entry.compared) {
+    td.append(el("span", {class: "na"}, "="));
+    words.push("identical suffixes");
+  } else {
+    words.push("not compared");
+  }
+  td.title = words.join("; ");
+  return td;
 }
 
 function buildTable() {
   const head = el("tr", {}, el("th", {}, "#"), el("th", {}, "item"), el("th", {}, "status"), el("th", {}, "gold"));
   const select = document.getElementById("cell-filter");
   for (const cell of CELLS) {
-    head.append(el("th", {title: cell.note || ""}, cellTitle(cell)));
+    head.append(cellHeader(cell));
     select.append(el("option", {value: cell.key}, cellTitle(cell)));
   }
   document.querySelector("#items thead").append(head);
@@ -286,28 +341,33 @@ function buildTable() {
   DATA.items.forEach((item, index) => {
     const row = el("tr", {"data-index": index, "data-item-index": item.item_index, "data-revision": item.revision,
                           "data-divergent": item.divergent ? "true" : "false", tabindex: 0},
-      el("td", {}, item.item_index), el("td", {}, item.item_id),
+      el("td", {}, item.item_index), el("td", {class: "item-id", title: item.item_id}, item.item_id),
       el("td", {class: item.status === "ok" ? "" : "status-bad"}, item.status),
       el("td", {}, item.gold_answer === null ? "" : item.gold_answer));
-    for (const cell of CELLS) {
-      const entry = item.cells[cell.key];
-      const td = el("td", {"data-cell": cell.key});
-      if (entry) {
-        for (const c of [cell.a, cell.b]) {
-          const side = entry.sides[c];
-          td.append(c + " ", side ? (side.status === "ok" ? label(side.correct) :
-                                     el("span", {class: "status-bad"}, side.status)) : el("span", {class: "na"}, "\u2013"), " ");
-        }
-        if (entry.divergent) td.append(el("span", {class: "diverges"}, "\u2260 @" + entry.first_divergence));
-        else if (entry.compared) td.append(el("span", {class: "na"}, "same"));
-      }
-      row.append(td);
-    }
+    for (const cell of CELLS) row.append(comparisonCell(cell, item.cells[cell.key]));
     row.addEventListener("click", () => selectItem(index));
     row.addEventListener("keydown", ev => { if (ev.key === "Enter") selectItem(index); });
     body.append(row);
   });
 }
+
+// Up and down move the selection to the previous or next row the filter shows (not while a form control has the
+// keys: the comparison menu uses them itself).
+function step(delta) {
+  const rows = Array.from(document.querySelectorAll("#items tbody tr")).filter(r => !r.hidden);
+  if (!rows.length) return;
+  const at = rows.findIndex(r => r.classList.contains("selected"));
+  const next = at < 0 ? (delta > 0 ? 0 : rows.length - 1) : Math.min(rows.length - 1, Math.max(0, at + delta));
+  selectItem(Number(rows[next].dataset.index));
+  rows[next].focus({preventScroll: true});
+  rows[next].scrollIntoView({block: "nearest"});
+}
+document.addEventListener("keydown", ev => {
+  if (ev.key !== "ArrowDown" && ev.key !== "ArrowUp") return;
+  if (ev.target.closest && ev.target.closest("select, input, textarea")) return;
+  ev.preventDefault();
+  step(ev.key === "ArrowDown" ? 1 : -1);
+});
 
 function isDivergent(item, cellKey) {
   if (!cellKey) return item.divergent;
@@ -430,7 +490,7 @@ function selectItem(index) {
   detail.replaceChildren();
   detail.dataset.itemIndex = item.item_index;
   detail.append(el("h2", {}, "Item " + item.item_index + " \u00b7 " + item.item_id +
-                   (DATA.items.some(it => it.revision !== item.revision) ? " \u00b7 revision " + item.revision : "")));
+                   (manyRevisions() ? " \u00b7 revision " + item.revision : "")));
   if (item.question !== null) detail.append(el("p", {}, el("strong", {}, "Question: "), item.question));
   detail.append(el("p", {}, el("strong", {}, "Gold answer: "), item.gold_answer === null ? "none" : item.gold_answer,
                    " \u00b7 ", el("strong", {}, "status: "), item.status));

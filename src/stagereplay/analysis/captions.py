@@ -29,17 +29,20 @@ CAPTIONS = {
         "Empirical cumulative distribution of the first-divergence position (index of the first suffix token that "
         "differs between the two constructions; a length difference counts) among the items whose suffixes "
         "disagree. Colour: precision; line style and marker: experiment (solid, circles: matched live vs prefill; "
-        "dashed, squares: the fixed-prefix pair, incremental vs prefill unless the run chose others). The x axis spans the whole suffix. n in the legend "
-        "is the number of disagreeing items. A fixed-prefix cell whose rows repeat the matched rows item for item "
-        "is drawn once, as matched (the report names such cells). One panel per revision.",
+        "dashed, squares: the fixed-prefix pair, incremental vs prefill unless the run chose others). Each series is "
+        "drawn up to 0.15 token left or right of its positions, so that series with equal steps stay visible side "
+        "by side. The x axis spans the whole suffix. n in the legend is the number of disagreeing items. A "
+        "fixed-prefix cell whose rows repeat the matched rows item for item is drawn once, as matched (the report "
+        "names such cells). One panel per revision.",
     ),
     "fig3_margins": (
         "Are divergences near-ties?",
-        "One point per disagreeing item: the reference construction's (live in the matched experiment, incremental "
-        "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence (y) against the median of its margins "
-        "at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
-        "linear near 0 so that exact ties stay visible. Points below the diagonal split where the greedy choice was "
-        "closer to a tie than at the item's typical step; the report gives the exact sign test across items. "
+        "One point per disagreeing item: the baseline construction's (live in the matched experiment, incremental "
+        "in the fixed-prefix one, or the first the report names there) top-2 logit margin at the first divergence "
+        "(y) against the median of its margins at the other decode steps of the same suffix (x; the divergence step left out). Both axes symmetric-log, "
+        "linear near 0 so that exact ties stay visible; ×k beside a point: k items on it. Points below the diagonal "
+        "split where the greedy choice was closer to a tie than at the item's typical step; the report gives the "
+        "exact sign test across items. "
         "Colour: precision; marker: experiment. A fixed-prefix cell whose rows repeat the matched rows is drawn "
         "once, as matched. One panel per revision.",
     ),
@@ -65,7 +68,7 @@ CAPTIONS = {
     ),
     "fig6_accuracy": (
         "Paired accuracy difference between constructions.",
-        "Accuracy of the reference construction (live in the matched experiment, incremental in the fixed-prefix "
+        "Accuracy of the baseline construction (live in the matched experiment, incremental in the fixed-prefix "
         "one, or the first the report names there) minus that of the other (one-shot prefill unless the run chose "
         "another) over the same items, in percentage points, with the seeded paired "
         "bootstrap 95% percentile interval (10,000 resamples of items), per revision, experiment and precision. "
@@ -80,7 +83,9 @@ CAPTIONS = {
         "global minimum. Each cell gives the share of these minimal sets that include that layer (rows) and cache "
         "position (columns, counted from the first stage token: left of the dotted line, the prompt), among the "
         "items whose cache reaches that position; K (upper) and V (lower panel of each pair); both directions "
-        "pooled; n: the minimal sets a panel counts. White: no cache reaches the position. One pair of panels per "
+        "pooled; n: the minimal sets a panel counts. The colour scale runs from 0 to the largest share drawn "
+        "(rounded up to a tenth; the colour bar names it); hatched grey: no cache reaches the position (a share of "
+        "0 is the scale's palest blue). One pair of panels per "
         "revision and precision. The sets, runs used and whether the budget ran out are in "
         "minimal_transplant.parquet and the report.",
     ),
@@ -92,8 +97,8 @@ CAPTIONS = {
         "over items as a thick line with circles, on a symmetric-log axis, linear near 0. Bottom: one open circle "
         "per item, the first construction's top-2 logit margin at the first divergent suffix token (y) against "
         "the max absolute difference of the caches at the last layer (x, symmetric-log); ×k beside a circle: k "
-        "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the onset layer and position and the rank "
-        "correlation are in divergence_onset.parquet and the report.",
+        "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the "
+        "onset layer and position and the rank correlation are in divergence_onset.parquet and the report.",
     ),
 }
 

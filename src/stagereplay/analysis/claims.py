@@ -14,8 +14,8 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_percent,
-                                                format_proportion, join_words, seeded)
+from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int,
+                                                format_proportion, join_words)
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.provenance import recorded_batch_plan
 
@@ -23,8 +23,8 @@ from stagereplay.io.provenance import recorded_batch_plan
 def _pair_statistics(cmp: pd.DataFrame, seed: int) -> tuple[dict, dict, dict | None]:
     """Suffix disagreements, label flips and the paired accuracy difference of one comparison table."""
     n = len(cmp)
-    dis = seeded(stats.proportion(int(cmp["disagree"].sum()), n), seed)
-    flips = seeded(stats.proportion(int(cmp["label_differs"].sum()), n), seed)
+    dis = stats.proportion(int(cmp["disagree"].sum()), n)
+    flips = stats.proportion(int(cmp["label_differs"].sum()), n)
     acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
            if n else None)
     return dis, flips, acc
@@ -36,7 +36,7 @@ def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]
     lines, out = [], {}
     for r in rep.itertuples(index=False):
         out.setdefault(r.precision, {})[r.construction] = {
-            "n": int(r.n), "identical": int(r.identical), "seed": data.seed,
+            "n": int(r.n), "identical": int(r.identical),
             "method": "replica pairs compared on stage ids, cache fingerprint and suffix fingerprint (sha256 bytes)"}
         ref = ("all exact" if study.REPLICAS_EXACT.get(r.precision) else "—") if experiment == "matched" else "—"
         lines.append(f"| {r.precision} | {r.construction} | {ref} | {r.identical} / {r.n} bit-identical |")
@@ -70,8 +70,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
         out[precision] = {"n_items": len(live1), "n_compared": n, "boundary_missing": int(len(missing)),
                           "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
                           "label_flips": flips, "accuracy_difference": acc, "replicas": rep.get(precision, {}),
-                          "first_divergence": seeded(stats.first_divergence_summary(
-                              cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)}
+                          "first_divergence": stats.first_divergence_summary(
+                              cmp.loc[cmp["disagree"], "first_divergence"].tolist())}
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
         claim2.append(f"| {precision} | {ref_dis if ref_dis else '—'} | {format_proportion(dis)} |")
@@ -83,6 +83,21 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
     counts = "; ".join(f"{p}: {v['n_items']} items, {v['n_compared']} compared" for p, v in out.items())
     lines = [f"Items per precision: {counts} (exclusions listed below).", "", *claim1, *claim2, "", *claim3, ""]
     return lines, out
+
+
+def _other_prefixes(ledger: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """Per precision: items whose fixed-prefix rows have another prefix fingerprint than their matched rows, of the
+    items with both (replica 1); only precisions where some differ."""
+    rows = ledger[(ledger["replica"] == 1) & ledger["prefix_fingerprint"].notna()]
+    found = {}
+    for precision, group in rows.groupby("precision", sort=False):
+        matched = group[group["experiment"] == "matched"].groupby("item_index")["prefix_fingerprint"].first()
+        fixed = group[group["experiment"] == "fixed_prefix"].groupby("item_index")["prefix_fingerprint"].first()
+        both = matched.index.intersection(fixed.index)
+        differ = int((matched[both] != fixed[both]).sum())
+        if differ:
+            found[str(precision)] = (differ, len(both))
+    return found
 
 
 def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
@@ -100,14 +115,14 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {}
     lines = header + [
         f"| precision | reference study: suffixes that differ | this run: {a} vs {b}, suffixes that "
-        f"differ | Wilson 95% upper bound | labels that differ | accuracy {a} / {b}, difference "
-        f"({a} − {b}) | first divergence (median [IQR]) |",
-        "| --- | --- | --- | --- | --- | --- | --- |"]
+        f"differ | labels that differ | accuracy {a} / {b}, difference ({a} − {b}) | first divergence "
+        "(median [IQR]) |",
+        "| --- | --- | --- | --- | --- | --- |"]
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
         dis, flips, acc = _pair_statistics(cmp, seed)
-        fd = seeded(stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist()), seed)
+        fd = stats.first_divergence_summary(cmp.loc[cmp["disagree"], "first_divergence"].tolist())
         nonfinite = fixed[(fixed["precision"] == precision) & (fixed["status"] == "nonfinite")]
         same = data.coinciding.get((data.revision, precision))
         out[precision] = {"constructions": [a, b], "n_compared": n, "suffix_disagreements": dis, "label_flips": flips,
@@ -118,8 +133,7 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
         reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
-        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | "
-                     f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} | "
+        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | {format_proportion(flips)} | "
                      f"{format_accuracy(acc) if acc else 'no compared items'} | {fd_text} |")
     shared = [p for p in out if out[p]["same_rows_as_matched"]]
     if shared:
@@ -127,6 +141,15 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                   "rows item for item (the same cache and suffix fingerprints on both sides, the same margins): that "
                   "cell is the matched comparison again, not a second measurement, and the margin test and figures 2 "
                   "and 3 count it once, as matched."]
+    other = _other_prefixes(ledger)
+    if other:
+        lines += ["", "Other prefixes than the matched rows': " + "; ".join(
+            f"at {p}, {k} of {n} items' fixed-prefix rows continue other prefix ids than its matched rows"
+            for p, (k, n) in other.items()) + ". The fixed-prefix rows continue the prefix ids held fixed (the "
+            "reference precision's generation), the matched rows each precision's own, so their accuracies differ "
+            "between the matched and the fixed-prefix table."]
+        for p, (k, n) in other.items():
+            out[p]["items_with_other_prefix_than_matched"] = {"k": k, "n": n}
     overflowed = {p: v["nonfinite_rows"] for p, v in out.items() if v["nonfinite_rows"]}
     if overflowed:
         lines += ["", "Rows with non-finite logits (marked `nonfinite`, never compared): " + ", ".join(
@@ -150,16 +173,15 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
                 if reference == "incremental" else "")
     lines = ["", f"Each replay construction against `{reference}`{stand_in}, over the same prefix ids, in the same "
              "batches and layout, counted as in the 2x2: items whose suffix ids differ.", "",
-             f"| precision | construction | suffixes that differ from {reference} | Wilson 95% upper bound | labels "
-             "that differ |", "| --- | --- | --- | --- | --- |"]
+             f"| precision | construction | suffixes that differ from {reference} | labels that differ |",
+             "| --- | --- | --- | --- |"]
     for r in cells.itertuples(index=False):
-        dis = seeded(stats.proportion(int(r.k), int(r.n)), data.seed)
-        flips = seeded(stats.proportion(int(r.label_flips), int(r.n)), data.seed)
+        dis = stats.proportion(int(r.k), int(r.n))
+        flips = stats.proportion(int(r.label_flips), int(r.n))
         out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
             "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
             "suffix_disagreements": dis, "label_flips": flips}
-        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | "
-                     f"{format_percent(dis['wilson_high'])}% | {format_proportion(flips)} |")
+        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | {format_proportion(flips)} |")
     same = {}
     for r in cells.itertuples(index=False):
         if r.n and not r.k:
@@ -226,11 +248,11 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
         no_boundary = int((bridge["status"] != "ok").sum())
         bridge = bridge[bridge["status"] == "ok"]
     exact = count_true(bridge, "bit_exact")
-    stat = seeded(stats.proportion(exact, len(bridge)), data.seed)
+    stat = stats.proportion(exact, len(bridge))
     # one column per precision: the bridge is a claim about each precision's caches, not about their sum
     groups = ([(str(p), g) for p, g in bridge.groupby("precision", sort=True)]
               if "precision" in bridge.columns and len(bridge) else [("this run", bridge)])
-    by_precision = {name: seeded(stats.proportion(count_true(g, "bit_exact"), len(g)), data.seed)
+    by_precision = {name: stats.proportion(count_true(g, "bit_exact"), len(g))
                     for name, g in groups if name != "this run"}
 
     def row(label: str, reference: str, column: str) -> str:
@@ -263,7 +285,7 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     return lines + [""], {"bit_exact": stat, "bit_exact_by_precision": by_precision,
                           "not_bit_exact_items": [str(i) for i in bad["item_id"]],
                           "prefill_bit_exact_by_precision": {
-                              name: seeded(stats.proportion(count_true(g, "prefill_bit_exact"), len(g)), data.seed)
+                              name: stats.proportion(count_true(g, "prefill_bit_exact"), len(g))
                               for name, g in groups if name != "this run" and "prefill_bit_exact" in g.columns},
                           "batch_plan": None if plan is None else {k: plan[k] for k in ("seed", "batch_size")}}
 

@@ -13,7 +13,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_ids, format_proportion, seeded
+from stagereplay.analysis.report_format import format_ids, format_proportion
 from stagereplay.analysis.revision_data import RevisionData
 
 GUARANTEE = ("The search is a greedy bisection (K alone, then V alone; the lower, then the upper half of the layer "
@@ -83,8 +83,18 @@ def onset_items(onset: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def _share(frame: pd.DataFrame, mask, seed: int) -> dict:
-    return seeded(stats.proportion(int(np.asarray(mask, dtype=bool).sum()), len(frame)), seed)
+def identical_layers(onset: pd.DataFrame | None) -> dict[str, list[int]]:
+    """Per precision, the layers whose K and V are bit-identical between the two constructions in every divergent
+    item of the onset table."""
+    if onset is None or onset.empty:
+        return {}
+    differs = onset.groupby(["precision", "layer"])["bit_equal"].agg(lambda equal: bool(equal.astype(bool).all()))
+    return {str(p): [int(layer) for (q, layer), all_equal in differs.items() if q == p and all_equal]
+            for p in onset["precision"].unique()}
+
+
+def _share(frame: pd.DataFrame, mask) -> dict:
+    return stats.proportion(int(np.asarray(mask, dtype=bool).sum()), len(frame))
 
 
 def _quartiles(values) -> str:
@@ -120,15 +130,14 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
         stage_only = found["position_lo"].astype(int) >= prompt
         prompt_only = found["position_hi"].astype(int) <= prompt
         cell = {
-            "n": len(g), "whole_cache_sufficient": _share(g, g["full_sufficient"], data.seed),
-            "budget_exhausted": _share(g, g["budget_exhausted"], data.seed),
-            "locally_minimal": _share(found, found["locally_minimal"], data.seed),
-            "k_or_v_alone": _share(found, found["component"] != "kv", data.seed),
+            "n": len(g), "whole_cache_sufficient": _share(g, g["full_sufficient"]),
+            "budget_exhausted": _share(g, g["budget_exhausted"]),
+            "locally_minimal": _share(found, found["locally_minimal"]),
+            "k_or_v_alone": _share(found, found["component"] != "kv"),
             "components": {c: int((found["component"] == c).sum()) for c in ("kv", "k", "v")},
-            "single_layer": _share(found, (found["layer_hi"].astype(int) - found["layer_lo"].astype(int)) == 1,
-                                   data.seed),
-            "stage_positions_only": _share(found, stage_only, data.seed),
-            "prompt_positions_only": _share(found, prompt_only, data.seed),
+            "single_layer": _share(found, (found["layer_hi"].astype(int) - found["layer_lo"].astype(int)) == 1),
+            "stage_positions_only": _share(found, stage_only),
+            "prompt_positions_only": _share(found, prompt_only),
             "share_of_state": stats.first_divergence_summary(list(found["share_of_state"])),
             "runs": stats.first_divergence_summary([int(x) for x in g["runs"]]),
             "layer_included": {},
@@ -138,7 +147,7 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
             num_layers = int(found["num_layers"].max())
             for layer in range(num_layers):
                 inside = (found["layer_lo"].astype(int) <= layer) & (layer < found["layer_hi"].astype(int))
-                cell["layer_included"][str(layer)] = _share(found, inside, data.seed)
+                cell["layer_included"][str(layer)] = _share(found, inside)
         out["cells"].setdefault(precision, {})[direction] = cell
         lines.append(f"| {precision} | {direction} | {len(g)} | {format_proportion(cell['whole_cache_sufficient'])} | "
                      f"{cell['budget_exhausted']['k']} / {len(g)} | {format_proportion(cell['locally_minimal'])} | "
@@ -146,14 +155,24 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                      f"{format_proportion(cell['stage_positions_only'])} | "
                      f"{format_proportion(cell['prompt_positions_only'])} | {_quartiles(found['share_of_state'])} | "
                      f"{_quartiles(g['runs'])} |")
+    same = identical_layers(data.frame("divergence_onset")) if data.has("divergence_onset") else {}
+    out["layers_bit_identical_in_every_divergent_item"] = same
     layer_lines = []
     for precision, by_direction in out["cells"].items():
         for direction, cell in by_direction.items():
             if cell["layer_included"]:
-                shares = ", ".join(f"L{layer} {p['k']}/{p['n']}" for layer, p in cell["layer_included"].items())
+                shares = ", ".join(f"layer {layer}{'*' if int(layer) in same.get(precision, []) else ''}: "
+                                   f"{p['k']}/{p['n']}" for layer, p in cell["layer_included"].items())
                 layer_lines.append(f"- {precision} {direction}: {shares}")
     if layer_lines:
         lines += ["", "Minimal sets that include each layer (figure 7 adds the positions):", "", *layer_lines]
+        marked = {p: layers for p, layers in same.items() if layers and p in out["cells"]}
+        if marked:
+            where = "; ".join(f"{p}: layer(s) {', '.join(map(str, v))}" for p, v in marked.items())
+            lines += ["", "\\* Bit-identical in both constructions' caches of every divergent item "
+                      f"(divergence_onset.parquet): {where}. "
+                      "A minimal set includes such a layer only because its band of layers reaches it: the "
+                      "transplant changes nothing there."]
     missed = frame[~frame["full_sufficient"].astype(bool)]
     out["whole_cache_insufficient"] = [f"{r.item_id} {r.direction}" for r in missed.itertuples(index=False)]
     if len(missed):
@@ -199,10 +218,10 @@ def divergence_onset_section(data: RevisionData) -> tuple[list[str], dict]:
         cell = {
             "n": len(g), "bit_identical": int(g["onset_layer"].isna().sum()),
             "onset_layer_counts": {str(k): int(v) for k, v in layers.value_counts().sort_index().items()},
-            "onset_at_layer_0": _share(differs, layers == 0, data.seed),
-            "onset_in_prompt": _share(differs, differs["onset_in_prompt"].astype(bool), data.seed),
+            "onset_at_layer_0": _share(differs, layers == 0),
+            "onset_in_prompt": _share(differs, differs["onset_in_prompt"].astype(bool)),
             "onset_position": stats.first_divergence_summary([int(x) for x in differs["onset_position"]]),
-            "rms_grows_to_last_layer": _share(differs, grows, data.seed),
+            "rms_grows_to_last_layer": _share(differs, grows),
             "margin_vs_last_layer_max_abs": corr,
             "per_layer": {},
         }

@@ -83,3 +83,16 @@ def drop_coinciding(frame: pd.DataFrame, coinciding) -> pd.DataFrame:
 def symlog_threshold(values: np.ndarray) -> float:
     positive = values[np.isfinite(values) & (values > 0)]
     return float(10 ** np.floor(np.log10(positive.min()))) if positive.size else 1e-3
+
+
+def label_coinciding(ax, points: pd.DataFrame, x: str, y: str, color) -> None:
+    """Write ``×k`` beside a point on which k > 1 rows of ``points`` fall (bf16 values are coarse: items coincide)."""
+    for (px, py), n in points.groupby([x, y]).size().items():
+        if n > 1:
+            ax.annotate(f"×{n}", (px, py), xytext=(4, 3), textcoords="offset points", fontsize=5.5, color=color)
+
+
+def dodge(index: int, count: int, width: float = 0.3) -> float:
+    """Horizontal offset of series ``index`` of ``count`` drawn on integer positions, centred on 0 and at most
+    ``width`` apart end to end, so that series with equal values stay visible side by side."""
+    return 0.0 if count < 2 else (index / (count - 1) - 0.5) * width

@@ -21,6 +21,7 @@ DataFrames. matplotlib runs on the Agg backend.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -30,15 +31,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from stagereplay.analysis import captions, study  # noqa: E402
 from stagereplay.analysis import tables as analysis  # noqa: E402
 from stagereplay.analysis.divergence_location import minimal_coverage, onset_items  # noqa: E402
 from stagereplay.analysis.figure_style import (COLORS, COMPONENT_STYLE, EXPERIMENT_NAMES,  # noqa: E402
-                                               EXPERIMENT_STYLE, STYLE, WIDTH, drop_coinciding, error_lengths,
-                                               ordered_revisions, panel_keys, panel_title, revision_key,
-                                               stacked_axes, symlog_threshold)
+                                               EXPERIMENT_STYLE, STYLE, WIDTH, dodge, drop_coinciding,
+                                               error_lengths, label_coinciding, ordered_revisions, panel_keys,
+                                               panel_title, revision_key, stacked_axes, symlog_threshold)
 from stagereplay.analysis.inputs import merge_inputs  # noqa: E402
 from stagereplay.io.parquet import atomic_path, read_parquet  # noqa: E402
 
@@ -135,25 +136,25 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
         fig, axes = stacked_axes(len(revisions), 2.0)
         for ax, revision in zip(axes, revisions):
             sub = div[div["revision"] == revision]
-            for experiment in analysis.EXPERIMENTS:
-                for precision in analysis.sort_precisions(sub["precision"]):
-                    g = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
-                    if g.empty:
-                        continue
-                    x = np.sort(g["first_divergence"].to_numpy(dtype=float))
-                    y = np.arange(1, x.size + 1) / x.size
-                    style = EXPERIMENT_STYLE[experiment]
-                    merged = (revision, precision) in set(coinciding) and experiment == "matched"
-                    label = (f"{EXPERIMENT_NAMES[experiment]}{' (= fixed-prefix)' if merged else ''}, {precision} "
-                             f"(n={x.size})")
-                    ax.step(np.concatenate([[0], x]), np.concatenate([[0], y]), where="post",
-                            color=COLORS.get(precision, "0.3"), ls=style["ls"], marker=style["marker"],
-                            mfc="white" if experiment == "fixed_prefix" else COLORS.get(precision, "0.3"),
-                            markevery=list(range(1, x.size + 1)), label=label)
+            series = [(e, p) for e in analysis.EXPERIMENTS for p in analysis.sort_precisions(sub["precision"])
+                      if ((sub["experiment"] == e) & (sub["precision"] == p)).any()]
+            for index, (experiment, precision) in enumerate(series):
+                g = sub[(sub["experiment"] == experiment) & (sub["precision"] == precision)]
+                # positions are integers: each series a little apart, so equal steps do not hide each other
+                x = np.sort(g["first_divergence"].to_numpy(dtype=float)) + dodge(index, len(series))
+                y = np.arange(1, x.size + 1) / x.size
+                style = EXPERIMENT_STYLE[experiment]
+                merged = (revision, precision) in set(coinciding) and experiment == "matched"
+                label = (f"{EXPERIMENT_NAMES[experiment]}{' (= fixed-prefix)' if merged else ''}, {precision} "
+                         f"(n={x.size})")
+                ax.step(np.concatenate([[0], x]), np.concatenate([[0], y]), where="post",
+                        color=COLORS.get(precision, "0.3"), ls=style["ls"], marker=style["marker"],
+                        mfc="white" if experiment == "fixed_prefix" else COLORS.get(precision, "0.3"),
+                        markevery=list(range(1, x.size + 1)), label=label)
             ax.set_ylim(0, 1.03)
             # The axis spans the whole suffix, so early and late divergences read at their place in it.
             longest = pairs.loc[pairs["revision"] == revision, ["suffix_length_a", "suffix_length_b"]].to_numpy().max()
-            ax.set_xlim(0, max(float(longest), float(sub["first_divergence"].max()) + 1))
+            ax.set_xlim(-0.5, max(float(longest), float(sub["first_divergence"].max()) + 1))
             ax.set_xlabel("first-divergence position (suffix token)")
             ax.set_ylabel("share of disagreeing items")
             panel_title(ax, f"revision {revision}", len(revisions) > 1)
@@ -192,6 +193,7 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
                                marker=EXPERIMENT_STYLE[experiment]["marker"], facecolors="none", edgecolors=color,
                                linewidths=0.8, alpha=0.8, clip_on=False,
                                label=f"{EXPERIMENT_NAMES[experiment]}, {precision}: {below} of {len(g)} below")
+                    label_coinciding(ax, g, "median_other", "margin_divergence", color)
             for axis in (ax.set_xscale, ax.set_yscale):
                 axis("symlog", linthresh=linthresh, linscale=0.5)
             ax.set_xlim(0, top)
@@ -199,8 +201,9 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
             ax.set_aspect("equal", adjustable="box")
             ties = int((sub["margin_divergence"] == 0).sum())
             if ties:  # exact ties sit on the axis, where points are hardest to count
-                ax.annotate(f"{ties} of {len(sub)} at an exact tie (margin 0)", (1, 0), xycoords="axes fraction",
-                            xytext=(0, 4), textcoords="offset points", ha="right", va="bottom", fontsize=6)
+                # left, away from the points (their medians are large) and their ×k counts
+                ax.annotate(f"{ties} of {len(sub)} at an exact tie (margin 0)", (0.06, 0), xycoords="axes fraction",
+                            xytext=(0, 4), textcoords="offset points", ha="left", va="bottom", fontsize=6)
             ax.set_xlabel("median margin at the item's other steps")
             ax.set_ylabel("margin at the first divergence")
             panel_title(ax, f"revision {revision}", len(revisions) > 1)
@@ -284,7 +287,7 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
             ax.set_xticks(range(len(directions)), [d.replace("->", "\n→ ") for d in directions])
             ax.xaxis.tick_top()
             ax.tick_params(axis="x", length=0)
-            names = [lab.replace("layers ", "") + (" (whole state)" if lab == "layers all · KV" else "")
+            names = [re.sub(r"^layers? ", "", lab) + (" (whole state)" if lab == "layers all · KV" else "")
                      for lab in labels]
             ax.set_yticks(range(len(labels)), names)
             ax.tick_params(axis="y", length=0)
@@ -293,13 +296,14 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
             ax.set_title(f"revision {revision}, {precision}", loc="left", pad=3)
             ax.spines[:].set_visible(False)
         fig.supylabel("layers · component · positions", fontsize=7)
-        fig.colorbar(image, ax=axes, label="share following the donor (donor → recipient)", shrink=0.8, aspect=25,
-                     pad=0.02)
+        # below the panels: a vertical bar's label is longer than one short panel is tall
+        fig.colorbar(image, ax=axes, label="share following the donor", shrink=0.8, aspect=40,
+                     pad=0.02, orientation="horizontal", location="bottom")
         _save(fig, paths)
 
 
 def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_order=(), coinciding=(), **_) -> None:
-    """Figure 6: accuracy of the reference construction minus the other's, in points, with the paired bootstrap 95%
+    """Figure 6: accuracy of the baseline construction minus the other's, in points, with the paired bootstrap 95%
     CI, one row per revision x experiment x precision; the reference study's matched bf16 result on top."""
     if differences is None or differences.empty:
         return _placeholder(paths, "No data yet for figure 6: no compared items with correctness labels "
@@ -332,7 +336,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
         ax.set_yticks(range(len(labels)), labels)
         ax.set_ylim(len(labels) - 0.5, -0.5)
         ax.tick_params(axis="y", length=0)
-        ax.set_xlabel("reference − prefill (points, 95% CI)", loc="right")
+        ax.set_xlabel("baseline − other construction (points, 95% CI)", loc="right")
         _save(fig, paths)
 
 
@@ -348,6 +352,9 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
     with plt.rc_context(STYLE):
         fig, axes = stacked_axes(len(panels), 0.45 + 0.16 * num_layers, sharex=True)
         lo, hi = int(coverage["offset"].min()), int(coverage["offset"].max())
+        # the colour scale ends at the largest share drawn (a tenth up): minimal sets are small, so a 0-1 scale
+        # leaves every cell pale
+        top = max(0.1, float(np.ceil(coverage["share"].max() * 10) / 10))
         image = None
         for ax, (revision, precision, component) in zip(axes, panels):
             sub = coverage[(coverage["revision"] == revision) & (coverage["precision"] == precision)
@@ -355,8 +362,12 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
             grid = np.full((num_layers, hi - lo + 1), np.nan)  # (layers, offsets); NaN: no cache reaches there
             for r in sub.itertuples(index=False):
                 grid[int(r.layer), int(r.offset) - lo] = r.share
-            image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto", origin="lower",
-                              extent=(lo - 0.5, hi + 0.5, -0.5, num_layers - 0.5), interpolation="nearest")
+            # where no cache reaches (NaN, left transparent) the hatched grey background shows: never a share of 0
+            ax.add_patch(Rectangle((lo - 0.5, -0.5), hi - lo + 1, num_layers, facecolor="0.85", edgecolor="0.6",
+                                   hatch="////", lw=0, zorder=0))
+            image = ax.imshow(grid, vmin=0, vmax=top, cmap="Blues", aspect="auto", origin="lower",
+                              extent=(lo - 0.5, hi + 0.5, -0.5, num_layers - 0.5), interpolation="nearest",
+                              zorder=1)
             ax.axvline(-0.5, color=COLORS["reference"], lw=0.8, ls=":")
             ax.set_yticks(range(num_layers))
             ax.set_ylabel(f"{component.upper()} · layer")
@@ -366,8 +377,10 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
                          + f" · n = {n}", loc="left", pad=3)
             ax.spines[:].set_visible(False)
         axes[-1].set_xlabel("cache position − prompt length (< 0: prompt; ≥ 0: stage)")
-        fig.colorbar(image, ax=axes, label="share of minimal sets including the part", shrink=0.8, aspect=25,
-                     pad=0.02)
+        axes[0].legend(handles=[Patch(facecolor="0.85", edgecolor="0.6", hatch="////", label="no cache there")],
+                       loc="lower left", bbox_to_anchor=(0, 1.12), borderaxespad=0, handlelength=1.4)
+        fig.colorbar(image, ax=axes, label=f"share of minimal sets including the part (0 to {top:g})", shrink=0.8,
+                     aspect=25, pad=0.02)
         _save(fig, paths)
 
 
@@ -399,11 +412,7 @@ def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_o
                             & items["margin_a"].notna()]
                 lower.scatter(pts["last_max_abs"], pts["margin_a"], s=14, facecolors="none", edgecolors=color,
                               linewidths=0.8, clip_on=False, label=f"{precision} (n={len(pts)})")
-                # bf16 values are coarse, so items often coincide: say how many lie on one point
-                for (x, y), n in pts.groupby(["last_max_abs", "margin_a"]).size().items():
-                    if n > 1:
-                        lower.annotate(f"×{n}", (x, y), xytext=(4, 3), textcoords="offset points", fontsize=5.5,
-                                       color=color)
+                label_coinciding(lower, pts, "last_max_abs", "margin_a", color)
             values = per_layer.loc[per_layer["revision"] == revision, "rms"].to_numpy(dtype=float)
             if np.any(values > 0):
                 upper.set_yscale("symlog", linthresh=symlog_threshold(values), linscale=0.5)

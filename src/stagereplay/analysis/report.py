@@ -1,9 +1,11 @@
 """The Markdown report and stats.json, built from the results files alone (no model is loaded).
 
 Every sentence of the report is built from the run's own files: the audit's verdict first (a failed audit is the
-first thing the report says), then what produced the run (model, dataset, budgets, boundary, seed, regimes, code
-and software, from the provenance the files record; "not recorded" where they record nothing), then per revision
-one table per claim of the reference study with the study's figure beside this run's, then what the study did not
+first thing the report says), then the findings (:mod:`~stagereplay.analysis.findings`: each claim of the study,
+this run's figure and whether the study's conclusion holds, from the numbers of ``stats.json``), then what produced
+the run (model, dataset, budgets, boundary, seed, regimes, code and software, from the provenance the files record;
+"not recorded" where they record nothing), then per revision one table per claim of the reference study with the
+study's figure beside this run's, then what the study did not
 measure (margins at the divergence, per-layer cache differences, the transplant localisation, the minimal sufficient
 transplants and the onset of the cache difference in divergent items, batch invariance),
 the items excluded and why, and the figures with their captions. The reference study's numbers come from
@@ -41,8 +43,10 @@ from stagereplay.analysis.audit_report import audit_banner, audit_section, audit
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section
 from stagereplay.analysis.claims import bridge_section, exclusions_section, fixed_prefix_section, matched_section
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
+from stagereplay.analysis.findings import findings_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
+from stagereplay.analysis.report_html import render_report_html
 from stagereplay.analysis.revision_data import PRODUCERS, RevisionData
 from stagereplay.analysis.run_identity import identity
 from stagereplay.analysis.transplant_report import transplant_section
@@ -151,14 +155,15 @@ def no_boundary_line(ledger: pd.DataFrame) -> str | None:
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
-                 item_browser: str | None = None) -> dict:
+                 item_browser: str | None = None, out_html: str | None = None) -> dict:
     """``ledgers`` maps a revision slug to its ledger.parquet; ``inputs`` maps a kind of file (bridge, audit,
     audit_check, transplant, cache_differences, ...) to {revision: path}. A declared path that does not exist yet
     is fine: its sections are skipped with a note. With ``results_dir`` (``results/<run>``), every results file of
     the run found on disk is covered as well, so that no result that exists is left out. ``selection`` is
     selection/items.parquet (default: ``results_dir/selection/items.parquet``), for the dataset's identity.
     ``figures`` maps a figure's name to its PNG, shown in the report with its caption; ``item_browser`` is the
-    run's item browser page (items.html), linked near the top."""
+    run's item browser page (items.html), linked near the top; ``out_html``, where given, gets the report as one
+    HTML page too (:mod:`~stagereplay.analysis.report_html`)."""
     declared = {kind: dict(paths) for kind, paths in (inputs or {}).items()}
     declared["ledger"] = dict(ledgers)
     merged, only_on_disk = merge_inputs(declared, results_dir)
@@ -175,12 +180,13 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     builder = {"stagereplay": __version__, "git_commit": git_commit()}
     lines = [f"# stagereplay report: run `{run}`", ""]
     lines += audit_banner(verdicts)
+    findings_at = len(lines)  # the findings summarise the sections below: written once they are built
     lines += identity_lines
     lines += ["Columns headed \"reference study\" hold the reference study's figures "
               f"({study.MODEL}, {study.LAYERS} layers, {study.N_ITEMS} items; docs/STUDY.md), not this run's. "
-              "Intervals are 95%; every number of this run is in `stats.json` with its n, method and seed "
-              f"(seed {seed}: bootstrap). Report built by stagereplay {builder['stagereplay']} at commit "
-              f"`{builder['git_commit']}` from the results files alone.", ""]
+              "Intervals are 95%; every number of this run is in `stats.json` with its n and method, and the "
+              f"bootstrap results with their seed ({seed}). Report built by stagereplay {builder['stagereplay']} at "
+              f"commit `{builder['git_commit']}` from the results files alone.", ""]
     lines += item_browser_line(item_browser, out_md)
     if only_on_disk:
         lines += [f"Found on disk, not among this invocation's declared inputs (made by an earlier invocation): "
@@ -226,7 +232,11 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
                       f"{', '.join(not_here)}.", ""]
             numbers["not_produced"] = not_here
         all_stats["revisions"][data.revision] = numbers
+    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
+    lines[findings_at:findings_at] = findings_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
     write_text_atomic(out_md, "\n".join(lines) + "\n")
+    if out_html:
+        write_text_atomic(out_html, render_report_html("\n".join(lines) + "\n", f"stagereplay report: run {run}"))
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return all_stats

@@ -52,7 +52,3 @@ def count_true(frame: pd.DataFrame, column: str) -> int:
 def join_words(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
-
-def seeded(stat: dict, seed: int) -> dict:
-    """A statistic as stats.json holds it: n and method from :mod:`stats`, and the run's seed where none applies."""
-    return {**stat, "seed": stat.get("seed", seed)}

@@ -12,6 +12,16 @@ from stagereplay.analysis.report_format import NOT_RECORDED
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.parquet import CONTENT_KEY, read_provenance
 
+# The dataset keys each source reads (the schema fills every key's default, whatever the source): only these are shown.
+DATASET_KEYS = {"synthetic": ("source", "size", "seed"),
+                "jsonl": ("source", "path", "fields"), "csv": ("source", "path", "fields"),
+                "parquet": ("source", "path", "fields"),
+                "hf": ("source", "name", "subset", "split", "revision", "fields")}
+# Determinism flags that act on CUDA alone: shown for a run with a CUDA device only.
+CUDA_ONLY_FLAGS = ("cublas_workspace_config", "tf32_cudnn", "tf32_matmul")
+# Regime settings that act only in the static / cuda_graph regimes (the eager decoder has no static buffer).
+STATIC_ONLY_SETTINGS = ("decode_attention", "decode_prefill_group", "decode_kernels")
+
 
 def _records(provenance: dict) -> list[dict]:
     """A file's provenance records: its own and, for a gathered file, each part's."""
@@ -54,6 +64,37 @@ def _show(values: list, empty: str = NOT_RECORDED) -> str:
     return "; ".join(one(v) for v in values)
 
 
+def applicable_dataset(dataset: dict) -> dict:
+    """The keys of a recorded dataset config that its source reads (an unknown source keeps them all)."""
+    keys = DATASET_KEYS.get(dataset.get("source"))
+    if keys is None:
+        return dict(dataset)
+    return {"source": dataset["source"], **{k: v for k, v in dataset.items() if k in keys and k != "source"}}
+
+
+def applicable_flags(flags: dict, devices: list) -> dict:
+    """Determinism flags without the CUDA-only ones when every recorded device is a CPU (a GPU is recorded by its
+    name, a CPU as ``cpu:...``)."""
+    cpu_only = bool(devices) and all(str(d).startswith("cpu") for d in devices)
+    return {k: v for k, v in flags.items() if k not in CUDA_ONLY_FLAGS} if cpu_only and isinstance(flags, dict) \
+        else flags
+
+
+def transplant_text(records: list[dict]) -> str | None:
+    """How a revision's transplants were chosen and swept, from its transplant file's provenance; None without."""
+    selections = _values(records, "selection")
+    sweeps = _values(records, "config", "sweeps")
+    if not selections and not sweeps:
+        return None
+    chosen = []
+    for sel in selections:
+        if isinstance(sel, dict):
+            blind = " (outcome-blind)" if "never correctness" in str(sel.get("decided_from")) else ""
+            chosen.append(f"rule `{sel.get('rule')}` (seed {sel.get('seed')}): {sel.get('n_selected')} items drawn "
+                          f"from the {sel.get('n_divergent')} divergent of {sel.get('n_candidates')} candidates{blind}")
+    return "; ".join(chosen or [NOT_RECORDED]) + f"; sweeps {_show(sweeps)}"
+
+
 def identity(revision_data: list[RevisionData], selection: str | None, run: str, seed: int) -> tuple[list[str], dict]:
     """What produced the run, from the provenance its files record: a Markdown table and its dict."""
     per_revision = {}
@@ -91,7 +132,8 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     add("model type, layers", "model_type", f"{_show(_values(everything, 'model_type'))}, "
         f"{_show(_values(everything, 'num_layers'))} layers",
         {"model_type": _values(everything, "model_type"), "num_layers": _values(everything, "num_layers")})
-    dataset = _values([sel_prov], "config", "dataset") if sel_prov else []
+    dataset = [applicable_dataset(d) if isinstance(d, dict) else d
+               for d in (_values([sel_prov], "config", "dataset") if sel_prov else [])]
     add("dataset", "dataset", _show(dataset, f"{NOT_RECORDED} (no selection/items.parquet)"), dataset)
     fingerprint = _values([sel_prov], "dataset_fingerprint")
     file_sha = _values([sel_prov], "dataset_sha256")
@@ -121,15 +163,27 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         {"recorded": seeds, "report": seed})
     precisions = _values(everything, "config", "precision")
     add("precisions", "precisions", _show(precisions), precisions)
+    # numerics: the regime the model was loaded in (its record holds the invariant kernels' settings too), else the
+    # configured name
     regime = {name: _values(everything, *path) for name, path in (
-        ("numerics", ("config", "numerics")), ("numerics_regime", ("numerics_regime",)),
-        ("decode_regime", ("config", "decode_regime")), ("decode_attention", ("config", "decode_attention")),
+        ("numerics", ("numerics_regime",)), ("decode_regime", ("config", "decode_regime")),
+        ("decode_attention", ("config", "decode_attention")),
         ("decode_prefill_group", ("config", "decode_prefill_group")),
         ("decode_kernels", ("config", "decode_kernels")), ("batch_size", ("config", "batch_size")),
         ("batch_seed", ("config", "batch_seed")))}
-    add("numerics and decode regime", "regime", "; ".join(f"{k} {_show(v)}" for k, v in regime.items()), regime)
-    flags = _values(everything, "numerics")
+    regime["numerics"] = [v.get("numerics") if isinstance(v, dict) and list(v) == ["numerics"] else v
+                          for v in regime["numerics"]] or _values(everything, "config", "numerics")
+    static = any(v in ("static", "cuda_graph") for v in regime["decode_regime"])
+    shown = {k: v for k, v in regime.items() if v and v != [None]  # an unset option says nothing
+             and (static or k not in STATIC_ONLY_SETTINGS)}
+    add("numerics and decode regime", "regime", "; ".join(f"{k} {_show(v)}" for k, v in shown.items()), shown)
+    devices = _values(everything, "device")
+    flags = [applicable_flags(f, devices) for f in _values(everything, "numerics")]
     add("determinism flags", "flags", _show(flags), flags)
+    for data in revision_data:
+        text = transplant_text(_records(data.provenance("transplant")))
+        if text is not None:
+            add(f"transplants `{data.revision}`", f"transplant:{data.revision}", text, text)
     hardware = {name: _values(everything, *path) for name, path in (
         ("device", ("device",)), ("attn_implementation", ("attn_implementation",)), ("threads", ("config", "threads")),
         ("dtype", ("dtype",)))}

@@ -141,7 +141,7 @@ def first_divergence_summary(positions: Sequence[int | None]) -> dict:
 def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha: float = 0.05) -> dict:
     """Are first divergences near-ties? One pair of values per item, tested across items.
 
-    ``items`` holds, per disagreeing item, the reference construction's top-2 margin at the first divergence and
+    ``items`` holds, per disagreeing item, the baseline construction's top-2 margin at the first divergence and
     its margins at every *other* decode step of the same suffix (the divergence step left out). Each item gives one
     paired value: its divergence margin against the median of its other steps. Items are independent; the steps of
     one item are not, so they are never pooled.

@@ -6,7 +6,7 @@ run's own numbers and the figures draw them; nothing else in the package may wri
 here, in the report and on a figure cannot disagree. Every figure below is the study's, not a run's: the report
 labels it "reference study" wherever it shows one.
 
-Sign convention: an accuracy difference is the reference construction's accuracy minus that of ``prefill`` over the
+Sign convention: an accuracy difference is the baseline construction's accuracy minus that of ``prefill`` over the
 same items (live - prefill in the matched experiment), as a proportion (0.01 is one percentage point).
 """
 

@@ -17,6 +17,8 @@ against the reference.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
@@ -102,7 +104,7 @@ def fixed_prefix_pair(ledger: pd.DataFrame | None) -> tuple[str, str]:
 
 
 def comparisons(ledger: pd.DataFrame | None) -> list[tuple[str, str, str]]:
-    """(experiment, reference construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
+    """(experiment, baseline construction, other construction) for each experiment of :data:`EXPERIMENTS`."""
     return [MATCHED, ("fixed_prefix", *fixed_prefix_pair(ledger))]
 
 
@@ -226,7 +228,7 @@ MARGIN_COLUMNS = ["revision", "experiment", "precision", "item_index", "item_id"
 
 
 def margin_pairs(ledger: pd.DataFrame, pairs: pd.DataFrame, skip=()) -> pd.DataFrame:
-    """One row per disagreeing item: the reference construction's top-2 margin at the first divergence and its
+    """One row per disagreeing item: the baseline construction's top-2 margin at the first divergence and its
     margins at every other decode step of the same suffix (the divergence step left out), with their median and
     the item's within-item percentile (share of other steps at or below the divergence margin).
 
@@ -303,8 +305,11 @@ def accuracy_differences(pairs: pd.DataFrame, seed: int = 0, n_boot: int = 10000
 
 
 def transplant_label(row) -> str:
-    """Row label of the transplant matrix: layer set and component, plus the positions when not all."""
-    label = f"layers {row['layer_set']} · {row['component'].upper()}"
+    """Row label of the transplant matrix: layer set and component, plus the positions when not all. A single layer
+    (stored as ``L4``) reads "layer 4", a band "layers 0-1", all of them "layers all"."""
+    single = re.fullmatch(r"L(\d+)", str(row["layer_set"]))
+    layers = f"layer {single.group(1)}" if single else f"layers {row['layer_set']}"
+    label = f"{layers} · {row['component'].upper()}"
     if row.get("positions", "all") != "all":
         label += f" · {row['positions']} positions"
     return label

@@ -7,7 +7,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_percent, join_words, seeded
+from stagereplay.analysis.report_format import format_percent, join_words
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -47,7 +47,13 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     lines: list[str] = []
     n_div = int(_divergent(transplant)["item_index"].nunique())
     constructions = sorted(set(transplant["donor"]) | set(transplant["recipient"])) if "donor" in transplant else []
-    lines += [f"{n_div} divergent item(s) of {transplant['item_index'].nunique()} transplanted"
+    selection = data.provenance("transplant").get("selection") or {}
+    split = (f"At revision `{data.revision}` the two constructions continue differently on "
+             f"{selection['n_divergent']} of {selection['n_candidates']} items (the outcome-blind selection's count, "
+             f"rule `{selection.get('rule')}`). " if {"n_divergent", "n_candidates"} <= set(selection) else "")
+    if split:
+        out["split"] = {"k": int(selection["n_divergent"]), "n": int(selection["n_candidates"])}
+    lines += [split + f"{n_div} divergent item(s) of {transplant['item_index'].nunique()} transplanted"
               + (f", between `{constructions[0]}` and `{constructions[1]}`" if len(constructions) == 2 else "")
               + ", each in both directions.", ""]
     if len(rest):
@@ -64,7 +70,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
             out["sweep"].append({"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
                                  "positions": r.positions, "direction": r.direction, "n": int(r.n),
                                  "donor": int(r.donor), "recipient": int(r.recipient), "neither": int(r.neither),
-                                 "seed": data.seed, "method": "outcome counts; wilson interval on the donor share",
+                                 "method": "outcome counts; wilson interval on the donor share",
                                  "follows_donor": stats.proportion(int(r.donor), int(r.n))})
         by_label = rest.groupby("label", sort=False).agg(donor=("donor", "sum"), n=("n", "sum"))
         carries = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == r["n"]]
@@ -92,8 +98,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     for r in full.itertuples(index=False):
         sel = _divergent(_all_layer_rows(transplant[(transplant["precision"] == r.precision)
                                                     & (transplant["direction"] == r.direction)]))
-        out["all_layers"].setdefault(r.precision, {})[r.direction] = seeded(
-            stats.follow_rate(sel["outcome"].tolist()), data.seed)
+        out["all_layers"].setdefault(r.precision, {})[r.direction] = stats.follow_rate(sel["outcome"].tolist())
         parity = "—"
         if {"cache_fingerprint", "donor_cache_fingerprint"} <= set(sel.columns):
             both = sel[sel["cache_fingerprint"].notna() & sel["donor_cache_fingerprint"].notna()]

@@ -155,9 +155,10 @@ def train_toy(
     """Train (or continue training) the toy model and save it in Hugging Face format.
 
     Training data are drawn from seed ``10_000 + spec.seed`` so they never overlap the evaluation set's
-    default seed. Bit-reproducible for the same torch build, CPU and ``spec.threads`` (``device`` cpu; another
-    device, e.g. cuda for a quick search over specs, is recorded and makes no such promise). Returns the record
-    written beside the weights (spec, loss, device, sha256 of ``model.safetensors``).
+    default seed. Bit-reproducible for the same torch build, CPU kernel set (ATen's CPU capability: AVX2,
+    AVX-512, ...) and ``spec.threads`` (``device`` cpu; another device, e.g. cuda for a quick search over specs, is
+    recorded and makes no such promise). Returns the record written beside the weights (spec, loss, device, CPU
+    capability, sha256 of ``model.safetensors``).
     """
     import torch
     from tqdm import tqdm
@@ -208,6 +209,7 @@ def train_toy(
         "model_safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
         "torch": torch.__version__,
         "device": device,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     for path in sorted(staging.iterdir(), key=lambda p: p.name == "training.json"):  # the record last
@@ -242,8 +244,36 @@ def reproduce_revision(name: str, out_root: str | Path, progress: bool = True) -
     return train_toy(out_root / name, spec, init_from=init_from, progress=progress)
 
 
+class ToyNotReproduced(RuntimeError):
+    """A retrained toy revision whose weights are not the shipped ones, byte for byte."""
+
+
+def training_conditions(record: dict) -> dict:
+    """What a toy's weights depend on beyond its spec, from its training record: torch build, CPU kernel set and
+    thread count (None where the record does not name one)."""
+    return {"torch": record.get("torch"), "cpu_capability": record.get("cpu_capability"),
+            "threads": (record.get("spec") or {}).get("threads")}
+
+
 def check_reproduced(name: str, reproduced: str | Path, shipped_root: str | Path) -> dict:
-    """Compare a retrained revision's weights with the shipped ones by sha256; returns both fingerprints."""
-    shipped = json.loads((Path(shipped_root) / name / "training.json").read_text())["model_safetensors_sha256"]
+    """Compare a retrained revision's weights with the shipped ones by sha256: the comparison and the training
+    conditions of both (torch build, CPU kernel set, threads) when they are identical; else raise
+    :class:`ToyNotReproduced`, naming both fingerprints and every condition that differs or was not recorded."""
+    shipped_record = json.loads((Path(shipped_root) / name / "training.json").read_text())
+    reproduced_record = json.loads((Path(reproduced) / name / "training.json").read_text())
+    shipped = shipped_record["model_safetensors_sha256"]
     got = hashlib.sha256((Path(reproduced) / name / "model.safetensors").read_bytes()).hexdigest()
-    return {"revision": name, "shipped_sha256": shipped, "reproduced_sha256": got, "identical": shipped == got}
+    result = {"revision": name, "shipped_sha256": shipped, "reproduced_sha256": got, "identical": shipped == got,
+              "shipped_conditions": training_conditions(shipped_record),
+              "reproduced_conditions": training_conditions(reproduced_record)}
+    if result["identical"]:
+        return result
+    differ = [f"{key} {result['shipped_conditions'][key]!r} (shipped) vs {value!r} (here)"
+              for key, value in result["reproduced_conditions"].items()
+              if result["shipped_conditions"][key] != value]
+    why = ("; the conditions that differ or the shipped record does not name: " + ", ".join(differ) if differ
+           else "; torch build, CPU kernel set and threads are the shipped record's, so this is a real difference")
+    raise ToyNotReproduced(
+        f"toy revision {name!r} retrained to weights with sha256 {got}, not the shipped {shipped}{why}. The "
+        f"weights are bit-identical only for the same torch build, CPU kernel set (ATen's CPU capability) and thread "
+        f"count; ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA select another kernel set.")
