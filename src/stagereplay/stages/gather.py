@@ -136,16 +136,16 @@ DUMP_COUNTS = ("files", "bytes_written")  # a dump part's own counts: the gather
 
 
 def gather_caches(manifests: list[str], folders: list[str], out_dir: str, manifest_path: str) -> int:
-    """The shards' cache dumps in one folder (hard links where the file system allows, else copies: the same
-    bytes) and their manifests in one, precision by precision (sorted), batch by batch of the baseline's plan; the
-    provenance sums the parts' counts. Returns the bytes the dumps hold."""
+    """The shards' cache dumps (the files their manifests list) in one folder (hard links where the file system
+    allows, else copies: the same bytes) and their manifests in one, precision by precision (sorted), batch by
+    batch of the baseline's plan; the provenance sums the parts' counts. Returns the bytes the dumps hold."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for folder in folders:
-        for f in sorted(Path(folder).iterdir()):
-            target = out / f.name
+    for manifest, folder in zip(manifests, folders, strict=True):
+        for name in read_parquet(manifest)["path"]:
+            f, target = Path(folder) / name, out / name
             if target.exists():
-                raise FileExistsError(f"{f}: another shard dumped {f.name} too; the parts overlap: rerun dump_caches")
+                raise FileExistsError(f"{f}: another shard dumped {name} too; the parts overlap: rerun dump_caches")
             try:
                 os.link(f, target)
             except OSError:
