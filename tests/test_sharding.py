@@ -64,7 +64,8 @@ def test_every_model_stage_splits_by_whole_batches_with_the_same_bytes(tmp_path)
     assert [len(b) for b in plan["batches"]] == [2, 2, 2]
     for name in LATER_TABLES:
         one = sha256(results[1] / f"{name}.parquet")
-        assert pd.read_parquet(results[1] / f"{name}.parquet").shape[0] > 0, name  # a comparison of something
+        if name not in ("minimal_transplant", "divergence_onset"):  # rows of divergent items only: none here
+            assert len(pd.read_parquet(results[1] / f"{name}.parquet")) > 0, name  # a comparison of something
         for shards in (2, 3):
             assert sha256(results[shards] / f"{name}.parquet") == one, (name, shards)
     dumps = {shards: {f.name: sha256(f) for f in (res / "caches").iterdir() if f.name != ".snakemake_timestamp"}
