@@ -192,7 +192,8 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
-        prov = job.provenance("dump_caches", unsharded(config_of(s)), batch_plan=None if plan is None else plan.record())
+        prov = job.provenance("dump_caches", unsharded(config_of(s)),
+                              batch_plan=None if plan is None else plan.record())
         for batch in progress(batches, f"dump_caches {s.revision}/{precision} shard {s.shard}", enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in by_index}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
