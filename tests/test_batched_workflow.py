@@ -65,7 +65,7 @@ def test_batched_run_end_to_end(run_a):
             "cache_fingerprint"].item()
 
     table = pd.read_parquet(res / "batch_invariance.parquet")
-    assert read_provenance(res / "batch_invariance.parquet")["batch_invariance"]["status"] == "compared"
+    assert read_provenance(res / "batch_invariance.parquet")["parts"][0]["batch_invariance"]["status"] == "compared"
     assert table["item_index"].nunique() == 3 and set(table["precision"]) == {"bf16", "fp32"}
     matched = ledger[(ledger["experiment"] == "matched") & (ledger["replica"] == 1)].set_index(
         ["item_index", "precision", "construction"])
@@ -91,7 +91,7 @@ def test_batched_run_end_to_end(run_a):
         assert row["cache_fingerprint"] == stored["cache_fingerprint"]
     transplant = pd.read_parquet(res / "transplant.parquet")
     assert transplant["item_index"].nunique() == 3 and len(transplant) == 3 * 2 * 2  # items x directions x sweeps
-    assert read_provenance(res / "transplant.parquet")["batch_plan"] == plan
+    assert read_provenance(res / "transplant.parquet")["parts"][0]["batch_plan"] == plan
     for row in transplant.to_dict("records"):
         for side in ("donor", "recipient"):  # each side's cache is the ledger's batched row
             assert row[f"{side}_cache_fingerprint"] == matched.loc[(row["item_index"], "bf16", row[side])][

@@ -126,6 +126,7 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     assert ledger.returncode == 0, ledger.stderr[-3000:]
     # Kill it in the middle of dump_caches, with some dumps written and others not.
     caches = tmp_path / "results/crash/primary/caches"
+    part = tmp_path / "results/crash/primary/parts/caches_0"  # the one shard's dumps, before gather_caches
     manifest = tmp_path / "results/crash/primary/caches.parquet"
     proc = subprocess.Popen(snakemake_command(tmp_path, "--cores", "1", str(manifest.relative_to(tmp_path))),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -133,7 +134,7 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     deadline = time.time() + 600
     try:
         while not killed and time.time() < deadline and proc.poll() is None:
-            if caches.is_dir() and any(caches.glob("*.safetensors")):
+            if part.is_dir() and any(part.glob("*.safetensors")):
                 os.killpg(proc.pid, signal.SIGKILL)
                 killed = True
             time.sleep(0.005)
@@ -143,7 +144,7 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
         proc.wait()
     assert killed, "the dump ended before it could be caught"
     assert not manifest.exists()
-    dumped = sorted(caches.glob("*.safetensors"))
+    dumped = sorted(part.glob("*.safetensors"))
     assert 0 < len(dumped) < 2 * 12  # caught in the middle
     for path in dumped:  # every dump under its own name is whole: its bytes match the fingerprints inside it
         cache_io.load_cache(path)
@@ -151,5 +152,5 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     rerun = subprocess.run(snakemake_command(tmp_path, "--cores", "1", "--rerun-incomplete",
                                          str(manifest.relative_to(tmp_path))), capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M) == ["dump_caches"]
+    assert re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M) == ["dump_caches", "gather_caches"]
     assert len(read_parquet(manifest)) == 2 * 12 == len(list(caches.glob("*.safetensors")))

@@ -65,7 +65,7 @@ def test_default_workflow_end_to_end(tmp_path):
     # batch_size 1: the batch-invariance control has nothing to compare, and says so
     invariance = res / "primary/batch_invariance.parquet"
     assert pd.read_parquet(invariance).empty
-    assert read_provenance(invariance)["batch_invariance"]["status"] == "not_applicable"
+    assert read_provenance(invariance)["parts"][0]["batch_invariance"]["status"] == "not_applicable"
     assert "_Nothing to compare: the ledger was decoded at batch_size 1" in report
     # The paper figures, the cache differences behind figure 4, and `snakemake --report` with their captions.
     for name in FIGURES:
@@ -156,4 +156,4 @@ def test_static_regime_end_to_end_is_audited_and_bridged(tmp_path):
     bridge = pd.read_parquet(res / "bridge.parquet")
     ok = bridge[bridge["status"] == "ok"]
     assert len(ok) and ok["bit_exact"].all()
-    assert read_provenance(res / "transplant.parquet")["decode_regime"] == "static"
+    assert read_provenance(res / "transplant.parquet")["parts"][0]["decode_regime"] == "static"

@@ -4,11 +4,11 @@ rule measure_cache_differences:
         models=prepared_for_cache_differences,
         prefixes=f"{RESULTS}/{{revision}}/prefixes.parquet",
     output:
-        differences=f"{RESULTS}/{{revision}}/cache_differences.parquet",
+        differences=f"{RESULTS}/{{revision}}/parts/cache_differences_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/measure_cache_differences.log",
+        f"{LOGS}/{{revision}}/measure_cache_differences_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/measure_cache_differences.tsv"
+        f"{BENCH}/{{revision}}/measure_cache_differences_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -22,3 +22,18 @@ rule measure_cache_differences:
         version=CODE_VERSION,
     script:
         "../scripts/measure_cache_differences.py"
+
+
+rule gather_cache_differences:
+    input:
+        differences=shard_files("cache_differences", ".parquet"),
+    output:
+        differences=f"{RESULTS}/{{revision}}/cache_differences.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_cache_differences.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_cache_differences.py"

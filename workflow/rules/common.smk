@@ -166,6 +166,11 @@ def generation_kwargs(revision):
     )
 
 
+def shard_of(wildcards):
+    """A later model stage's shard: it takes every n_shards-th batch of the recorded plan, as the generation does."""
+    return {"shard": int(wildcards.shard), "n_shards": config["shards"]}
+
+
 def chunked(constructions):
     """chunk_size, where one of a job's constructions is chunked: elsewhere it changes no result, and in the job's
     params it would rerun the job."""
@@ -208,6 +213,7 @@ def batch_invariance_kwargs(wildcards):
             precisions=config["precisions"],
             sample=config["batch_invariance"]["sample"],
             sample_seed=config["batch_invariance"]["seed"],
+            **shard_of(wildcards),
         )
     )
 
@@ -231,6 +237,7 @@ def cache_difference_kwargs(wildcards):
             trust_remote_code=config["trust_remote_code"],
             allow_pickle=config["allow_pickle"],
             offline=config["offline"],
+            **shard_of(wildcards),
         )
     )
 
@@ -261,6 +268,7 @@ def dump_kwargs(wildcards):
             items=config["dump"]["items"],
             max_new_tokens=config["max_new_tokens"],
             constructions=list(config["transplant"]["constructions"]),
+            **shard_of(wildcards),
             **chunked(config["transplant"]["constructions"]),
         )
     )
@@ -288,6 +296,7 @@ def transplant_kwargs(wildcards):
             max_new_tokens=config["max_new_tokens"],
             sweeps=config["transplant"]["sweeps"],
             constructions=list(config["transplant"]["constructions"]),
+            **shard_of(wildcards),
             **chunked(config["transplant"]["constructions"]),
         )
     )
@@ -301,6 +310,7 @@ def minimal_transplant_kwargs(wildcards):
             max_new_tokens=config["max_new_tokens"],
             budget=config["transplant"]["minimal"]["budget"],
             constructions=list(config["transplant"]["constructions"]),
+            **shard_of(wildcards),
             **chunked(config["transplant"]["constructions"]),
         )
     )
@@ -313,6 +323,7 @@ def onset_kwargs(wildcards):
             replay_model_kwargs(wildcards),
             max_new_tokens=config["max_new_tokens"],
             constructions=list(config["transplant"]["constructions"]),
+            **shard_of(wildcards),
             **chunked(config["transplant"]["constructions"]),
         )
     )
@@ -487,6 +498,16 @@ def shard_parts(wildcards, kind):
         precision=config["precisions"],
         shard=SHARDS,
     )
+
+
+def shard_files(kind, suffix=".parquet"):
+    """An input function: a revision's parts/<kind>_<shard><suffix>, one per shard (of a stage that splits by shard
+    only, every precision in one job)."""
+
+    def parts(wildcards):
+        return expand(f"{RESULTS}/{wildcards.revision}/parts/{kind}_{{shard}}{suffix}", shard=SHARDS)
+
+    return parts
 
 
 def ledger_parts(wildcards):

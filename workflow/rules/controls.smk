@@ -108,11 +108,11 @@ rule check_batch_invariance:
         selection=f"{RESULTS}/selection/items.parquet",
         ledger=f"{RESULTS}/{{revision}}/ledger.parquet",
     output:
-        table=f"{RESULTS}/{{revision}}/batch_invariance.parquet",
+        table=f"{RESULTS}/{{revision}}/parts/batch_invariance_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/check_batch_invariance.log",
+        f"{LOGS}/{{revision}}/check_batch_invariance_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/check_batch_invariance.tsv"
+        f"{BENCH}/{{revision}}/check_batch_invariance_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -126,3 +126,18 @@ rule check_batch_invariance:
         version=CODE_VERSION,
     script:
         "../scripts/check_batch_invariance.py"
+
+
+rule gather_batch_invariance:
+    input:
+        table=shard_files("batch_invariance", ".parquet"),
+    output:
+        table=f"{RESULTS}/{{revision}}/batch_invariance.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_batch_invariance.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_batch_invariance.py"

@@ -10,11 +10,11 @@ rule find_minimal_transplants:
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
         baseline=transplant_baseline,
     output:
-        minimal=f"{RESULTS}/{{revision}}/minimal_transplant.parquet",
+        minimal=f"{RESULTS}/{{revision}}/parts/minimal_transplant_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/find_minimal_transplants.log",
+        f"{LOGS}/{{revision}}/find_minimal_transplants_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/find_minimal_transplants.tsv"
+        f"{BENCH}/{{revision}}/find_minimal_transplants_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -35,11 +35,11 @@ rule measure_divergence_onset:
         models=prepared_at_baseline_precisions,
         baseline=transplant_baseline,
     output:
-        onset=f"{RESULTS}/{{revision}}/divergence_onset.parquet",
+        onset=f"{RESULTS}/{{revision}}/parts/divergence_onset_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/measure_divergence_onset.log",
+        f"{LOGS}/{{revision}}/measure_divergence_onset_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/measure_divergence_onset.tsv"
+        f"{BENCH}/{{revision}}/measure_divergence_onset_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -53,3 +53,33 @@ rule measure_divergence_onset:
         version=CODE_VERSION,
     script:
         "../scripts/measure_divergence_onset.py"
+
+
+rule gather_minimal_transplants:
+    input:
+        minimal=shard_files("minimal_transplant", ".parquet"),
+    output:
+        minimal=f"{RESULTS}/{{revision}}/minimal_transplant.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_minimal_transplants.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_minimal_transplants.py"
+
+
+rule gather_divergence_onset:
+    input:
+        onset=shard_files("divergence_onset", ".parquet"),
+    output:
+        onset=f"{RESULTS}/{{revision}}/divergence_onset.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_divergence_onset.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_divergence_onset.py"

@@ -54,12 +54,12 @@ rule dump_caches:
         models=prepared_for_dumps,
         baseline=transplant_baseline,
     output:
-        caches=directory(f"{RESULTS}/{{revision}}/caches"),
-        manifest=f"{RESULTS}/{{revision}}/caches.parquet",
+        caches=directory(f"{RESULTS}/{{revision}}/parts/caches_{{shard}}"),
+        manifest=f"{RESULTS}/{{revision}}/parts/caches_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/dump_caches.log",
+        f"{LOGS}/{{revision}}/dump_caches_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/dump_caches.tsv"
+        f"{BENCH}/{{revision}}/dump_caches_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -75,17 +75,34 @@ rule dump_caches:
         "../scripts/dump_caches.py"
 
 
+rule gather_caches:
+    input:
+        manifests=shard_files("caches", ".parquet"),
+        folders=shard_files("caches", ""),
+    output:
+        caches=directory(f"{RESULTS}/{{revision}}/caches"),
+        manifest=f"{RESULTS}/{{revision}}/caches.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_caches.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_caches.py"
+
+
 rule transplant_caches:
     input:
         models=prepared_at_transplant_precision,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
         baseline=transplant_baseline,
     output:
-        transplant=f"{RESULTS}/{{revision}}/transplant.parquet",
+        transplant=f"{RESULTS}/{{revision}}/parts/transplant_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/transplant_caches.log",
+        f"{LOGS}/{{revision}}/transplant_caches_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/transplant_caches.tsv"
+        f"{BENCH}/{{revision}}/transplant_caches_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -99,3 +116,18 @@ rule transplant_caches:
         version=CODE_VERSION,
     script:
         "../scripts/transplant_caches.py"
+
+
+rule gather_transplants:
+    input:
+        transplant=shard_files("transplant", ".parquet"),
+    output:
+        transplant=f"{RESULTS}/{{revision}}/transplant.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_transplants.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_transplants.py"

@@ -86,7 +86,7 @@ def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
     sides, suffix and label comparisons status ``ok`` on both; the rows that had not are counted apart."""
     table = data.frame("batch_invariance")
     analysis.check_unique(table, "batch_invariance")
-    prov = data.provenance("batch_invariance")
+    prov = data.job_record("batch_invariance")
     control = prov.get("batch_invariance") or {}
     if control.get("status") == "not_applicable" or table.empty:
         reason = control.get("reason", "the control compared no rows")

@@ -109,7 +109,7 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     """The distribution over items of the minimal sufficient transplants (figure 7)."""
     frame = data.frame("minimal_transplant")
     analysis.check_unique(frame, "minimal_transplant")
-    search = data.provenance("minimal_transplant").get("config") or {}
+    search = data.job_record("minimal_transplant").get("config") or {}
     budget = search.get("budget")
     if budget == 0:
         return ["_Not searched: `transplant.minimal.budget` is 0._", ""], {"status": "off", "budget": 0}

@@ -53,6 +53,12 @@ class RevisionData:
         path = self.paths.get(kind)
         return read_provenance(path) if path and Path(path).is_file() else {}
 
+    def job_record(self, kind: str) -> dict:
+        """The provenance of the job that computed ``kind``: the file's own, or a gathered file's first part's (its
+        parts record the same settings but for their shard)."""
+        prov = self.provenance(kind)
+        return (prov.get("parts") or [prov])[0]
+
     @property
     def ledger(self) -> pd.DataFrame:
         return self.frame("ledger")

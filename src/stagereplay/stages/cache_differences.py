@@ -52,17 +52,19 @@ def measure_cache_differences(prefixes_path: str, out_path: str, s: CacheDiffere
     chosen = sample_items(mine, s.n_items, s.seed)
     wanted = {int(i) for i in chosen["item_index"]}
     plan = BatchPlan.from_record(recorded_batch_plan(prefixes_path))
-    batches = [b for b in batches_of(mine.to_dict("records"), plan, source=prefixes_path)
+    batches = [b for b in batches_of(mine.to_dict("records"), plan, s.shard, s.n_shards, source=prefixes_path)
                if any(int(it["item_index"]) in wanted for it in b.items)]
     a, b = s.constructions
     rows, infos = [], []
-    for precision in s.precisions if wanted else []:  # n_items 0: an empty table, no model loaded
+    # n_items 0: an empty table, no model loaded; else every shard loads it, so that their parts record one provenance
+    for precision in s.precisions if wanted else []:
         job = load_as_recorded(s, precision, prefixes_path)
         infos.append(job.loaded.info)
         settings = RunSettings(s.revision or "", precision, None, 1,
                                decode_regime=job.decoder.record()["decode_regime"], numerics=job.numerics,
                                chunk_size=s.chunk_size)
-        for batch in progress(batches, f"measure_cache_differences {s.revision_slug}/{precision}", enabled=s.progress,
+        for batch in progress(batches, f"measure_cache_differences {s.revision_slug}/{precision} shard {s.shard}",
+                              enabled=s.progress,
                               items=lambda b: sum(int(it["item_index"]) in wanted for it in b.items)):
             prompts = [[int(i) for i in it["prompt_ids"]] for it in batch.items]
             stages = [[int(i) for i in it["stage_ids"]] or None for it in batch.items]
@@ -79,7 +81,8 @@ def measure_cache_differences(prefixes_path: str, out_path: str, s: CacheDiffere
         del job
     df = pd.DataFrame(rows, columns=CACHE_DIFFERENCE_SCHEMA.names)
     prov = {**software_versions(), "models": infos, "stage": "measure_cache_differences", "seed": s.seed,
-            "config": config_of(s), "items": [str(i) for i in chosen["item_id"]]}
+            "config": config_of(s), "items": [str(i) for i in chosen["item_id"]],
+            "batch_plan": None if plan is None else plan.record()}
     write_parquet(df, out_path, prov, CACHE_DIFFERENCE_SCHEMA)
     return df
 

@@ -170,6 +170,9 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
         check_fingerprint_scheme(ledger_path)
         stored = ledger[(ledger["experiment"] == "matched") & (ledger["replica"] == 1)
                         & ledger["item_index"].isin(chosen)]
+        # this shard's items: those of its whole batches of the plan (each still reruns alone, in item order)
+        mine = {it["item_id"] for b in batches_of(selection.to_dict("records"), plan, s.shard, s.n_shards, ledger_path)
+                for it in b.items}
         for precision in s.precisions:
             job = load_as_recorded(s, precision, ledger_path)
             tokenizer = job.loaded.tokenizer
@@ -178,8 +181,9 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
             settings = job.run_settings(s, precision)
             by_key = {(int(r["item_index"]), r["construction"]): r
                       for r in stored[stored["precision"] == precision].to_dict("records")}
-            for item in progress(selection[selection["item_index"].isin(chosen)].to_dict("records"),
-                                 f"check_batch_invariance {s.revision}/{precision}", enabled=s.progress,
+            ours = selection["item_index"].isin(chosen) & selection["item_id"].isin(mine)
+            for item in progress(selection[ours].to_dict("records"),
+                                 f"check_batch_invariance {s.revision}/{precision} shard {s.shard}", enabled=s.progress,
                                  items=lambda _: 1):
                 live = by_key.get((int(item["item_index"]), "live"))
                 if live is None:

@@ -69,7 +69,8 @@ def _margin(margins, index: int) -> float | None:
 
 
 def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings) -> pd.DataFrame:
-    """Every divergent item of the pair, at every precision of the baseline, rebuilt in its recorded batch."""
+    """Every divergent item of the pair in this shard's batches, at every precision of the baseline, rebuilt in its
+    recorded batch (a precision with a divergent item loads its model on every shard: one provenance for all)."""
     baseline = read_parquet(baseline_path)
     check_fingerprint_scheme(baseline_path)  # rebuilt caches are checked against its rows by cache fingerprint
     pair = baseline_pair(baseline_path, s.constructions)
@@ -83,9 +84,10 @@ def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings
         infos.append(job.loaded.info)
         settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
-        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index))
+        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         plans[precision] = None if plan is None else plan.record()
-        for batch in progress(batches, f"measure_divergence_onset {s.revision}/{precision}", enabled=s.progress):
+        for batch in progress(batches, f"measure_divergence_onset {s.revision}/{precision} shard {s.shard}",
+                              enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in by_index}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
             for r in sorted(wanted):
@@ -102,7 +104,7 @@ def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings
                         "margin_a": _margin(p["row_a"]["margins"], fd), "margin_b": _margin(p["row_b"]["margins"], fd),
                         "live_fingerprint_match": rebuild.match[r]}
                 rows += [{**item, **layer} for layer in layers]
-        log.info("divergence onset %s/%s: %d divergent items", s.revision, precision, len(by_index))
+        log.info("divergence onset %s/%s: %d divergent items (all shards)", s.revision, precision, len(by_index))
         del job
     df = pd.DataFrame(rows, columns=ONSET_SCHEMA.names).astype(
         {c: "object" for c in ("first_position_differs", "onset_layer", "onset_position", "margin_a", "margin_b",

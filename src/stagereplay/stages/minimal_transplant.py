@@ -83,8 +83,9 @@ def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, 
 
 def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: str,
                              s: MinimalTransplantSettings) -> pd.DataFrame:
-    """Search every divergent selected item in both directions (``s.budget`` runs each; 0 writes an empty table
-    and loads no model)."""
+    """Search every divergent selected item of this shard's batches in both directions (``s.budget`` runs each; 0
+    writes an empty table and loads no model). Whether the model loads depends on the whole selection, not on the
+    shard: every shard's part records the same provenance."""
     if s.budget < 0:
         raise ValueError(f"transplant.minimal.budget must be >= 0, got {s.budget}")
     selection = read_parquet(selection_path)
@@ -101,8 +102,9 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                              "selection")
         job = load_as_recorded(s, s.precision, baseline_path)
         settings = job.run_settings(s, s.precision)
-        plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
-        for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision}", enabled=s.progress):
+        plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
+        for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision} shard {s.shard}",
+                              enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
             shape = {}

@@ -96,6 +96,8 @@ class BatchInvarianceSettings(GenerationSettings):
     precisions: tuple[str, ...]
     sample: int
     sample_seed: int
+    shard: int = 0
+    n_shards: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +109,8 @@ class CacheDifferenceSettings(ModelSettings):
     seed: int = 0
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("incremental", "prefill")
+    shard: int = 0
+    n_shards: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +128,8 @@ class ReplaySettings(ModelSettings):
 @dataclass(frozen=True, kw_only=True)
 class DumpSettings(ModelSettings):
     items: str = "divergent"  # divergent | all | none
+    shard: int = 0
+    n_shards: int = 1
     max_new_tokens: int
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("live", "prefill")
@@ -134,6 +140,8 @@ class TransplantSettings(ModelSettings):
     precision: str
     max_new_tokens: int
     sweeps: tuple[str, ...] = ("all",)
+    shard: int = 0
+    n_shards: int = 1
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("live", "prefill")
 
@@ -145,6 +153,8 @@ class MinimalTransplantSettings(ModelSettings):
     precision: str
     max_new_tokens: int
     budget: int = 24
+    shard: int = 0
+    n_shards: int = 1
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("live", "prefill")
 
@@ -155,4 +165,6 @@ class OnsetSettings(ModelSettings):
 
     max_new_tokens: int
     chunk_size: int = 16
+    shard: int = 0
+    n_shards: int = 1
     constructions: tuple[str, ...] = ("live", "prefill")

@@ -31,6 +31,7 @@ from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
+from stagereplay.stages.gather import unsharded
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import DumpSettings, ReplaySettings, TransplantSettings
@@ -149,21 +150,24 @@ def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s:
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), out_path, prov, LEDGER_SCHEMA)
 
 
-def _batches_with(baseline_path: str, baseline: pd.DataFrame, precision: str, items: set[int]):
-    """The plan and the batches (in the baseline's recorded plan, else each item alone) that hold ``items``; every
-    item of a batch comes with its prompt ids, since the batch's layout depends on all of them."""
+def _batches_with(baseline_path: str, baseline: pd.DataFrame, precision: str, items: set[int], shard: int = 0,
+                  n_shards: int = 1):
+    """The plan and the batches of shard ``shard`` of ``n_shards`` (in the baseline's recorded plan, else each item
+    alone, split as the generation splits them) that hold ``items``; every item of a batch comes with its prompt
+    ids, since the batch's layout depends on all of them."""
     plan = BatchPlan.from_record(recorded_batch_plan(baseline_path))
     rows = baseline[(baseline["precision"] == precision) & (baseline["replica"] == 1)]
     records = list({int(r["item_index"]): {"item_index": int(r["item_index"]), "item_id": r["item_id"],
                                            "prompt_ids": list(r["prompt_ids"])}
                     for r in rows.to_dict("records")}.values())
-    batches = batches_of(records, plan, source=baseline_path)
+    batches = batches_of(records, plan, shard, n_shards, source=baseline_path)
     return plan, [b for b in batches if any(int(it["item_index"]) in items for it in b.items)]
 
 
 def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSettings) -> int:
-    """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) at every
-    precision of the baseline, rebuilt in their recorded batch; returns the bytes written."""
+    """Dump both constructions' boundary caches of the chosen items (``divergent``, ``all`` or ``none``) of this
+    shard's batches at every precision of the baseline, rebuilt in their recorded batch; returns the bytes written.
+    A dump's file records no shard, so that every shard count dumps the same bytes (``gather_caches`` joins them)."""
     if s.items not in ("divergent", "all", "none"):
         raise ValueError(f"dump.items must be divergent, all or none, got {s.items!r}")
     baseline = read_parquet(baseline_path)
@@ -181,9 +185,10 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         job = load_as_recorded(s, precision, baseline_path)
         settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
-        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index))
-        prov = job.provenance("dump_caches", config_of(s), batch_plan=None if plan is None else plan.record())
-        for batch in progress(batches, f"dump_caches {s.revision}/{precision}", enabled=s.progress):
+        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
+        prov = job.provenance("dump_caches", unsharded(config_of(s)),
+                              batch_plan=None if plan is None else plan.record())
+        for batch in progress(batches, f"dump_caches {s.revision}/{precision} shard {s.shard}", enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in by_index}
             rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
             for r in sorted(wanted):
@@ -213,8 +218,8 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
 
 
 def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s: TransplantSettings) -> pd.DataFrame:
-    """Bidirectional transplants of every selected item, for every transplant the sweeps ask for, each in the
-    item's recorded batch and layout."""
+    """Bidirectional transplants of every selected item of this shard's batches, for every transplant the sweeps
+    ask for, each in the item's recorded batch and layout."""
     selection = read_parquet(selection_path)
     baseline = read_parquet(baseline_path)
     check_fingerprint_scheme(baseline_path)
@@ -229,9 +234,9 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     settings = job.run_settings(s, s.precision)
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
-    plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen)
+    plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
     rows = []
-    for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision}", enabled=s.progress):
+    for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
         rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
         done = transplant_batch(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted),
