@@ -24,7 +24,7 @@ from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import OnsetSettings
-from stagereplay.stages.transplant import Rebuild, _batches_with
+from stagereplay.stages.transplant import Rebuild, batches_with
 from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
@@ -84,7 +84,7 @@ def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings
         infos.append(job.loaded.info)
         settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
-        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
+        plan, batches = batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         plans[precision] = None if plan is None else plan.record()
         for batch in progress(batches, f"measure_divergence_onset {s.revision}/{precision} shard {s.shard}",
                               enabled=s.progress):

@@ -23,7 +23,7 @@ from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import MinimalTransplantSettings
-from stagereplay.stages.transplant import Rebuild, _batches_with
+from stagereplay.stages.transplant import Rebuild, batches_with
 from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
@@ -102,7 +102,7 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                              "selection")
         job = load_as_recorded(s, s.precision, baseline_path)
         settings = job.run_settings(s, s.precision)
-        plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
+        plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
         for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision} shard {s.shard}",
                               enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}

@@ -150,7 +150,7 @@ def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s:
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), out_path, prov, LEDGER_SCHEMA)
 
 
-def _batches_with(baseline_path: str, baseline: pd.DataFrame, precision: str, items: set[int], shard: int = 0,
+def batches_with(baseline_path: str, baseline: pd.DataFrame, precision: str, items: set[int], shard: int = 0,
                   n_shards: int = 1):
     """The plan and the batches of shard ``shard`` of ``n_shards`` (in the baseline's recorded plan, else each item
     alone, split as the generation splits them) that hold ``items``; every item of a batch comes with its prompt
@@ -185,7 +185,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         job = load_as_recorded(s, precision, baseline_path)
         settings = job.run_settings(s, precision)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
-        plan, batches = _batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
+        plan, batches = batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         prov = job.provenance("dump_caches", unsharded(config_of(s)),
                               batch_plan=None if plan is None else plan.record())
         for batch in progress(batches, f"dump_caches {s.revision}/{precision} shard {s.shard}", enabled=s.progress):
@@ -234,7 +234,7 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     settings = job.run_settings(s, s.precision)
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
-    plan, batches = _batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
+    plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
     rows = []
     for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
