@@ -213,7 +213,7 @@ def run_config(work: Path, args, gguf_path: Path, run: str) -> Path:
     """bench/pipeline_run.py's config, with the GGUF file as the model, WORK/store as the model store and ``run``."""
     config = json.loads(write_config(work, args).read_text())
     config.update(run=run, model=str(gguf_path), revisions=[REVISION], model_store=str(work / "store"))
-    if args.job_server and run != "fresh":
+    if getattr(args, "job_server", False) and run != "fresh":
         config.update(job_server=True, job_server_idle_s=120)
     path = work / f"config_{run}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML

@@ -201,7 +201,7 @@ def test_a_boundary_marker_the_tokenizer_cannot_produce_is_refused_by_the_prefli
     """Before: generation ran, no item reached the boundary, and three later stages failed with a traceback."""
     with pytest.raises(UnreachableBoundaryError, match=re.escape(
             "boundary.marker 'END' cannot be produced by the tokenizer of ") + r".*primary: " + re.escape(
-            "it has characters the tokenizer does not know ('D', 'E', 'N'), so no generated text could contain it "
+            "it has characters no token of the vocabulary writes ('D', 'E', 'N'), so no generated text could contain it "
             "and no item would reach the stage boundary; it knows only the characters '+-0123456789:;=AQ'")):
         check_run(valid_config(boundary={"marker": "END"}, n_items=2))
     for marker in (";", "=;", "</think>"):  # a special token of the toy's is a marker it can write

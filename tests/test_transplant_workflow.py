@@ -71,11 +71,11 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
 
     # a changed transplant setting reruns transplants (and the report and figures) only, never generation
     assert jobs_planned(run, "--config", "transplant={sweeps: [all, v_only]}") == {
-        "transplant_caches", "plot_figures", "build_report", "build_item_browser", "all"}
+        "transplant_caches", "gather_transplants", "plot_figures", "build_report", "build_item_browser", "all"}
     assert jobs_planned(run, "--config", "transplant={select: 'sample:3'}") == {
-        "select_transplant_items", "transplant_caches", "find_minimal_transplants", "plot_figures", "build_report",
-        "build_item_browser", "all"}
-    assert jobs_planned(run, "--config", "dump={items: none}") == {"dump_caches", "all"}
+        "select_transplant_items", "transplant_caches", "gather_transplants", "find_minimal_transplants",
+        "gather_minimal_transplants", "plot_figures", "build_report", "build_item_browser", "all"}
+    assert jobs_planned(run, "--config", "dump={items: none}") == {"dump_caches", "gather_caches", "all"}
     # the same config with the keys of dataset: and boundary: in another order reruns nothing (params are compared
     # by their repr), nor does another chunk_size where no construction is chunked
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -122,5 +122,5 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
     dry = snakemake(run, "-n", "--cores", "1", *sweeps)
     out = dry.stdout + dry.stderr
     assert "the bf16 snapshot of" in out and "is gone in the model store" in out, out[-3000:]
-    assert jobs_planned(run, *sweeps) == {"transplant_caches", "plot_figures", "build_report", "build_item_browser",
-                                          "all"}
+    assert jobs_planned(run, *sweeps) == {"transplant_caches", "gather_transplants", "plot_figures", "build_report",
+                                          "build_item_browser", "all"}

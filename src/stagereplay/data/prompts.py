@@ -157,16 +157,19 @@ class UnreachableBoundaryError(ValueError):
 
 def check_marker(marker: str | None, tokenizer, model: str) -> None:
     """Refuse a ``boundary.marker`` that no generated text could contain: the boundary is matched on the decoded
-    text, so the marker must survive encoding and decoding (a character the tokenizer does not know is dropped)."""
+    text, so every character of the marker must be in the decoded text of some token of the vocabulary. (The marker
+    alone need not encode to itself: a vocabulary of ``~0``, ``~1``, ... writes ``~`` only inside other tokens.)"""
     if not marker:
         return
     ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
     decoded = tokenizer.decode(ids)
     if marker in decoded:
         return
-    unknown = unknown_characters(tokenizer, marker)
-    why = (f"it has characters the tokenizer does not know ({', '.join(map(repr, unknown))})" if unknown else
-           f"its tokens decode to {decoded!r}")
+    written = set("".join(tokenizer.batch_decode([[i] for i in range(len(tokenizer))])))
+    unknown = sorted({c for c in marker if c not in written})
+    if not unknown:
+        return
+    why = f"it has characters no token of the vocabulary writes ({', '.join(map(repr, unknown))})"
     raise UnreachableBoundaryError(
         f"boundary.marker {marker!r} cannot be produced by the tokenizer of {model}: {why}, so no generated text "
         f"could contain it and no item would reach the stage boundary{_known_characters(tokenizer)}. Give a marker "

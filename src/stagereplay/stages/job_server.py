@@ -112,8 +112,19 @@ def process_start() -> str:
     return f"{how}, {wall}{time.process_time():.1f} CPU-s"
 
 
+def socket_folder(where: Path | None = None) -> Path:
+    """Where the sockets of the servers of ``where`` (default :func:`folder`) are: that folder, or where its path is
+    too long for a socket's name (about 100 bytes on Linux) a short folder of this user's in the system temp dir,
+    named after it."""
+    where = Path(where) if where is not None else folder()
+    if len(str(where)) <= 60:
+        return where
+    digest = hashlib.sha256(str(where.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"stagereplay-jobs-{os.getuid()}-{digest}"
+
+
 def socket_path(key: str) -> Path:
-    return folder() / f"{key}.sock"
+    return socket_folder() / f"{key}.sock"
 
 
 # --- the job's side ---------------------------------------------------------------------------------------------
@@ -177,7 +188,7 @@ def stop_servers(where: str | Path | None = None) -> int:
     """Ask every server with a socket in ``where`` (default: :func:`folder`) to exit; returns how many answered.
     Jobs they forked run on to their end."""
     stopped = 0
-    for path in sorted(Path(where or folder()).glob("*.sock")):
+    for path in sorted(socket_folder(where).glob("*.sock")):
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(10)
@@ -221,7 +232,8 @@ def start_server(key: str, idle_s: float) -> None:
 def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
-    folder().mkdir(parents=True, exist_ok=True, mode=0o700)
+    for where in {folder(), socket_folder()}:
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
         try:
@@ -332,6 +344,9 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
     conn.sendall(f"{os.getpid()}\n".encode())
+    # The job dies with its process: a job killed outright (SIGKILL: no signal to pass on) closes its end of the
+    # connection, and this child must not write on into outputs that a rerun writes too.
+    threading.Thread(target=die_with_the_job, args=(conn,), daemon=True).start()
     code = 0
     try:
         runpy.run_path(request["script"], run_name="__main__")
@@ -351,6 +366,16 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     except OSError:
         pass
     return code
+
+
+def die_with_the_job(conn: socket.socket) -> None:
+    """Kill this process when the job at the other end of ``conn`` is gone (it sends nothing after its request)."""
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None) -> int:
