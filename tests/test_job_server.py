@@ -141,3 +141,27 @@ def test_a_server_whose_imports_start_a_thread_refuses_and_jobs_run_in_their_own
     proc, seen = run_job(tmp, env)  # no server answers, and none is started again for this key
     assert not seen["child"] and proc.returncode == 0
     assert not (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.log").exists()
+
+
+def test_a_folder_others_can_enter_gets_no_server(tree):
+    """A job's request carries its environment and its streams: the server folder must be this user's alone. One
+    that others may enter (made before by someone else, or opened up) is used for nothing, and the job says so."""
+    tmp, env = tree
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    servers.mkdir()
+    servers.chmod(0o777)
+    proc, seen = run_job(tmp, env)
+    assert not seen["child"] and proc.returncode == 0
+    assert "is not this user's alone" in proc.stderr and "chmod 700" in proc.stderr
+    assert list(servers.iterdir()) == []  # no lock, no log, no server started
+    servers.chmod(0o700)  # the control: in a private folder the job starts a server (its lock and log appear)
+    key = key_of(env)
+    proc, seen = run_job(tmp, env)
+    assert not seen["child"] and "is not this user's alone" not in proc.stderr
+    assert (servers / f"{key}.lock").exists() and (servers / f"{key}.log").exists()
+    from stagereplay.stages.job_server import stop_servers
+
+    for _ in range(600):  # the server it started imports the model stack, then answers: stop it
+        if stop_servers(servers):
+            break
+        time.sleep(0.1)

@@ -127,6 +127,24 @@ def socket_path(key: str) -> Path:
     return socket_folder() / f"{key}.sock"
 
 
+def private_folder(where: Path) -> bool:
+    """Make ``where`` if need be and say whether it is this user's alone (a folder, not a link, owned by this user,
+    no access for group or others): a server's socket and a job's request (its environment) go nowhere else."""
+    try:
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(where)
+    except OSError:
+        return False
+    import stat
+
+    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    if not ok:
+        log.warning("job server folder %s is not this user's alone (owner uid %d, mode %o): no job server; make it "
+                    "private (chmod 700) or set $%s to a folder of your own", where, st.st_uid,
+                    stat.S_IMODE(st.st_mode), FOLDER_ENV)
+    return ok
+
+
 # --- the job's side ---------------------------------------------------------------------------------------------
 
 
@@ -137,6 +155,8 @@ def hand_over(config: dict | None) -> None:
     The child runs the file this interpreter was started on (``sys.argv[0]``: for a rule script, the file Snakemake
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
     if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
+        return
+    if not (private_folder(folder()) and private_folder(socket_folder())):
         return
     key = server_key()
     path = socket_path(key)
@@ -211,7 +231,6 @@ def start_server(key: str, idle_s: float) -> None:
     """Start this key's server in the background unless another job is starting it."""
     where = folder()
     try:
-        where.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = open(where / f"{key}.lock", "a+")  # noqa: SIM115 (held until the job ends; the server inherits it)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -232,8 +251,9 @@ def start_server(key: str, idle_s: float) -> None:
 def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
-    for where in {folder(), socket_folder()}:
-        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not all(private_folder(where) for where in (folder(), socket_folder())):
+        print("refusing to serve: the job server folder is not this user's alone", flush=True)
+        return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
         try:
@@ -265,6 +285,9 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 conn, _ = listener.accept()
             except TimeoutError:
                 break
+            if not same_user(conn):  # the folder's mode keeps others out; this is the second lock
+                conn.close()
+                continue
             try:
                 conn.settimeout(30)
                 request, fds = receive(conn)
@@ -304,6 +327,16 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
         path.unlink(missing_ok=True)  # the key's lock is this process's: no other server of it made this file
     print(f"{why} after {served} jobs: exiting", flush=True)
     return 0
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this user (Linux: SO_PEERCRED)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return True
+    import struct
+
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid == os.getuid()
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
