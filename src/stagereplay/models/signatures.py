@@ -15,6 +15,7 @@ import torch
 
 from stagereplay.io.fingerprints import tensor_digest
 from stagereplay.models.loading import LoadedModel, eos_token_ids
+from stagereplay.models.store import installed_versions
 
 # Config keys that say where a model was loaded from and how, not what it computes: ``_name_or_path`` (the
 # folder), ``quantization_config`` (the GGUF marker transformers leaves on a model whose tensors it fully
@@ -28,15 +29,7 @@ PROBE_TEXTS = ("Q: 12+7=? A: <think>12+7=19;</think> 19", "e\u0301t\u00e9  x\n\t
 def software_versions() -> dict:
     """The packages a snapshot's bytes depend on (a new version of any may convert the source differently), read
     from their installed metadata: the workflow takes them when it plans, without importing them."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for name in ("torch", "transformers", "safetensors", "tokenizers", "gguf"):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return installed_versions(("torch", "transformers", "safetensors", "tokenizers", "gguf"))
 
 
 # ---- What a loaded model is, as bytes and settings -------------------------------------------------------------------

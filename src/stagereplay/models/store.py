@@ -68,18 +68,23 @@ def resolve_root(configured: str | None = None) -> Path:
     return Path(configured).expanduser() if configured else default_root()
 
 
-def converter_versions(source_kind: str) -> dict:
-    """The installed versions of the packages that convert a source of ``source_kind``, read from their metadata
-    (the workflow takes them when it plans, without importing them)."""
+def installed_versions(names) -> dict:
+    """{name: its installed version, or None}, read from the packages' metadata (the workflow takes them when it
+    plans, without importing them)."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for name in CONVERTERS[source_kind]:
+    for name in names:
         try:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def converter_versions(source_kind: str) -> dict:
+    """The installed versions of the packages that convert a source of ``source_kind``."""
+    return installed_versions(CONVERTERS[source_kind])
 
 
 def entry_key(source_sha256: str, source_kind: str, precision: str) -> str:
