@@ -292,6 +292,9 @@ class Lockstep:
     def independent_rows(self, rows):
         return False
 
+    def rows_from_boundaries(self, rows):
+        return False
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -581,7 +584,7 @@ def test_a_construction_skips_the_steps_before_its_first_boundary(models, name):
     """In the lockstep schedule a built construction's rows are teacher-forced up to the batch's first boundary
     and every row's cache is replaced at its own: those steps are skipped, and every row comes out as when they
     are computed, byte for byte. The live schedule's own construction (incremental) computes them."""
-    decoder = StaticDecoder(models["bf16"], (), max_len=48, max_rows=4)
+    decoder = StaticDecoder(models["bf16"], (), max_len=48, max_rows=4, suffix_schedule=False)  # lockstep
     stages = [[3, 4, 5], None, [6, 7, 8, 9, 10]]
     keep = {0, 2}
     fed, skipped = Feeding(decoder), Feeding(decoder, skips=True)
@@ -594,3 +597,9 @@ def test_a_construction_skips_the_steps_before_its_first_boundary(models, name):
     # the boundaries come at iterations 2 and 4; the last row's fifth suffix id ends the loop at iteration 9
     assert fed.steps == 9
     assert skipped.steps == (9 if name == "incremental" else 7)
+    decoder.suffix_schedule = True  # from the boundaries: the pending tokens, then four steps; the same rows
+    suffix = Feeding(decoder)
+    for a, b in zip(computed, decode_rows(suffix, PROMPTS, stages=stages, build=build(name, 2), max_new_tokens=5,
+                                          keep=keep)):
+        assert same(a, b)
+    assert suffix.steps == (9 if name == "incremental" else 5)

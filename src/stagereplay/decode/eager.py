@@ -43,6 +43,9 @@ class EagerDecoder:
     def independent_rows(self, rows: int) -> bool:
         return True
 
+    def rows_from_boundaries(self, rows: int) -> bool:
+        return True
+
     @torch.inference_mode()
     def _feed(self, ids: list[int], cache) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)

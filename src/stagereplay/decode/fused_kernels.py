@@ -46,14 +46,15 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, stride_h, str
 
 
 @triton.jit
-def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, index_ptr, T, H, KV, stride_qkv,
-                       stride_qr, stride_qh, stride_qt, stride_kr, stride_kh, stride_kl, D: tl.constexpr,
-                       HALF: tl.constexpr):
+def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, index_ptr, stride_ir, T, H, KV,
+                       stride_qkv, stride_qr, stride_qh, stride_qt, stride_kr, stride_kh, stride_kl,
+                       D: tl.constexpr, HALF: tl.constexpr):
     token = tl.program_id(0)  # row * T + t
     head = tl.program_id(1)  # q heads, then k heads, then v heads: the fused GEMM's column order
     row = token // T
     t = token % T
     i = tl.arange(0, HALF)
+    at = tl.load(index_ptr + row * stride_ir + t)  # the token's buffer position (K and V)
     src = qkv_ptr + token * stride_qkv + head * D
     x1 = tl.load(src + i)
     x2 = tl.load(src + HALF + i)
@@ -69,11 +70,11 @@ def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, index_ptr
         if head < H:
             dst = q_ptr + row * stride_qr + head * stride_qh + t * stride_qt
         else:
-            dst = k_ptr + row * stride_kr + (head - H) * stride_kh + tl.load(index_ptr + t) * stride_kl
+            dst = k_ptr + row * stride_kr + (head - H) * stride_kh + at * stride_kl
         tl.store(dst + i, y1)
         tl.store(dst + HALF + i, y2)
     else:
-        dst = v_ptr + row * stride_kr + (head - H - KV) * stride_kh + tl.load(index_ptr + t) * stride_kl
+        dst = v_ptr + row * stride_kr + (head - H - KV) * stride_kh + at * stride_kl
         tl.store(dst + i, x1)
         tl.store(dst + HALF + i, x2)
 
@@ -118,7 +119,8 @@ class FusedKernels:
                    values: torch.Tensor, index: torch.Tensor, rows: int, heads: int, kv_heads: int,
                    heads_first: bool) -> torch.Tensor:
         """RoPE over the q and k heads of ``qkv`` (rows * T, (heads + 2 kv_heads) * D) with ``cos``/``sin``
-        (rows * T, D); k and v written into ``keys``/``values`` (rows, kv_heads, L, D) at positions ``index`` (T,).
+        (rows * T, D); k and v written into ``keys``/``values`` (rows, kv_heads, L, D) at positions ``index`` ((T,),
+        or (rows, T) for rows at their own positions).
         Returns q as (rows, heads, T, D) when ``heads_first`` (the masked attention's layout), else (rows, T,
         heads, D)."""
         qkv = _rows(qkv)
@@ -134,7 +136,8 @@ class FusedKernels:
             q = torch.empty((rows, T, heads, D), dtype=qkv.dtype, device=qkv.device)
             strides = (q.stride(0), q.stride(2), q.stride(1))
         _rope_write_kernel[(tokens, heads + 2 * kv_heads)](
-            qkv, cos, sin, q, keys, values, index, T, heads, kv_heads, qkv.stride(0), *strides, keys.stride(0),
+            qkv, cos, sin, q, keys, values, index, 0 if index.dim() == 1 else index.stride(0), T, heads, kv_heads,
+            qkv.stride(0), *strides, keys.stride(0),
             keys.stride(1), keys.stride(2), D=D, HALF=D // 2, num_warps=1)
         return q
 

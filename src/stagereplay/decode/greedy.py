@@ -1,16 +1,22 @@
 """The greedy loop over a batch of rows, and the boundary matcher: one loop for every construction and regime.
 
 :func:`decode_rows` runs one batch from its prompts to each row's boundary and on through its suffix, in one of two
-schedules chosen by the decoder (:meth:`~stagereplay.decode.protocol.Decoder.independent_rows`):
+schedules chosen by the decoder (:meth:`~stagereplay.decode.protocol.Decoder.independent_rows` and
+:meth:`~stagereplay.decode.protocol.Decoder.rows_from_boundaries`):
 
-- rows that may sit at different positions (the eager regime, or one row) start where their boundary cache is: the
-  construction's cache is built (``build``) and each row continues from it;
-- rows in lockstep (a static batch of several rows) run the *live schedule*: prompts in one forward, then one token
-  per step, each row fed its stage ids (or its greedy choices for ``live``); at a row's boundary the construction's
-  built cache for that row is written over the row's positions and the row continues. Every construction of a batch
-  is thus decoded in one layout: the same rows, padding, positions and steps; only the boundary cache differs.
-  A built construction skips the steps before the batch's first boundary (``advance``): every row is
-  teacher-forced there, reads nothing, and has its cache over those positions replaced at its boundary.
+- the *live schedule*, for ``live`` and, in a static batch of several rows, for its own construction
+  (``incremental``): prompts in one forward, then one token per step, each row fed its stage ids (or its greedy
+  choices for ``live``) and on into its suffix; rows step in lockstep in a static batch.
+- *from the boundaries*, for a construction built from ids (``build``): each row continues from its own boundary
+  cache; the rows of a static batch step together, each at its own buffer position, so the construction decodes its
+  suffixes only. The bits are those the live schedule gives the row: there, a row's suffix step is one step of the
+  same rows at the row's own position, through the same kernels and shapes (the batch's rows, the whole buffer),
+  reading the same cache (its built cache, then its own suffix steps); a row's values depend on neither the other
+  rows' values nor the step at which it runs, and positions past its own are masked (or not read). Where a decoder
+  does not offer it (``rows_from_boundaries`` false), a built construction runs the live schedule too, its cache
+  written over the row's positions at the row's boundary and the steps before the batch's first boundary skipped
+  (``advance``: every row is teacher-forced there and reads nothing). Either way every construction of a batch is
+  decoded in one layout: the same rows, padding and positions; only the boundary cache differs.
 
 A decoder with ``lookahead`` (the ``cuda_graph`` regime) lets the loop hide its host work behind the device's: the
 next step is launched from the device's own greedy choice (or the teacher-forced id) before the host has read the
@@ -212,7 +218,9 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
             plan = None  # one forward per row: the decoder runs them as one batch forward
     results_at: dict[int, tuple] = {}
     first = 0  # the first iteration the loop runs
-    if stages is not None and decoder.independent_rows(n):
+    from_boundaries = stages is not None and (decoder.independent_rows(n) or (
+        not build.schedule and decoder.rows_from_boundaries(n)))
+    if from_boundaries:
         # rows start at their boundaries, from the construction's cache
         batch, built = decoder.build(prompts, cut, plan), None
         for r, row in enumerate(rows):

@@ -39,6 +39,12 @@ class Decoder(Protocol):
         """Whether rows of a batch of ``rows`` can sit at different positions (a row's continuation may then start
         at its own boundary); otherwise rows step in lockstep and a row's cache is swapped in at its boundary."""
 
+    def rows_from_boundaries(self, rows: int) -> bool:
+        """Whether the rows of a batch from ``build`` may continue each from its own boundary, stepping together
+        each at its own position, with the bits the lockstep live schedule gives them (a built construction then
+        decodes its suffixes only). The live schedule's own construction (``incremental``) is made by the schedule
+        wherever ``independent_rows`` is false."""
+
     def open(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor]:
         """A new batch with each row's prompt fed in one forward; the last position's fp32 logits (rows, vocab)."""
 
@@ -58,7 +64,7 @@ class Decoder(Protocol):
               segments: list[list[int]] | None) -> Any:
         """Boundary caches of a batch in the layout ``open(prompts)`` gives: row r's ``cached[r]`` ids (its prompt
         and stage but the last token; None: a row without a prefix) fed in forwards of ``segments[r]`` tokens
-        (None: every row's ids in one forward)."""
+        (None: every row's ids in one forward). The next ``step`` feeds each row at its own boundary."""
 
     def row_layers(self, batch: Any, row: int, end: int) -> Layers:
         """Row ``row``'s cache over its positions up to buffer position ``end`` (exclusive), as views: writing

@@ -12,11 +12,14 @@ it).
 
 Layout: the rows of a batch share the buffer, left-padded so that every prompt ends at the same position ``W``
 (the batch's longest prompt); row r's token j sits at buffer position ``pads[r] + j`` whatever the construction,
-and the rows step in lockstep (one shared write position per step). A row's bits can depend on its padding and on
-the number of rows (not on the other rows' values): the layout is part of the construction, recorded per row.
-Rows therefore cannot start their continuations at different positions (``independent_rows`` is false beyond one
-row): :func:`stagereplay.decode.greedy.decode_rows` runs every construction in the live run's own schedule and
-swaps a built boundary cache in at each row's boundary.
+and the live schedule steps the rows in lockstep (one shared write position per step). A row's bits can depend on its
+padding and on the number of rows (not on the other rows' values): the layout is part of the construction, recorded
+per row. A batch from ``build`` may also step each row at its own position (``cursors``: the one-token step then
+writes and reads row r at its own buffer position, through the same kernels and shapes), so that a built
+construction's rows continue from their own boundaries and decode only their suffixes (``rows_from_boundaries``;
+:func:`stagereplay.decode.greedy.decode_rows` says why the bits are those of the live schedule, and
+``bench/suffix_schedule.py`` proves it byte for byte). The live schedule's own construction (``incremental``) is
+still made by the schedule itself: a multi-row ``build`` of one-token segments runs one row at a time, another shape.
 
 ``decode_kernels`` (``library`` or ``fused``) says how the forward's small operations run: torch's own ops, or
 three one-launch Triton kernels per layer (:mod:`stagereplay.decode.fused_kernels`: residual add with RMSNorm,
@@ -72,6 +75,21 @@ def _unique_index_writes():
             torch.use_deterministic_algorithms(True, warn_only=warn)
 
 
+def _by_row(index: torch.Tensor) -> torch.Tensor:
+    """A forward's buffer positions as (rows or 1, T): ``index`` is (T,) shared by every row, or (rows, T)."""
+    return index[None, :] if index.dim() == 1 else index
+
+
+def _write(buffer: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
+    """``x`` (rows, kv_heads, T, D) into ``buffer`` (rows, kv_heads, max_len, D) at positions ``index`` ((T,) or
+    (rows, T)): copies to distinct positions, so deterministic without the sorting variants."""
+    with _unique_index_writes():
+        if index.dim() == 1:
+            buffer.index_copy_(2, index, x)
+        else:
+            buffer.scatter_(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]), x)
+
+
 class StaticKV:
     """One batch's K/V in the static regime: ``rows`` rows, their left pads, ``length`` buffer positions written.
 
@@ -85,6 +103,32 @@ class StaticKV:
         self.length = 0
         self.pads = torch.tensor(pads, dtype=torch.long)
         self.store: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # own copy when not resident
+        # each row's next write position when the rows sit at their own positions (a built batch continuing from
+        # its rows' boundaries), on the host and as a (rows, 1) index on the device; None: every row at ``length``
+        self.cursors: list[int] | None = None
+        self.cursor_index: torch.Tensor | None = None
+
+    def seat(self, positions: list[int]) -> None:
+        """Put row r's next one-token write at buffer position ``positions[r]`` (at most ``length``): the rows
+        then step each at its own position. Rows all at ``length`` stay in the shared-position form."""
+        if len(positions) != self.rows:
+            raise ValueError(f"{len(positions)} positions for a batch of {self.rows} rows")
+        if any(not 0 < p <= self.length for p in positions):
+            raise ValueError(f"row positions {positions} outside the {self.length} positions written")
+        if all(p == self.length for p in positions):
+            self.cursors, self.cursor_index = None, None
+            return
+        self.cursors = [int(p) for p in positions]
+        self.cursor_index = torch.tensor(self.cursors, dtype=torch.long, device=self.decoder.device)[:, None]
+
+    def moved(self, steps: int) -> None:
+        """Every row's position moved on by ``steps`` (negative: taken back)."""
+        if self.cursors is None:
+            self.length += steps
+            return
+        self.cursors = [c + steps for c in self.cursors]
+        self.cursor_index += steps
+        self.length = max(self.length, max(self.cursors))
 
     def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s (K, V) over every row and the positions written: (rows, kv_heads, length, head_dim)."""
@@ -105,7 +149,7 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...] = (), *, max_len: int, max_rows: int = 1,
                  regime: str = "static", pad_id: int = 0, attention: str = "masked",
-                 prefill_group: int | None = None, kernels: str = "library"):
+                 prefill_group: int | None = None, kernels: str = "library", suffix_schedule: bool = True):
         if regime not in ("static", "cuda_graph"):
             raise RegimeError(f"decode_regime {regime!r}: StaticDecoder runs 'static' or 'cuda_graph'")
         self.model, self.eos_ids, self.regime = model, tuple(eos_ids), regime
@@ -156,11 +200,15 @@ class StaticDecoder:
         self.pads = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.arange(self.max_len, device=self.device)
         self.resident: StaticKV | None = None
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, span) -> (graph, ids, index, logits)
+        # (rows, span, rows at their own positions) -> (graph, ids, index, logits)
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.cache_kw = "static"
         self.fused = [fuse_layer(layer) for layer in model.model.layers]
         self.numerics = "invariant" if self.kernels is not None else "default"
         self.lookahead = regime == "cuda_graph"  # see step(): the greedy loop may launch a step before it syncs
+        # built constructions' rows continue from their own boundaries (the same bits as the live schedule, proven
+        # by bench/suffix_schedule.py; not recorded); False keeps every construction in the live schedule
+        self.suffix_schedule = bool(suffix_schedule)
         if self.kernels is not None:
             self.block_size = int(describe_invariant(model)["attention_block_size"])
         if self.kernels is not None or kernels == "fused":
@@ -205,8 +253,8 @@ class StaticDecoder:
 
     # -- forwards -----------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, index: torch.Tensor, rows: int, span: int, row0: int = 0) -> torch.Tensor:
-        """Feed ``ids`` (rows, T) at buffer positions ``index`` (T,) into buffer rows ``row0``..``row0 + rows``;
-        return fp32 logits of the last position.
+        """Feed ``ids`` (rows, T) at buffer positions ``index`` ((T,), or (rows, T) for rows at their own
+        positions) into buffer rows ``row0``..``row0 + rows``; return fp32 logits of the last position.
 
         Every query attends over the first ``span`` buffer positions under an additive mask: keys at or after the row's padding
         and at or before the query's own position (a padding query sees itself only, so it stays finite).
@@ -222,7 +270,7 @@ class StaticDecoder:
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         group = H // KV
         pads = self.pads[row0:row0 + rows]
-        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        position_ids = (_by_row(index) - pads[:, None]).clamp_min(0)  # (rows, T)
         h = inner.embed_tokens(ids)  # (rows, T, hidden)
         cos, sin = inner.rotary_emb(h, position_ids)  # (rows, T, D)
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
@@ -242,9 +290,8 @@ class StaticDecoder:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[..., (H + KV) * D:].view(rows, T, KV, D).transpose(1, 2)
             kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
-            with _unique_index_writes():
-                kb.index_copy_(2, index, k)
-                vb.index_copy_(2, index, v)
+            _write(kb, index, k)
+            _write(vb, index, v)
             if self.attention == "triton":
                 out = self._triton.attention_rows(q.transpose(1, 2), kb, vb, pads, index, attn.scaling,
                                                   TRITON_ATTENTION_BLOCK).reshape(rows, T, H * D)
@@ -264,10 +311,11 @@ class StaticDecoder:
         """The masked attention's additive mask, (rows*KV, group*T, span): keys at or after the row's padding and
         at or before the query's position (a padding query sees itself only); the query heads sharing a K/V head
         side by side, T innermost."""
-        rows, T = pads.shape[0], index.shape[0]
+        rows, T = pads.shape[0], index.shape[-1]
         group = self.n_heads // self.n_kv
         keys = self.positions[None, None, :span]  # (1, 1, span)
-        allowed = ((keys >= pads[:, None, None]) & (keys <= index[None, :, None])) | (keys == index[None, :, None])
+        at = _by_row(index)[:, :, None]  # (rows or 1, T, 1)
+        allowed = ((keys >= pads[:, None, None]) & (keys <= at)) | (keys == at)
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
         return bias[:, None, None].expand(rows, self.n_kv, group, T, span).reshape(rows * self.n_kv, group * T, span)
 
@@ -288,7 +336,7 @@ class StaticDecoder:
         """The rows' left pads, and the rotary table's cos and sin at each token's position ((rows * T, D) each),
         gathered on the device (no host sync)."""
         pads = self.pads[row0:row0 + rows]
-        position_ids = (index[None, :] - pads[:, None]).clamp_min(0)  # (rows, T)
+        position_ids = (_by_row(index) - pads[:, None]).clamp_min(0)  # (rows, T)
         flat = position_ids.reshape(-1)
         return pads, self.cos_table[flat], self.sin_table[flat]
 
@@ -345,9 +393,8 @@ class StaticDecoder:
             k = ops.rotary(qkv[:, H * D: (H + KV) * D].reshape(rows * T, KV, D), cos, sin)
             v = qkv[:, (H + KV) * D:].reshape(rows, T, KV, D).transpose(1, 2)
             kb, vb = self.k[i][row0:row0 + rows], self.v[i][row0:row0 + rows]  # (rows, KV, max_len, D)
-            with _unique_index_writes():
-                kb.index_copy_(2, index, k.view(rows, T, KV, D).transpose(1, 2))
-                vb.index_copy_(2, index, v)
+            _write(kb, index, k.view(rows, T, KV, D).transpose(1, 2))
+            _write(vb, index, v)
             out = ops.attention_rows(q.view(rows, T, H, D), kb, vb, pads, index, attn.scaling, self.block_size)
             h = h + ops.linear(out.reshape(rows * T, H * D), attn.o_proj.weight, attn.o_proj.bias)
             norm = layer.post_attention_layernorm
@@ -360,11 +407,11 @@ class StaticDecoder:
         return ops.linear(ops.rms_norm(last, norm.weight, norm.variance_epsilon), self.model.lm_head.weight,
                           self.model.lm_head.bias).float()  # (rows, vocab)
 
-    def _capture(self, rows: int, span: int):
+    def _capture(self, rows: int, span: int, own: bool):
         ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=self.device)
         # The warm-up really runs: it writes the span's last position, which no cache of this span has used yet
         # and which is zeroed again below (positions past a cache's length stay zero).
-        index = torch.full((1,), span - 1, dtype=torch.long, device=self.device)
+        index = torch.full((rows, 1) if own else (1,), span - 1, dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph: allocator pools, cuBLAS handles
@@ -377,8 +424,8 @@ class StaticDecoder:
         for k, v in zip(self.k, self.v):
             k[:rows, :, span - 1].zero_()
             v[:rows, :, span - 1].zero_()
-        self.graphs[rows, span] = (graph, ids, index, logits)
-        return self.graphs[rows, span]
+        self.graphs[rows, span, own] = (graph, ids, index, logits)
+        return self.graphs[rows, span, own]
 
     @torch.inference_mode()
     def forward_rows(self, ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
@@ -386,30 +433,40 @@ class StaticDecoder:
         rows, T = ids.shape
         if rows != cache.rows:
             raise ValueError(f"{rows} rows of ids for a cache of {cache.rows} rows")
-        if cache.length + T > self.max_len:
-            raise ValueError(f"the static cache holds {self.max_len} positions; {cache.length} used + {T} new do "
+        own = cache.cursors is not None  # every row at its own position (one-token steps only)
+        if own and T != 1:
+            raise ValueError("a batch whose rows sit at their own positions takes one-token steps only")
+        end = (max(cache.cursors) if own else cache.length) + T
+        if end > self.max_len:
+            raise ValueError(f"the static cache holds {self.max_len} positions; a forward to position {end} does "
                              "not fit: raise decode_max_len")
         self._make_resident(cache)
         ids = ids.to(self.device)
         if T == 1 and self.regime == "cuda_graph":
-            span = self.span(cache.length + 1)
-            graph, g_ids, g_index, g_logits = self.graphs.get((rows, span)) or self._capture(rows, span)
+            span = self.span(end)
+            graph, g_ids, g_index, g_logits = self.graphs.get((rows, span, own)) or self._capture(rows, span, own)
             g_ids.copy_(ids)
-            g_index.fill_(cache.length)
+            if own:
+                g_index.copy_(cache.cursor_index)
+            else:
+                g_index.fill_(cache.length)
             graph.replay()
             logits = g_logits.clone()
         else:
-            index = torch.arange(cache.length, cache.length + T, device=self.device)
-            span = self.span(cache.length + T)
+            index = cache.cursor_index if own else torch.arange(cache.length, cache.length + T, device=self.device)
+            span = self.span(end)
             group = self.prefill_group if T > 1 and self.prefill_group else rows
             logits = torch.cat([self._forward(ids[r0:r0 + group], index, min(group, rows - r0), span, r0)
                                 for r0 in range(0, rows, group)])
-        cache.length += T
+        cache.moved(T)
         return logits
 
     # -- the decoder protocol -----------------------------------------------------------------------------
     def independent_rows(self, rows: int) -> bool:
         return rows == 1
+
+    def rows_from_boundaries(self, rows: int) -> bool:
+        return self.suffix_schedule
 
     def _layout(self, prompts: list[list[int]]) -> list[int]:
         if not 1 <= len(prompts) <= self.max_rows:
@@ -432,6 +489,8 @@ class StaticDecoder:
         """Skip ``steps`` one-token steps: their positions stay as they are until each row's cache is written over
         them (a step's bits depend on the positions it reads, the row's ids and the batch's shape, not on when
         the positions were written)."""
+        if batch.cursors is not None:
+            raise ValueError("a batch whose rows sit at their own positions is not in the lockstep schedule")
         if batch.length + steps > self.max_len:
             raise ValueError(f"the static cache holds {self.max_len} positions; {batch.length} used + {steps} "
                              "skipped do not fit: raise decode_max_len")
@@ -443,7 +502,7 @@ class StaticDecoder:
         a position at or after its own."""
         if batch.length < 1:
             raise ValueError("a batch with no position written has no step to take back")
-        batch.length -= 1
+        batch.moved(-1)
 
     @torch.inference_mode()
     def build(self, prompts: list[list[int]], cached: list[list[int] | None],
@@ -451,11 +510,14 @@ class StaticDecoder:
         batch = StaticKV(self, self._layout(prompts))
         width = int(batch.pads[0]) + len(prompts[0])
         length = width + max([len(c) - len(p) for c, p in zip(cached, prompts) if c is not None], default=0)
+        # each row's next step at its own boundary (a row without a prefix: after its prompt)
+        ends = [int(pad) + len(c if c is not None else p) for pad, c, p in zip(batch.pads, cached, prompts)]
         if segments is None or batch.rows == 1 and segments[0] is None:  # one forward over every row
             ids = [[self.pad_id] * int(pad) + list(c if c is not None else p) for pad, c, p in
                    zip(batch.pads, cached, prompts)]
             ids = [row + [self.pad_id] * (length - len(row)) for row in ids]  # right filler: written, never read
             self.forward_rows(torch.tensor(ids, dtype=torch.long), batch)
+            batch.seat(ends)
             return batch
         if batch.rows == 1:  # the row's own forwards (one-token ones through the graph, as the schedule's steps)
             start = 0
@@ -474,6 +536,7 @@ class StaticDecoder:
                 self._forward(ids, index, 1, self.span(at + n), r)
                 at += n
         batch.length = length
+        batch.seat(ends)
         return batch
 
     def row_layers(self, batch: StaticKV, row: int, end: int) -> Layers:

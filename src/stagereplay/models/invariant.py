@@ -110,12 +110,13 @@ class ReferenceKernels:
     def attention_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor,
                        index: torch.Tensor, scaling: float, block_size: int) -> torch.Tensor:
         """Left-padded rows over a K/V buffer (the static decoder's layout): q (rows, T, heads, d) at buffer
-        positions ``index[0]``..; keys/values (rows, kv, L, d); row r's keys start at ``pads[r]``, its blocks
-        aligned there. A padding query (before its row's first key) gets zeros."""
+        positions ``index[0]``.. (``index`` (T,), or (rows, T) for rows at their own positions); keys/values
+        (rows, kv, L, d); row r's keys start at ``pads[r]``, its blocks aligned there. A padding query (before
+        its row's first key) gets zeros."""
         rows, T, heads, d = q.shape
-        first = int(index[0])
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         for r in range(rows):
+            first = int(index[0] if index.dim() == 1 else index[r, 0])
             pad = int(pads[r])
             real = [t for t in range(T) if first + t >= pad]
             if real:

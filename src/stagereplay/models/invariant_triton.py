@@ -127,13 +127,13 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D: tl.constexpr, HAL
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, heads, kv_heads, groups, stride_kr,
-                      stride_kh, stride_kl, scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr, D: tl.constexpr,
-                      DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, stride_ir, pads_ptr, T, heads, kv_heads, groups,
+                      stride_kr, stride_kh, stride_kl, scaling, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                      D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     pid = tl.program_id(1)
-    first = tl.load(index_ptr)  # buffer position of the call's first token
+    first = tl.load(index_ptr + row * stride_ir)  # buffer position of the row's first token in this call
     pad = tl.load(pads_ptr + row)  # the row's first real key: key blocks are aligned there
     # packed rows: r -> (token r // groups, query head kv_head * groups + r % groups)
     r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,8 +188,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, index_ptr, pads_ptr, T, head
 
 
 @triton.jit
-def _attention_head_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, pads_ptr, T, heads, groups, chunks,
-                           stride_kr, stride_kh, stride_kl, scaling, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_head_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, stride_ir, pads_ptr, T, heads, groups,
+                           chunks, stride_kr, stride_kh, stride_kl, scaling, D: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNK: tl.constexpr):
     """fp32 attention, one (row, query head, token, key chunk) per program, on the FMA units without ``tl.dot``.
     The row's keys from its first real key on are cut into chunks of ``CHUNK`` keys (whole blocks); a program runs
@@ -202,7 +202,7 @@ def _attention_head_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, pads_ptr, T
     chunk = tl.program_id(2)
     kv_head = head // groups
     pad = tl.load(pads_ptr + row)
-    position = tl.load(index_ptr) + token
+    position = tl.load(index_ptr + row * stride_ir) + token
     d = tl.arange(0, D)
     q_row = (row * T + token) * heads + head
     q = tl.load(q_ptr + q_row * D + d)
@@ -330,11 +330,13 @@ class TritonKernels:
 
     def attention_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor,
                        index: torch.Tensor, scaling: float, block_size: int) -> torch.Tensor:
-        """Left-padded rows over a K/V buffer: q (rows, T, heads, d) at buffer positions ``index[0]``..; keys
-        and values (rows, kv, L, d); row r's real keys start at ``pads[r]`` and its key blocks are aligned
-        there, so a row computes the same bits whatever its padding and whatever the other rows hold. Reads
-        ``index`` and ``pads`` on the device (no host sync: a CUDA graph can hold it)."""
+        """Left-padded rows over a K/V buffer: q (rows, T, heads, d) at buffer positions ``index[0]``.. (``index``
+        (T,), or (rows, T) for rows at their own positions); keys and values (rows, kv, L, d); row r's real keys
+        start at ``pads[r]`` and its key blocks are aligned there, so a row computes the same bits whatever its
+        padding and whatever the other rows hold. Reads ``index`` and ``pads`` on the device (no host sync: a
+        CUDA graph can hold it)."""
         q = _contiguous(q)
+        stride_ir = 0 if index.dim() == 1 else index.stride(0)
         rows, T, heads, d = q.shape
         kv = keys.shape[1]
         if keys.stride(-1) != 1 or values.stride() != keys.stride():
@@ -347,13 +349,14 @@ class TritonKernels:
             chunks = triton.cdiv(keys.shape[2], chunk)  # the buffer's length: a fixed grid for a CUDA graph
             parts = torch.empty((rows * T * heads, chunks, d + 2), dtype=torch.float32, device=q.device)
             _attention_head_kernel[(rows * heads, T, chunks)](
-                q, keys, values, parts, index, pads, T, heads, groups, chunks, keys.stride(0), keys.stride(1),
+                q, keys, values, parts, index, stride_ir, pads, T, heads, groups, chunks, keys.stride(0),
+                keys.stride(1),
                 keys.stride(2), float(scaling), D=d, BLOCK_N=block_size, CHUNK=chunk,
                 num_warps=config["attention_warps"])
             _attention_combine_kernel[(rows * T * heads,)](parts, out, chunks, D=d, num_warps=1)
             return out
         grid = (rows * kv, triton.cdiv(T * groups, config["attention_rows"]))
-        _attention_kernel[grid](q, keys, values, out, index, pads, T, heads, kv, groups, keys.stride(0),
+        _attention_kernel[grid](q, keys, values, out, index, stride_ir, pads, T, heads, kv, groups, keys.stride(0),
                                 keys.stride(1), keys.stride(2), float(scaling), IEEE=q.dtype == torch.float32,
                                 INTERPRET=_INTERPRET, D=d, DP=max(16, triton.next_power_of_2(d)),
                                 BLOCK_M=config["attention_rows"], BLOCK_N=block_size,
