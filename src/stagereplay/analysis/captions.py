@@ -113,13 +113,13 @@ CAPTIONS = {
     ),
     "fig10_split_predictors": (
         "What predicts a split.",
-        "Top: one marker per compared item and construction (colour and marker): the smallest top-2 margin of live "
-        "along its suffix (y) against the largest max-abs logit difference between the two constructions along it "
-        "(x), both symmetric-log, linear near 0 so that exact zeros stay visible; filled: items whose greedy "
-        "suffixes split (the argmax differs at some step under teacher forcing), open: items that do not. Bottom: "
-        "the share of all compared items split within the first k suffix tokens, k = 1 to the suffix budget (step "
-        "line), with pointwise Wilson 95% intervals (band); no curve is fitted. One column per revision and "
-        "precision. The AUCs of both scores (Mann-Whitney U, bootstrap intervals) are in the report.",
+        "One row of panels per revision and precision. Left: one marker per compared item and construction (colour "
+        "and marker): the smallest top-2 margin of live along its suffix (y) against the largest max-abs logit "
+        "difference between the two constructions along it (x), both symmetric-log, linear near 0 so that exact "
+        "zeros stay visible; filled: items whose greedy suffixes split (the argmax differs at some step under "
+        "teacher forcing), open: items that do not. Right: the share of all compared items split within the first k "
+        "suffix tokens, k = 1 to the suffix budget (step line), with pointwise Wilson 95% intervals (band); no curve "
+        "is fitted. The AUCs of both scores (Mann-Whitney U, bootstrap intervals) are in the report.",
     ),
 }
 

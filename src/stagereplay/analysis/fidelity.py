@@ -127,7 +127,7 @@ def _fidelity_words(n: dict) -> str:
     """``bit-identical`` where every logit vector was byte-equal; otherwise the KL as a number."""
     if n["bit_identical"]:
         return "bit-identical (every step's logits byte-equal)"
-    return f"not bit-identical: KL median {_kl_text(n['kl_forward_median'])}, max {_kl_text(n['kl_forward_max'])} nats"
+    return f"differs: KL median {_kl_text(n['kl_forward_median'])}, max {_kl_text(n['kl_forward_max'])} nats"
 
 
 def _auc_text(r: dict) -> str:
@@ -185,7 +185,7 @@ def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
                                            c[3]["kl_forward_median"], c[3]["kl_forward_max"], c[2]))[3]
         name = next(c[2] for c in mine if c[3] is closest)
         unsplit = [c[2] for c in mine if c[3]["items_split"]["k"] == 0]
-        lines.append(f"At {precision}, no construction is bit-identical with live; the closest is `{name}` "
+        lines.append(f"At {precision}, no construction matches live bit for bit; the closest is `{name}` "
                      f"({closest['steps_logits_equal']['k']} / {closest['steps']} steps byte-equal, KL median "
                      f"{_kl_text(closest['kl_forward_median'])}, max {_kl_text(closest['kl_forward_max'])} nats)"
                      + (f"; {join_words([f'`{c}`' for c in unsplit])} split on no item." if unsplit else "."))

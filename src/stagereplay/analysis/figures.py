@@ -499,8 +499,9 @@ def plot_fidelity(steps: pd.DataFrame, paths: dict[str, str], revision_order=(),
 
 
 def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
-    """Figure 10: per revision and precision, items' smallest live margin against their largest logit difference
-    (split items filled), and the share of items split within the first k suffix tokens with Wilson intervals."""
+    """Figure 10: per revision and precision (one row of panels each), items' smallest live margin against their
+    largest logit difference (split items filled; left), and the share of items split within the first k suffix
+    tokens with pointwise Wilson intervals (right)."""
     if items is None or items.empty:
         return _placeholder(paths, "No data yet for figure 10: needs fidelity.parquet (rule measure_fidelity) "
                             "with at least one compared item.")
@@ -508,9 +509,9 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
     constructions = sorted(items["construction"].unique())
     revisions = {k[0] for k in keys}
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(2, len(keys), figsize=(WIDTH, 3.6), squeeze=False)
-        for col, (revision, precision) in enumerate(keys):
-            upper, lower = axes[0][col], axes[1][col]
+        fig, axes = plt.subplots(len(keys), 2, figsize=(WIDTH, 1.55 * len(keys) + 0.45), squeeze=False)
+        for row, (revision, precision) in enumerate(keys):
+            scatter, curve_ax = axes[row]
             panel = items[(items["revision"] == revision) & (items["precision"] == precision)]
             positions = int(panel["positions"].max())
             for construction in constructions:
@@ -519,35 +520,36 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
                 if g.empty:
                     continue
                 split = g["split"].astype(bool)
-                upper.scatter(g.loc[~split, "max_logit_diff"], g.loc[~split, "min_margin_reference"], s=10,
-                              marker=style["marker"], facecolors="none", edgecolors=style["color"], linewidths=0.6,
-                              clip_on=False)
-                upper.scatter(g.loc[split, "max_logit_diff"], g.loc[split, "min_margin_reference"], s=10,
-                              marker=style["marker"], color=style["color"], linewidths=0, clip_on=False)
+                scatter.scatter(g.loc[~split, "max_logit_diff"], g.loc[~split, "min_margin_reference"], s=10,
+                                marker=style["marker"], facecolors="none", edgecolors=style["color"],
+                                linewidths=0.6, clip_on=False)
+                scatter.scatter(g.loc[split, "max_logit_diff"], g.loc[split, "min_margin_reference"], s=10,
+                                marker=style["marker"], color=style["color"], linewidths=0, clip_on=False)
                 curve = share_by_position(list(g["first_divergence"]), len(g), positions)
                 k = np.asarray(curve["positions"])
-                upper_band = 100 * np.asarray(curve["wilson_high"], dtype=float)
-                lower_band = 100 * np.asarray(curve["wilson_low"], dtype=float)
-                lower.fill_between(k, lower_band, upper_band, step="post", color=style["color"], alpha=0.18, lw=0)
-                lower.step(k, 100 * np.asarray(curve["rate"], dtype=float), where="post", color=style["color"],
-                           lw=1.0)
+                curve_ax.fill_between(k, 100 * np.asarray(curve["wilson_low"], dtype=float),
+                                      100 * np.asarray(curve["wilson_high"], dtype=float), step="post",
+                                      color=style["color"], alpha=0.15, lw=0)
+                curve_ax.step(k, 100 * np.asarray(curve["rate"], dtype=float), where="post", color=style["color"],
+                              lw=1.0)
             for axis, column in (("x", "max_logit_diff"), ("y", "min_margin_reference")):
                 values = panel[column].to_numpy(dtype=float)
                 if np.any(values > 0):
-                    getattr(upper, f"set_{axis}scale")("symlog", linthresh=symlog_threshold(values), linscale=0.5)
-                getattr(upper, f"set_{axis}lim")(0, 2 * float(np.max(values)) if np.any(values > 0) else 1.0)
-            upper.set_xlabel("largest max-abs logit diff")
-            lower.set_xlim(1, positions)
-            lower.set_ylim(0, 100)
-            lower.set_xlabel("suffix position k")
-            panel_title(upper, f"{revision} · {precision}" if len(revisions) > 1 else precision, True)
-        axes[0][0].set_ylabel("smallest live margin")
-        axes[1][0].set_ylabel("items split within k (%)")
+                    getattr(scatter, f"set_{axis}scale")("symlog", linthresh=symlog_threshold(values), linscale=0.6)
+                getattr(scatter, f"set_{axis}lim")(0, 2 * float(np.max(values)) if np.any(values > 0) else 1.0)
+            scatter.set_ylabel("smallest live margin")
+            curve_ax.set_xlim(1, positions)
+            curve_ax.set_ylim(0, 100)
+            curve_ax.xaxis.get_major_locator().set_params(integer=True)
+            curve_ax.set_ylabel("items split within k (%)")
+            panel_title(scatter, f"{revision} · {precision}" if len(revisions) > 1 else precision, True)
+        axes[-1][0].set_xlabel("largest max-abs logit diff")
+        axes[-1][1].set_xlabel("suffix position k")
         handles = [Line2D([], [], ls="", marker=_construction_style(c)["marker"], color=_construction_style(c)["color"],
                           label=c) for c in constructions]
         handles += [Line2D([], [], ls="", marker="o", color="0.3", label="split"),
                     Line2D([], [], ls="", marker="o", mfc="none", mec="0.3", label="not split"),
-                    Patch(facecolor="0.3", alpha=0.18, label="Wilson 95%")]
+                    Patch(facecolor="0.3", alpha=0.15, label="Wilson 95%")]
         fig.legend(handles=handles, loc="outside lower center", ncol=3, handlelength=1.2, columnspacing=1.0)
         _save(fig, paths)
 
