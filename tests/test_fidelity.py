@@ -281,3 +281,47 @@ def test_the_workflow_measures_fidelity_and_reports_it(shared_tiny_run):
     for name in ("fig9_fidelity", "fig10_split_predictors"):
         assert (res / f"report/figures/{name}.pdf").read_bytes().startswith(b"%PDF-")
         assert f"![{name}](figures/{name}.png)" in report
+
+
+def test_rows_in_lockstep_compare_in_one_layout():
+    """A static batch of three left-padded rows: live generates in lockstep, each construction's cache is swapped in
+    at each row's boundary and forced through live's suffix; incremental (the schedule's own cache) is byte-equal
+    at every step, and every row keeps its padding and position on both sides."""
+    from stagereplay.data.prompts import Prompter
+    from stagereplay.data.toy import synthetic_items
+    from stagereplay.decode.greedy import matcher_from_config
+    from stagereplay.decode.plans import Batch
+    from stagereplay.decode.regimes import make_decoder
+    from stagereplay.experiments.fidelity import fidelity_batch
+    from stagereplay.experiments.matched import matched
+    from stagereplay.experiments.rows import RunSettings
+    from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
+    from stagereplay.models.sources import ModelSource
+
+    set_determinism(1)
+    loaded = load_model(ModelSource("local", str(REPO / "data/toy/primary")), "bf16", "cpu")
+    decoder = make_decoder(loaded.model, tuple(eos_token_ids(loaded)), "static", max_len=64 + 32 + 12, max_rows=3)
+    prompter, matcher = Prompter(loaded.tokenizer), matcher_from_config({"marker": ";", "occurrence": 1},
+                                                                        loaded.tokenizer)
+    settings = RunSettings("primary", "bf16", 32, 12, decode_regime="static")
+    items = [{"item_index": i, "item_id": t.item_id, "question": t.question, "gold_answer": t.gold_answer}
+             for i, t in enumerate(synthetic_items(3, 0))]
+    batch = Batch(0, tuple(items))
+    prompts = [prompter(item["question"]) for item in items]
+    ledger = matched(decoder, batch, prompts, settings, loaded.tokenizer, matcher, replicas=(1,)).rows
+    recorded = {r["item_index"]: r for r in ledger if r["construction"] == "live"}
+    caches = {(r["item_index"], "prefill"): r["cache_fingerprint"] for r in ledger if r["construction"] == "prefill"}
+    rows = pd.DataFrame(fidelity_batch(decoder, batch, prompts, settings, matcher, ("incremental", "prefill"),
+                                       recorded=recorded, recorded_caches=caches))
+    assert set(rows["item_index"]) == {0, 1, 2} and set(rows["batch_rows"]) == {3}
+    for index, row in recorded.items():  # each row in the matched experiment's layout, its left padding included
+        mine = rows[rows["item_index"] == index]
+        assert set(zip(mine["layout_pad"], mine["layout_position"])) == {(row["layout_pad"], row["layout_position"])}
+    assert rows["layout_pad"].max() > 0  # some row is padded: the layouts differ by row
+    same = rows[rows["construction"] == "incremental"]
+    assert same["logits_equal"].all() and (same["kl_forward"] == 0.0).all()
+    prefill = rows[rows["construction"] == "prefill"]
+    for index, row in recorded.items():
+        other = next(r for r in ledger if r["item_index"] == index and r["construction"] == "prefill")
+        got = item_summary(prefill[prefill["item_index"] == index])["first_divergence"].iloc[0]
+        assert (None if pd.isna(got) else int(got)) == first_divergence(row["suffix_ids"], other["suffix_ids"])
