@@ -209,7 +209,7 @@ def _predictors_lines(cells, positions: int) -> list[str]:
              "difference along it, each as a rank statistic separating split from unsplit items: the AUC from the "
              "Mann-Whitney U (0.5: no separation; 1: every split item has a smaller margin, or a larger difference, "
              "than every unsplit one) with a seeded percentile bootstrap 95% interval that resamples each class "
-             "apart (figure 10, top).", "",
+             "apart (figure 10, left).", "",
              "| precision | pair | items split | AUC, smallest margin | AUC, largest logit difference |",
              "| --- | --- | --- | --- | --- |"]
     for precision, reference, construction, n in cells:
@@ -218,7 +218,7 @@ def _predictors_lines(cells, positions: int) -> list[str]:
                      f"{_auc_text(p['min_margin_reference'])} | {_auc_text(p['max_logit_diff'])} |")
     if shown:
         lines += ["", f"Items split within the first k suffix tokens, of all compared items (Wilson 95%, pointwise; "
-                  f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, bottom): what a shorter "
+                  f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, right): what a shorter "
                   "budget would have shown.", "",
                   "| precision | pair | " + " | ".join(f"k = {k}" for k in shown) + " |",
                   "| --- | --- | " + " | ".join("---" for _ in shown) + " |"]
