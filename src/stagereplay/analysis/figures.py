@@ -522,9 +522,10 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
                 split = g["split"].astype(bool)
                 scatter.scatter(g.loc[~split, "max_logit_diff"], g.loc[~split, "min_margin_reference"], s=10,
                                 marker=style["marker"], facecolors="none", edgecolors=style["color"],
-                                linewidths=0.6, clip_on=False)
+                                linewidths=0.6, clip_on=False, zorder=2)
+                # split items above every construction's unsplit ones, which would otherwise hide them
                 scatter.scatter(g.loc[split, "max_logit_diff"], g.loc[split, "min_margin_reference"], s=10,
-                                marker=style["marker"], color=style["color"], linewidths=0, clip_on=False)
+                                marker=style["marker"], color=style["color"], linewidths=0, clip_on=False, zorder=3)
                 curve = share_by_position(list(g["first_divergence"]), len(g), positions)
                 k = np.asarray(curve["positions"])
                 curve_ax.fill_between(k, 100 * np.asarray(curve["wilson_low"], dtype=float),
