@@ -198,6 +198,7 @@ def test_rank_separation_known_answers():
     assert ties["auc"] == pytest.approx((1 + 0.5 + 1 + 0.5 + 1 + 1) / 6, abs=0)
     empty = stats.rank_separation([], [1, 2, float("nan")], n_boot=10)
     assert empty["auc"] is None and "no positive item" in empty["skipped"] and empty["n_missing"] == 1
+    assert "no unsplit item" in stats.rank_separation([1], [], names=("split", "unsplit"))["skipped"]
 
 
 def test_share_by_position_known_answers():

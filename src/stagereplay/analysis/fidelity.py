@@ -23,6 +23,7 @@ from stagereplay.io.parquet import read_parquet, read_provenance
 KL = "kl_forward"
 KL_TEXT = "KL(P_live || P_construction) per suffix step, nats, float64 from the fp32 logits"
 ITEM_KEYS = ["revision", "precision", "reference", "construction", "item_index"]
+CLASSES = ("split", "unsplit")  # the two classes a split predictor separates
 
 
 def pair_name(reference: str, construction: str) -> str:
@@ -102,11 +103,12 @@ def pair_numbers(steps: pd.DataFrame, items: pd.DataFrame, positions: int, seed:
         "split_predictors": {
             "min_margin_reference": {
                 **stats.rank_separation(-split["min_margin_reference"], -unsplit["min_margin_reference"],
-                                        seed=seed),
+                                        seed=seed, names=CLASSES),
                 "score": "per item, the smallest top-2 margin of live along its suffix; AUC = P(a split item's is "
                          "smaller than an unsplit item's)"},
             "max_logit_diff": {
-                **stats.rank_separation(split["max_logit_diff"], unsplit["max_logit_diff"], seed=seed),
+                **stats.rank_separation(split["max_logit_diff"], unsplit["max_logit_diff"], seed=seed,
+                                        names=CLASSES),
                 "score": "per item, the largest max-abs logit difference along the suffix; AUC = P(a split item's is "
                          "larger than an unsplit item's)"},
         },
@@ -185,7 +187,8 @@ def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
                                            c[3]["kl_forward_median"], c[3]["kl_forward_max"], c[2]))[3]
         name = next(c[2] for c in mine if c[3] is closest)
         unsplit = [c[2] for c in mine if c[3]["items_split"]["k"] == 0]
-        lines.append(f"At {precision}, no construction matches live bit for bit; the closest is `{name}` "
+        lines.append(f"At {precision}, no construction matches live bit for bit; the closest (most byte-equal steps, "
+                     f"then median KL) is `{name}` "
                      f"({closest['steps_logits_equal']['k']} / {closest['steps']} steps byte-equal, KL median "
                      f"{_kl_text(closest['kl_forward_median'])}, max {_kl_text(closest['kl_forward_max'])} nats)"
                      + (f"; {join_words([f'`{c}`' for c in unsplit])} split on no item." if unsplit else "."))

@@ -244,14 +244,14 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
 
 
 def rank_separation(positive: Sequence[float], negative: Sequence[float], n_boot: int = 10000, seed: int = 0,
-                    alpha: float = 0.05) -> dict:
+                    alpha: float = 0.05, names: tuple[str, str] = ("positive", "negative")) -> dict:
     """How well a score separates two classes of items: the AUC, P(score of a positive item > score of a
     negative one) + P(tie) / 2, from the Mann-Whitney U statistic (scipy.stats.mannwhitneyu: U of the positives
     over n_positive x n_negative), its two-sided p-value, and a seeded percentile bootstrap interval that resamples
     each class apart (stratified: the class sizes are kept).
 
     Missing values are dropped and counted. With a class empty there is no AUC: everything is None and
-    ``skipped`` says why. Where the sample separates completely (AUC 0 or 1) every resample does too, so the
+    ``skipped`` says why (naming the class by ``names``). Where the sample separates completely (AUC 0 or 1) every resample does too, so the
     percentile interval is the point itself and carries no uncertainty: ``complete_separation`` says so.
     """
     n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
@@ -267,7 +267,7 @@ def rank_separation(positive: Sequence[float], negative: Sequence[float], n_boot
               "method": "AUC = U / (n_positive n_negative), Mann-Whitney U of the positives (scipy.stats.mannwhitneyu, "
                         "two-sided p, ties counted half); percentile bootstrap resampling each class apart"}
     if not pos.size or not neg.size:
-        empty = "positive" if not pos.size else "negative"
+        empty = names[0] if not pos.size else names[1]
         result["skipped"] = f"no {empty} item: an AUC compares the two classes and needs both"
         return result
     from scipy.stats import mannwhitneyu
