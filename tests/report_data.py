@@ -161,6 +161,32 @@ def synthetic_onset(revision="primary", n_items=6, layers=4) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def synthetic_fidelity(revision="primary", n_items=6, steps=8) -> pd.DataFrame:
+    """Per-step fidelity rows: bf16 prefill and chunked differ from live (items 0 and 1 split), fp32 prefill differs
+    by ulps (KL about 1e-14, no split), fp32 chunked is byte-equal on every step (exact zeros)."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for precision, construction, scale in (("bf16", "prefill", 1e-4), ("bf16", "chunked", 3e-4),
+                                           ("fp32", "prefill", 1e-14), ("fp32", "chunked", 0.0)):
+        for item in range(n_items):
+            margins = rng.uniform(0.05, 3.0, steps).astype(np.float32)
+            split_at = 3 + item if precision == "bf16" and item < 2 else None
+            if split_at is not None:
+                margins[split_at] = np.float32(0.01)
+            for step in range(steps):
+                kl = 0.0 if scale == 0 or step == 0 else float(scale * rng.uniform(0.1, 10))
+                rows.append({"item_index": item, "item_id": f"item-{item}", "revision": revision,
+                             "precision": precision, "reference": "live", "construction": construction,
+                             "step": step, "token_id": 3, "kl_forward": kl, "kl_reverse": kl * 1.1,
+                             "kl_sym": kl * 1.05, "max_abs_logit_diff": 0.0 if kl == 0 else float(np.sqrt(kl)),
+                             "margin_reference": float(margins[step]), "margin_construction": float(margins[step]),
+                             "argmax_differs": split_at is not None and step >= split_at, "logits_equal": kl == 0,
+                             "cache_equal": scale == 0, "decode_regime": "eager", "numerics": "default",
+                             "batch_index": None, "batch_row": None, "batch_rows": None, "layout_pad": 0,
+                             "layout_position": 20})
+    return pd.DataFrame(rows)
+
+
 def synthetic_bridge(revision="primary", n=12, not_exact=()) -> pd.DataFrame:
     return pd.DataFrame([{"item_index": i, "item_id": f"item-{i}", "revision": revision, "precision": "bf16",
                           "bit_exact": i not in not_exact, "first_layer_differs": 2 if i in not_exact else None,

@@ -9,8 +9,8 @@ import matplotlib.text
 import pandas as pd
 import pytest
 
-from report_data import (synthetic_cache_differences, synthetic_ledger, synthetic_minimal_transplant, synthetic_onset,
-                         synthetic_transplant, write)
+from report_data import (synthetic_cache_differences, synthetic_fidelity, synthetic_ledger, synthetic_minimal_transplant,
+                         synthetic_onset, synthetic_transplant, write)
 from stagereplay.analysis import captions, figures, study
 from stagereplay.analysis import tables as analysis
 
@@ -31,7 +31,7 @@ def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("results")
     kinds = {"ledger": synthetic_ledger, "transplant": synthetic_transplant,
              "cache_differences": synthetic_cache_differences, "minimal_transplant": synthetic_minimal_transplant,
-             "divergence_onset": synthetic_onset}
+             "divergence_onset": synthetic_onset, "fidelity": synthetic_fidelity}
     return {kind: {rev: write(make(rev), d / f"{rev}_{kind}.parquet") for rev in ("primary", "later")}
             for kind, make in kinds.items()}
 

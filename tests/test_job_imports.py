@@ -23,7 +23,7 @@ HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "triton", "scipy"
          "sympy")
 TABLE_JOBS = ["select_items", "gather_ledger", "gather_audit", "check_audit", "select_transplant_items",
               "gather_transplants", "gather_minimal_transplants", "gather_divergence_onset", "gather_batch_invariance",
-              "gather_cache_differences", "gather_caches"]
+              "gather_cache_differences", "gather_caches", "gather_fidelity"]
 
 
 def script_imports(script: Path) -> list[str]:

@@ -39,7 +39,8 @@ def test_one_shard_and_three_shards_give_byte_identical_ledgers(tmp_path):
 # caches folder. At batch_size 2 a row's bits depend on its batch, so a shard that rebuilt a row outside its recorded
 # batch would change bytes here.
 LATER_TABLES = ["transplant", "minimal_transplant", "divergence_onset", "batch_invariance", "cache_differences",
-                "caches"]
+                "caches", "fidelity"]
+PART_NAMES = {"fidelity": "fidelity_bf16"}  # a stage that splits by precision too (SPLIT runs bf16 alone)
 SPLIT = dict(n_items=6, batch_size=2, decode_regime="static", max_new_tokens=4, max_stage_tokens=16,
              precisions=["bf16"], reference_precision="bf16", dump={"items": "all"},
              transplant={"select": "sample:4", "sweeps": ["all"]}, cache_differences={"n_items": 4},
@@ -76,7 +77,7 @@ def test_every_model_stage_splits_by_whole_batches_with_the_same_bytes(tmp_path)
         for name in LATER_TABLES:
             held = set()
             for k in range(shards):
-                part = results[shards] / f"parts/{name}_{k}.parquet"
+                part = results[shards] / f"parts/{PART_NAMES.get(name, name)}_{k}.parquet"
                 assert read_provenance(part)["config"]["shard"] == k
                 mine = batches_of_part(part, plan)
                 assert all(j % shards == k for j in mine), (name, shards, k, mine)

@@ -35,7 +35,8 @@ metadata.version = version
 """
 
 FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
-           "fig5_transplant", "fig6_accuracy", "fig7_minimal_transplant", "fig8_divergence_onset"]
+           "fig5_transplant", "fig6_accuracy", "fig7_minimal_transplant", "fig8_divergence_onset", "fig9_fidelity",
+           "fig10_split_predictors"]
 
 
 @pytest.mark.slow

@@ -82,6 +82,8 @@ if TRANSPLANT_PRECISION not in config["precisions"]:
 TRANSPLANT_REVISIONS = {revision_slug(r): r for r in (config["transplant"].get("revisions") or config["revisions"][:1])}
 if PRIMARY in TRANSPLANT_REVISIONS:  # its transplant baseline is its ledger: the pair must be among what ran
     check_transplant_pair(config["transplant"]["constructions"], config["fixed_prefix"]["constructions"])
+# Fidelity along the suffix runs at every generated revision, unless fidelity.constructions is empty.
+FIDELITY_REVISIONS = dict(REVISIONS) if config["fidelity"]["constructions"] else {}
 # Every revision some stage runs at: the generated ones, then transplant-only ones.
 ALL_REVISIONS = dict(REVISIONS)
 for _slug, _name in TRANSPLANT_REVISIONS.items():
@@ -201,6 +203,24 @@ def fixed_prefix_kwargs(wildcards):
             reference_precision=config["reference_precision"],
             fixed_prefix_constructions=list(config["fixed_prefix"]["constructions"]),
             **chunked(config["fixed_prefix"]["constructions"]),
+        )
+    )
+
+
+def fidelity_kwargs(wildcards):
+    """The generation's settings at one precision and shard (the live reference is regenerated as it ran), and the
+    constructions and items compared."""
+    settings = config["fidelity"]
+    return canonical(
+        dict(
+            generation_kwargs(wildcards.revision),
+            precision=wildcards.precision,
+            shard=int(wildcards.shard),
+            n_shards=config["shards"],
+            constructions=list(settings["constructions"]),
+            items=settings["items"],
+            items_seed=settings["seed"],
+            **chunked(settings["constructions"]),
         )
     )
 
@@ -527,6 +547,10 @@ def audit_parts(wildcards):
     return shard_parts(wildcards, "audit")
 
 
+def fidelity_parts(wildcards):
+    return shard_parts(wildcards, "fidelity")
+
+
 def transplant_baseline(wildcards):
     """The file holding both constructions of the fixed prefixes at this revision, with their continuations."""
     if wildcards.revision == PRIMARY:
@@ -551,6 +575,7 @@ def all_outputs():
                 "cache_differences.parquet",
             ],
         ),
+        *expand(f"{RESULTS}/{{revision}}/fidelity.parquet", revision=FIDELITY_REVISIONS),
         *expand(
             f"{RESULTS}/{{revision}}/{{name}}",
             revision=TRANSPLANT_REVISIONS,
@@ -579,6 +604,8 @@ FIGURE_NAMES = [
     "fig6_accuracy",
     "fig7_minimal_transplant",
     "fig8_divergence_onset",
+    "fig9_fidelity",
+    "fig10_split_predictors",
 ]
 
 
@@ -600,6 +627,7 @@ def report_revisions():
         "audit": generated,
         "batch_invariance": generated,
         "cache_differences": generated,
+        "fidelity": list(FIDELITY_REVISIONS),
     }
 
 

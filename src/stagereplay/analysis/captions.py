@@ -100,6 +100,27 @@ CAPTIONS = {
         "items on that point. Colour: precision. One column per revision. Items are chosen by divergence; the "
         "onset layer and position and the rank correlation are in divergence_onset.parquet and the report.",
     ),
+    "fig9_fidelity": (
+        "Fidelity along the suffix: per-step KL divergence from live.",
+        "For every compared item, the live construction's greedy suffix is teacher-forced through each other "
+        "construction's boundary cache (built over the same prefix ids, in the same batch and layout), and at every "
+        "suffix step the KL divergence KL(P_live || P_construction) of the two next-token distributions is computed "
+        "in nats (float64 from the fp32 logits). One row per precision (colour) and construction. Right, on a log "
+        "axis: the steps whose KL is above 0 (box: quartiles; bar inside: median; whiskers: 5th to 95th "
+        "percentile; open circle: the largest). Left, the strip \"exactly 0\": the share of steps whose KL is "
+        "exactly 0 (byte-equal logits give exactly 0), k/n steps beside it. One panel per revision. The share of "
+        "steps with byte-equal logits is in fidelity.parquet and the report.",
+    ),
+    "fig10_split_predictors": (
+        "What predicts a split.",
+        "One row of panels per revision and precision. Left: one marker per compared item and construction (colour "
+        "and marker): the smallest top-2 margin of live along its suffix (y) against the largest max-abs logit "
+        "difference between the two constructions along it (x), both symmetric-log, linear near 0 so that exact "
+        "zeros stay visible; filled: items whose greedy suffixes split (the argmax differs at some step under "
+        "teacher forcing), open: items that do not. Right: the share of all compared items split within the first k "
+        "suffix tokens, k = 1 to the suffix budget (step line), with pointwise Wilson 95% intervals (band); no curve "
+        "is fitted. The AUCs of both scores (Mann-Whitney U, bootstrap intervals) are in the report.",
+    ),
 }
 
 

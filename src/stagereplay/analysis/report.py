@@ -7,7 +7,8 @@ the run (model, dataset, budgets, boundary, seed, regimes, code and software, fr
 "not recorded" where they record nothing), then per revision one table per claim of the reference study with the
 study's figure beside this run's, then what the study did not
 measure (margins at the divergence, per-layer cache differences, the transplant localisation, the minimal sufficient
-transplants and the onset of the cache difference in divergent items, batch invariance),
+transplants and the onset of the cache difference in divergent items, batch invariance, fidelity along the
+suffix),
 the items excluded and why, and the figures with their captions. The reference study's numbers come from
 :mod:`stagereplay.analysis.study` alone and are labelled as the study's wherever they appear. Every number of the
 run is in ``stats.json`` with its n, method and seed.
@@ -20,7 +21,8 @@ at that revision (a revision with transplant results only has no ledger) is left
 The sections live in modules by what they report: :mod:`~stagereplay.analysis.claims` (matched, fixed-prefix 2x2,
 bridge, exclusions), :mod:`~stagereplay.analysis.audit_report` (the audit's verdict, banner and section),
 :mod:`~stagereplay.analysis.transplant_report`, :mod:`~stagereplay.analysis.divergence_location` (minimal
-transplants, onset), :mod:`~stagereplay.analysis.beyond_study` (margins, cache differences, batch invariance) and
+transplants, onset), :mod:`~stagereplay.analysis.beyond_study` (margins, cache differences, batch invariance),
+:mod:`~stagereplay.analysis.fidelity` (fidelity along the suffix, what predicts a split) and
 :mod:`~stagereplay.analysis.run_identity` (what produced the run); the revision's files are read through
 :class:`~stagereplay.analysis.revision_data.RevisionData` and numbers are
 written by :mod:`~stagereplay.analysis.report_format`. This module assembles the page and ``stats.json``.
@@ -43,6 +45,7 @@ from stagereplay.analysis.audit_report import audit_banner, audit_section, audit
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section
 from stagereplay.analysis.claims import bridge_section, exclusions_section, fixed_prefix_section, matched_section
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
+from stagereplay.analysis.fidelity import fidelity_section
 from stagereplay.analysis.findings import findings_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
@@ -68,6 +71,7 @@ SECTIONS: list[Section] = [
     Section("bridge", "### Bridge", ("bridge",), bridge_section),
     Section("audit", "### Saved-ledger audit", ("audit",), audit_section),
     Section("transplant", "### Transplants", ("transplant",), transplant_section),
+    Section("fidelity", "### Fidelity along the suffix (beyond the study)", ("fidelity",), fidelity_section),
     Section("minimal_transplant", "### Minimal sufficient transplants (beyond the study)", ("minimal_transplant",),
             minimal_transplant_section),
     Section("divergence_onset", "### Where the caches of divergent items first differ (beyond the study)",

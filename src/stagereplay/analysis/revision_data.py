@@ -22,6 +22,7 @@ PRODUCERS = {
     "batch_invariance": "batch_invariance.parquet (rule check_batch_invariance)",
     "minimal_transplant": "minimal_transplant.parquet (rule find_minimal_transplants)",
     "divergence_onset": "divergence_onset.parquet (rule measure_divergence_onset)",
+    "fidelity": "fidelity.parquet (rule measure_fidelity)",
 }
 
 

@@ -241,3 +241,67 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
                   bootstrap_high=None if high is None else float(high),
                   n_boot_undefined=int(n_boot - defined.size))
     return result
+
+
+def rank_separation(positive: Sequence[float], negative: Sequence[float], n_boot: int = 10000, seed: int = 0,
+                    alpha: float = 0.05, names: tuple[str, str] = ("positive", "negative")) -> dict:
+    """How well a score separates two classes of items: the AUC, P(score of a positive item > score of a
+    negative one) + P(tie) / 2, from the Mann-Whitney U statistic (scipy.stats.mannwhitneyu: U of the positives
+    over n_positive x n_negative), its two-sided p-value, and a seeded percentile bootstrap interval that resamples
+    each class apart (stratified: the class sizes are kept).
+
+    Missing values are dropped and counted. With a class empty there is no AUC: everything is None and
+    ``skipped`` says why (naming the class by ``names``). Where the sample separates completely (AUC 0 or 1) every resample does too, so the
+    percentile interval is the point itself and carries no uncertainty: ``complete_separation`` says so.
+    """
+    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
+
+    def kept(values):
+        return np.asarray([float(v) for v in values if v is not None and not math.isnan(float(v))], dtype=float)
+
+    pos, neg = kept(positive), kept(negative)
+    result = {"n_positive": int(pos.size), "n_negative": int(neg.size),
+              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size),
+              "auc": None, "u": None, "p_value": None, "bootstrap_low": None, "bootstrap_high": None,
+              "complete_separation": None, "skipped": None, "n_boot": n_boot, "seed": seed, "alpha": alpha,
+              "method": "AUC = U / (n_positive n_negative), Mann-Whitney U of the positives (scipy.stats.mannwhitneyu, "
+                        "two-sided p, ties counted half); percentile bootstrap resampling each class apart"}
+    if not pos.size or not neg.size:
+        empty = names[0] if not pos.size else names[1]
+        result["skipped"] = f"no {empty} item: an AUC compares the two classes and needs both"
+        return result
+    from scipy.stats import mannwhitneyu
+
+    test = mannwhitneyu(pos, neg, alternative="two-sided")
+    auc = float(test.statistic) / (pos.size * neg.size)
+    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
+    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    rng = np.random.default_rng(seed)
+    boot = np.empty(n_boot)
+    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // (pos.size + neg.size))
+    for start in range(0, n_boot, chunk):
+        size = min(chunk, n_boot - start)
+        w_pos = rng.multinomial(pos.size, np.full(pos.size, 1 / pos.size), size=size)  # (replicates, n_positive)
+        w_neg = rng.multinomial(neg.size, np.full(neg.size, 1 / neg.size), size=size)  # (replicates, n_negative)
+        boot[start:start + size] = np.einsum("bi,ij,bj->b", w_pos, wins, w_neg) / (pos.size * neg.size)
+    low, high = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
+    result.update(auc=auc, u=float(test.statistic), p_value=float(test.pvalue), bootstrap_low=float(low),
+                  bootstrap_high=float(high), complete_separation=bool(auc in (0.0, 1.0)))
+    return result
+
+
+def share_by_position(first_divergences: Sequence[int | None], n: int, positions: int, alpha: float = 0.05) -> dict:
+    """The share of ``n`` items split within the first k suffix tokens, for k = 1 .. ``positions``: an item whose
+    first divergence (0-based suffix step; None: never) is below k counts, with a Wilson interval per k
+    (pointwise, not a band over all k). Every item counts in every k's denominator: an item whose
+    suffix ended unsplit cannot split later."""
+    n, positions = _check_count("n", n), _check_count("positions", positions)
+    steps = [int(p) for p in first_divergences if p is not None and not (isinstance(p, float) and math.isnan(p))]
+    if len(steps) > n or any(p < 0 for p in steps):
+        raise ValueError(f"{len(steps)} first divergences for {n} items (each at a step >= 0)")
+    curve = [proportion(sum(p < k for p in steps), n, alpha) for k in range(1, positions + 1)]
+    return {"n": n, "positions": list(range(1, positions + 1)), "split": [c["k"] for c in curve],
+            "rate": [c["rate"] for c in curve], "wilson_low": [c["wilson_low"] for c in curve],
+            "wilson_high": [c["wilson_high"] for c in curve], "alpha": alpha,
+            "method": "per suffix position k: items whose first divergence is within the first k tokens, of all "
+                      "compared items; pointwise wilson score intervals (statsmodels proportion_confint)"}

@@ -48,6 +48,7 @@ KEYS = {
                           "component"),
     "minimal_transplant": ("item_index", "revision", "precision", "direction"),
     "divergence_onset": ("item_index", "revision", "precision", "layer", "component"),
+    "fidelity": ("item_index", "revision", "precision", "reference", "construction", "step"),
 }
 
 

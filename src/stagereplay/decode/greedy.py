@@ -186,6 +186,8 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                 stages: list[list[int] | None] | None = None, matcher: BoundaryMatcher | None = None,
                 max_stage_tokens: int = 0, build: CacheBuild | None = None,
                 edit: Callable[[int, Layers], None] | None = None, keep: set[int] | frozenset = frozenset(),
+                suffixes: list[list[int] | None] | None = None,
+                observe: Callable[[int, int, torch.Tensor], None] | None = None,
                 ) -> list[RowResult]:
     """Each row's boundary and suffix, decoded together.
 
@@ -194,6 +196,12 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
     prefix, left out or kept as filler) and ``build`` says how its boundary cache is made (None: the live
     schedule's own, i.e. ``incremental``). ``edit(row, layers)`` runs at each row's boundary on the cache the row
     will read; ``keep`` names the rows whose boundary cache is also copied into their result.
+
+    ``suffixes`` (teacher forcing after the boundary): row r is fed ``suffixes[r][j]`` at suffix step j instead of
+    its greedy choice while the list lasts, then its greedy choices (None: greedy throughout); its ``suffix_ids``
+    are the ids fed and its margins its own logits' at each step. ``observe(row, step, logits)`` sees each row's
+    finite fp32 logits (vocab,) at every suffix step before the step's id is chosen or forced; the tensor may be
+    reused by the next step (copy what is kept). Either turns the lookahead off.
     """
     import torch
 
@@ -202,6 +210,8 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         raise ValueError(f"{len(stages)} stages for {n} prompts")
     if stages is None and matcher is None:
         raise ValueError("the live construction needs a boundary matcher")
+    if suffixes is not None and len(suffixes) != n:
+        raise ValueError(f"{len(suffixes)} suffixes for {n} prompts")
     if stages is not None and any(s is not None and not s for s in stages):
         raise ValueError("a row's stage ids are empty (give None for a row without a prefix)")
     rows = [_Row(None if stages is None else stages[r]) for r in range(n)]
@@ -247,7 +257,10 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                     row.generated, row.margins = list(row.forced[:first]), [0.0] * first
     steps = max_stage_tokens + max_new_tokens
     # (no logits: every row ended at its boundary, no step to take)
-    ahead = _Lookahead(rows, logits.device) if getattr(decoder, "lookahead", False) and logits is not None else None
+    # the lookahead guesses greedy ids and may overwrite a step's logits before they are observed
+    plain = suffixes is None and observe is None
+    ahead = (_Lookahead(rows, logits.device) if plain and getattr(decoder, "lookahead", False) and logits is not None
+             else None)
     # iterations whose boundaries change a row's cache before the next step: known for teacher-forced rows
     changes_cache = built is not None or edit is not None
     forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and row.boundary_at is None}
@@ -276,7 +289,11 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
             if not teacher and not bool(finite[r]):  # teacher forcing reads no logits
                 row.done = "nonfinite"
                 continue
-            token = row.forced[len(row.generated)] if teacher else int(choice[r])
+            step = None if row.boundary_at is None else len(row.generated) - 1 - row.boundary_at
+            if step is not None and observe is not None:
+                observe(r, step, logits[r])
+            forcing = step is not None and suffixes is not None and suffixes[r] is not None and step < len(suffixes[r])
+            token = row.forced[len(row.generated)] if teacher else suffixes[r][step] if forcing else int(choice[r])
             row.generated.append(token)
             TOKENS.total += 1
             row.margins.append(float(margin[r]))

@@ -17,17 +17,18 @@ from stagereplay.experiments.rows import RunSettings, check_replicas, ledger_row
 
 def run(decoder: Decoder, construction: str, prompts: list[list[int]], settings: RunSettings, *,
         stages: list[list[int] | None] | None = None, matcher: BoundaryMatcher | None = None, edit=None,
-        keep=frozenset(), max_new_tokens: int | None = None) -> list[RowResult]:
-    """One construction over one batch: ``live`` generates (``matcher``); the others rebuild from ``stages``."""
+        keep=frozenset(), max_new_tokens: int | None = None, suffixes=None, observe=None) -> list[RowResult]:
+    """One construction over one batch: ``live`` generates (``matcher``); the others rebuild from ``stages``.
+    ``suffixes`` and ``observe`` (teacher-forced suffix ids, each step's logits) go to the greedy loop as they are."""
     c = constructions.get(construction)
     budget = settings.max_new_tokens if max_new_tokens is None else max_new_tokens
     if not c.rebuildable:
         if stages is not None:
             raise ValueError("the live construction generates its own stage; it cannot be given stage ids")
         return decode_rows(decoder, prompts, matcher=matcher, max_stage_tokens=settings.max_stage_tokens,
-                           max_new_tokens=budget, edit=edit, keep=keep)
+                           max_new_tokens=budget, edit=edit, keep=keep, suffixes=suffixes, observe=observe)
     return decode_rows(decoder, prompts, stages=stages, build=c.cache_build(settings.chunk_size),
-                       max_new_tokens=budget, edit=edit, keep=keep)
+                       max_new_tokens=budget, edit=edit, keep=keep, suffixes=suffixes, observe=observe)
 
 
 def replicated(decoder: Decoder, experiment: str, construction: str, batch: Batch, prompts: list[list[int]],

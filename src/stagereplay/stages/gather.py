@@ -2,8 +2,8 @@
 
 A model stage writes one part per shard (and precision); ``gather_ledger``, ``gather_prefixes``, ``gather_audit``,
 ``gather_bridge`` and the gathers of the later model stages (transplants, the minimal search, onset, batch
-invariance, cache differences and the cache dumps) join the parts in the order one job writes its rows, whatever
-the shard count, so that the gathered file is byte-identical to the one-shard run's; :func:`check_audit`
+invariance, cache differences, fidelity and the cache dumps) join the parts in the order one job writes its rows,
+whatever the shard count, so that the gathered file is byte-identical to the one-shard run's; :func:`check_audit`
 stops the pipeline when the audit, recomputed from the saved ledger, did not reproduce it. Their jobs import this
 module and the tables' schemas only, never torch, transformers or a decoder (``tests/test_job_imports.py``), so
 that each starts in well under a second instead of paying for a model stack it does not use.
@@ -117,6 +117,10 @@ def gather_minimal_transplants(parts: list[str], out_path: str) -> None:
 
 def gather_divergence_onset(parts: list[str], out_path: str) -> None:
     gather_sorted(parts, out_path, ["precision", "item_index", "layer", "component"])
+
+
+def gather_fidelity(parts: list[str], out_path: str) -> None:
+    gather_sorted(parts, out_path, ["precision", "item_index", "construction", "step"])
 
 
 def gather_batch_invariance(parts: list[str], out_path: str) -> None:

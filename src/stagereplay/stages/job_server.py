@@ -57,7 +57,8 @@ IMPORT_TIME_ENV = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_
 # Snakemake's script support (the preamble unpickles with it).
 PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.stages.controls",
            "stagereplay.stages.transplant", "stagereplay.stages.minimal_transplant",
-           "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "torch._inductor.config",
+           "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "stagereplay.stages.fidelity",
+           "torch._inductor.config",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
            "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_tokenizers",
            "stagereplay.stages.token_texts", "stagereplay.analysis.report", "stagereplay.analysis.figures",

@@ -168,3 +168,15 @@ class OnsetSettings(ModelSettings):
     shard: int = 0
     n_shards: int = 1
     constructions: tuple[str, ...] = ("live", "prefill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelitySettings(GenerationSettings):
+    """Fidelity along the suffix: the live reference regenerated, each construction teacher-forced through it."""
+
+    precision: str
+    shard: int = 0
+    n_shards: int = 1
+    constructions: tuple[str, ...] = ("prefill", "chunked", "prefix_cached")
+    items: str | int = "all"  # all, or the size of a seeded sample of the selection
+    items_seed: int = 0

@@ -1,0 +1,237 @@
+"""The report's sections on fidelity along the suffix (``fidelity.parquet``, rule ``measure_fidelity``): which
+replay construction matches live, how far each one's next-token distributions lie from live's at every suffix
+step, and what predicts a split (figures 9 and 10).
+
+Steps are the table's rows; items are the unit of every interval that needs independent trials (an item's steps
+are not independent of each other). The step-level share of byte-equal logits is given with its Wilson interval
+as asked of it, beside the item-level share whose interval holds. "bit-identical" is written only where every
+logit vector of a cell is equal byte for byte; elsewhere the KL divergence is given as a number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from stagereplay.analysis import stats
+from stagereplay.analysis import tables as analysis
+from stagereplay.analysis.report_format import format_proportion, join_words
+from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.io.parquet import read_parquet, read_provenance
+
+KL = "kl_forward"
+KL_TEXT = "KL(P_live || P_construction) per suffix step, nats, float64 from the fp32 logits"
+ITEM_KEYS = ["revision", "precision", "reference", "construction", "item_index"]
+CLASSES = ("split", "unsplit")  # the two classes a split predictor separates
+
+
+def pair_name(reference: str, construction: str) -> str:
+    return f"{reference}_vs_{construction}"
+
+
+def item_summary(table: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per compared item and pair: its steps, the smallest reference margin and largest logit difference
+    along the suffix, the largest KL, whether it split (the argmax differs at some step under teacher forcing) and
+    where first, whether every step's logits were byte-equal, and whether the boundary caches were."""
+    columns = ITEM_KEYS + ["item_id", "steps", "min_margin_reference", "max_logit_diff", "max_kl", "split",
+                           "first_divergence", "all_logits_equal", "cache_equal"]
+    if table is None or table.empty:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for key, g in table.groupby(ITEM_KEYS, sort=True):
+        differs = g.loc[g["argmax_differs"].astype(bool), "step"]
+        rows.append({**dict(zip(ITEM_KEYS, key)), "item_id": g["item_id"].iloc[0], "steps": len(g),
+                     "min_margin_reference": float(g["margin_reference"].min()),
+                     "max_logit_diff": float(g["max_abs_logit_diff"].max()), "max_kl": float(g[KL].max()),
+                     "split": bool(len(differs)), "first_divergence": int(differs.min()) if len(differs) else None,
+                     "all_logits_equal": bool(g["logits_equal"].all()), "cache_equal": bool(g["cache_equal"].all())})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def suffix_budget(job_record: dict, table: pd.DataFrame) -> int:
+    """The suffix budget the stage ran with (the job's provenance record), else the longest suffix it holds."""
+    record = job_record.get("fidelity") or {}
+    longest = int(table["step"].max()) + 1 if len(table) else 0
+    return int(record.get("max_new_tokens") or longest)
+
+
+def suffix_positions(data: RevisionData, table: pd.DataFrame) -> int:
+    return suffix_budget(data.job_record("fidelity"), table)
+
+
+def items_of_files(paths: dict[str, str] | None) -> pd.DataFrame | None:
+    """:func:`item_summary` of every revision's fidelity.parquet that exists, with its suffix budget
+    (``positions``); None where there is none."""
+    frames = []
+    for path in (paths or {}).values():
+        if not path or not Path(path).is_file():
+            continue
+        table = read_parquet(path)
+        if table.empty:
+            continue
+        prov = read_provenance(path)
+        items = item_summary(table)
+        items["positions"] = suffix_budget((prov.get("parts") or [prov])[0], table)
+        frames.append(items)
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _median(values: pd.Series) -> float | None:
+    return float(values.median()) if len(values) else None
+
+
+def pair_numbers(steps: pd.DataFrame, items: pd.DataFrame, positions: int, seed: int) -> dict:
+    """stats.json's block of one precision and pair."""
+    n_items = len(items)
+    split = items[items["split"]]
+    unsplit = items[~items["split"]]
+    return {
+        "steps": len(steps), "items": n_items,
+        "bit_identical": bool(len(steps) and steps["logits_equal"].all()),
+        "steps_logits_equal": stats.proportion(int(steps["logits_equal"].sum()), len(steps)),
+        "items_all_logits_equal": stats.proportion(int(items["all_logits_equal"].sum()), n_items),
+        "items_cache_equal": int(items["cache_equal"].sum()),
+        "items_split": stats.proportion(int(items["split"].sum()), n_items),
+        "kl": KL_TEXT, "kl_forward_median": _median(steps["kl_forward"]),
+        "kl_forward_max": float(steps["kl_forward"].max()) if len(steps) else None,
+        "kl_sym_median": _median(steps["kl_sym"]),
+        "kl_sym_max": float(steps["kl_sym"].max()) if len(steps) else None,
+        "steps_kl_exactly_zero": int((steps["kl_forward"] == 0).sum()),
+        "max_abs_logit_diff_median": _median(steps["max_abs_logit_diff"]),
+        "max_abs_logit_diff_max": float(steps["max_abs_logit_diff"].max()) if len(steps) else None,
+        "split_predictors": {
+            "min_margin_reference": {
+                **stats.rank_separation(-split["min_margin_reference"], -unsplit["min_margin_reference"],
+                                        seed=seed, names=CLASSES),
+                "score": "per item, the smallest top-2 margin of live along its suffix; AUC = P(a split item's is "
+                         "smaller than an unsplit item's)"},
+            "max_logit_diff": {
+                **stats.rank_separation(split["max_logit_diff"], unsplit["max_logit_diff"], seed=seed,
+                                        names=CLASSES),
+                "score": "per item, the largest max-abs logit difference along the suffix; AUC = P(a split item's is "
+                         "larger than an unsplit item's)"},
+        },
+        "split_by_position": stats.share_by_position(list(items["first_divergence"]), n_items, positions),
+        "method": "steps: every suffix step of every compared item (steps of one item are not independent: the "
+                  "step-level Wilson interval is narrower than the data warrant; items_all_logits_equal is the "
+                  "item-level share); items split: the argmax differs at some step under teacher forcing",
+    }
+
+
+def _kl_text(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return "exactly 0" if value == 0 else f"{value:.3g}"
+
+
+def _fidelity_words(n: dict) -> str:
+    """``bit-identical`` where every logit vector was byte-equal; otherwise the KL as a number."""
+    if n["bit_identical"]:
+        return "bit-identical (every step's logits byte-equal)"
+    return f"differs: KL median {_kl_text(n['kl_forward_median'])}, max {_kl_text(n['kl_forward_max'])} nats"
+
+
+def _auc_text(r: dict) -> str:
+    if r["auc"] is None:
+        return f"— ({r['skipped']})"
+    text = f"{r['auc']:.2f} [{r['bootstrap_low']:.2f}, {r['bootstrap_high']:.2f}]"
+    return text + (" (complete separation: the interval is the point)" if r["complete_separation"] else "")
+
+
+def report_positions(positions: int) -> list[int]:
+    """The suffix positions the report's table shows of the split-by-position curve: 1, the quarters, the end."""
+    return sorted({1, *(max(1, round(positions * q / 4)) for q in (1, 2, 3, 4))}) if positions else []
+
+
+def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
+    """Which replay construction matches live, fidelity along the suffix, and what predicts a split."""
+    table = data.frame("fidelity")
+    analysis.check_unique(table, "fidelity")
+    if table.empty:
+        return ["_fidelity.parquet holds no rows: no item reached the stage boundary at this revision._", ""], {}
+    items = item_summary(table)
+    positions = suffix_positions(data, table)
+    out: dict = {}
+    cells = []
+    for precision in analysis.sort_precisions(table["precision"]):
+        for (reference, construction), g in table[table["precision"] == precision].groupby(
+                ["reference", "construction"], sort=True):
+            it = items[(items["precision"] == precision) & (items["reference"] == reference)
+                       & (items["construction"] == construction)]
+            numbers = pair_numbers(g, it, positions, data.seed)
+            out.setdefault(precision, {})[pair_name(reference, construction)] = numbers
+            cells.append((precision, reference, construction, numbers))
+    lines = ["Each compared item's live suffix (greedy, regenerated from the ledger's prompt and checked against its "
+             "row) is teacher-forced through every other construction's boundary cache, built over the same prefix "
+             "ids in the same batch and layout; at every suffix step the two next-token distributions are compared "
+             f"({KL_TEXT}; figure 9). Until the first step whose argmax differs, the forced suffix is the "
+             "construction's own greedy one, so that step is the pair's first divergence.", "",
+             "**Which replay method matches live**", "",
+             "| precision | construction | items | items split | steps with byte-equal logits | median KL (nats) | "
+             "matches live |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for precision, _, construction, n in cells:
+        equal = n["steps_logits_equal"]
+        lines.append(f"| {precision} | {construction} | {n['items']} | {n['items_split']['k']} | "
+                     f"{equal['k']} / {equal['n']} | {_kl_text(n['kl_forward_median'])} | {_fidelity_words(n)} |")
+    lines.append("")
+    for precision in dict.fromkeys(c[0] for c in cells):
+        mine = [c for c in cells if c[0] == precision]
+        exact = [c[2] for c in mine if c[3]["bit_identical"]]
+        if exact:
+            lines.append(f"At {precision}, {join_words([f'`{c}`' for c in exact])} "
+                         f"{'is' if len(exact) == 1 else 'are'} bit-identical with live at every step.")
+            continue
+        # closest: most byte-equal steps, then the smaller median KL, then the smaller largest KL
+        closest = min(mine, key=lambda c: (-c[3]["steps_logits_equal"]["k"] / max(1, c[3]["steps"]),
+                                           c[3]["kl_forward_median"], c[3]["kl_forward_max"], c[2]))[3]
+        name = next(c[2] for c in mine if c[3] is closest)
+        unsplit = [c[2] for c in mine if c[3]["items_split"]["k"] == 0]
+        lines.append(f"At {precision}, no construction matches live bit for bit; the closest (most byte-equal steps, "
+                     f"then median KL) is `{name}` "
+                     f"({closest['steps_logits_equal']['k']} / {closest['steps']} steps byte-equal, KL median "
+                     f"{_kl_text(closest['kl_forward_median'])}, max {_kl_text(closest['kl_forward_max'])} nats)"
+                     + (f"; {join_words([f'`{c}`' for c in unsplit])} split on no item." if unsplit else "."))
+    lines += ["", "| precision | pair | steps | steps with byte-equal logits | items with every step byte-equal | "
+              "median KL | max KL | median max-abs logit diff | max |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for precision, reference, construction, n in cells:
+        lines.append(f"| {precision} | {reference} vs {construction} | {n['steps']} | "
+                     f"{format_proportion(n['steps_logits_equal'])} | {format_proportion(n['items_all_logits_equal'])} "
+                     f"| {_kl_text(n['kl_forward_median'])} | {_kl_text(n['kl_forward_max'])} | "
+                     f"{n['max_abs_logit_diff_median']:.3g} | {n['max_abs_logit_diff_max']:.3g} |")
+    lines += ["", "The step-level Wilson intervals treat an item's steps as independent, which they are not; the "
+              "item-level share beside them is the one whose interval holds.", ""]
+    lines += _predictors_lines(cells, positions)
+    return lines, out
+
+
+def _predictors_lines(cells, positions: int) -> list[str]:
+    shown = report_positions(positions)
+    lines = ["**What predicts a split**", "",
+             "Per item and pair, the smallest top-2 margin of live along its suffix and the largest max-abs logit "
+             "difference along it, each as a rank statistic separating split from unsplit items: the AUC from the "
+             "Mann-Whitney U (0.5: no separation; 1: every split item has a smaller margin, or a larger difference, "
+             "than every unsplit one) with a seeded percentile bootstrap 95% interval that resamples each class "
+             "apart (figure 10, left).", "",
+             "| precision | pair | items split | AUC, smallest margin | AUC, largest logit difference |",
+             "| --- | --- | --- | --- | --- |"]
+    for precision, reference, construction, n in cells:
+        p = n["split_predictors"]
+        lines.append(f"| {precision} | {reference} vs {construction} | {format_proportion(n['items_split'])} | "
+                     f"{_auc_text(p['min_margin_reference'])} | {_auc_text(p['max_logit_diff'])} |")
+    if shown:
+        lines += ["", f"Items split within the first k suffix tokens, of all compared items (Wilson 95%, pointwise; "
+                  f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, right): what a shorter "
+                  "budget would have shown.", "",
+                  "| precision | pair | " + " | ".join(f"k = {k}" for k in shown) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in shown) + " |"]
+        for precision, reference, construction, n in cells:
+            curve = n["split_by_position"]
+            values = []
+            for k in shown:
+                i = k - 1
+                values.append(f"{curve['split'][i]} / {curve['n']}" + (
+                    f" [{100 * curve['wilson_low'][i]:.1f}, {100 * curve['wilson_high'][i]:.1f}]%"
+                    if curve["n"] else ""))
+            lines.append(f"| {precision} | {reference} vs {construction} | " + " | ".join(values) + " |")
+    return lines + [""]
