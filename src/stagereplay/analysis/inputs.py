@@ -22,6 +22,7 @@ FILES = {
     "cache_differences": "cache_differences.parquet",
     "minimal_transplant": "minimal_transplant.parquet",
     "divergence_onset": "divergence_onset.parquet",
+    "fidelity": "fidelity.parquet",
 }
 # Folders of results/<run>/ that are not revisions.
 NOT_REVISIONS = {"selection", "report"}
