@@ -25,6 +25,7 @@ include: "workflow/rules/controls.smk"
 include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
+include: "workflow/rules/compare.smk"
 include: "workflow/rules/integrity.smk"
 include: "workflow/rules/preflight.smk"
 

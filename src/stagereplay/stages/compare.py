@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stagereplay.analysis.compare import FIGURES, build_comparison
+from stagereplay.analysis.inputs import discover
 from stagereplay.experiments.audit import AuditFailedError
 from stagereplay.io.parquet import CorruptFileError
 from stagereplay.stages.gather import verify_audit
@@ -49,6 +50,15 @@ def run_folders(runs: list[str], results: str | Path = "results") -> dict[str, P
                                "the name")
         folders[label] = folder
     return folders
+
+
+def files_read(folder: str | Path) -> list[str]:
+    """The results files of a run that the comparison reads: its selection, every results file of a known kind of
+    each revision, and its own report's stats.json where there is one."""
+    folder = Path(folder)
+    found = [str(path) for paths in discover(folder).values() for path in paths.values()]
+    extra = [folder / "selection" / "items.parquet", folder / "report" / "stats.json"]
+    return sorted(found + [str(path) for path in extra if path.is_file()])
 
 
 def check_run(label: str, folder: Path) -> None:
