@@ -1,16 +1,16 @@
 # Several finished runs side by side (config `compare`): results/compare/<name>/ from the runs' results files alone,
 # each run refused unless it passes its own results check and audit check. See stagereplay.stages.compare.
 from stagereplay.analysis.compare import FIGURES as COMPARE_FIGURES
-from stagereplay.stages.compare import COMPARE_FOLDER, FORMATS as COMPARE_FORMATS, files_read, run_folders
+from stagereplay.stages.compare import COMPARE_FOLDER, FORMATS as COMPARE_FORMATS, run_folders, run_state
 
 COMPARED = f"results/{COMPARE_FOLDER}/{{name}}"
 
 
 def compare_settings():
-    settings = config.get("compare")
-    if not settings:
+    settings = config["compare"]
+    if not settings["runs"]:
         raise ValueError(
-            "compare is not set: give the comparison's name and the finished runs to compare, e.g. "
+            "compare.runs is empty: give the comparison's name and the finished runs to compare, e.g. "
             "--config 'compare={name: numerics, runs: [default, invariant]}' (README, \"Several runs side by side\")"
         )
     return settings
@@ -30,13 +30,14 @@ def compared_runs(wildcards):
     return run_folders(settings["runs"])
 
 
-def compared_files(wildcards):
-    """The results files the comparison reads: a run whose files change is compared again."""
-    return [path for folder in compared_runs(wildcards).values() for path in files_read(folder)]
-
-
 def compared_run_names(wildcards):
     return list(compared_runs(wildcards))
+
+
+def compared_states(wildcards):
+    """Per run, a digest of the files the comparison reads: a run whose files change is compared again. They are no
+    inputs of the rule: a compared run named as the config's own run would then be rebuilt with this config."""
+    return {label: run_state(folder) for label, folder in compared_runs(wildcards).items()}
 
 
 rule compare:
@@ -45,8 +46,6 @@ rule compare:
 
 
 rule compare_runs:
-    input:
-        compared_files,
     output:
         report=f"{COMPARED}/report.md",
         stats=f"{COMPARED}/stats.json",
@@ -63,6 +62,7 @@ rule compare_runs:
         "../../envs/stagereplay.yaml"
     params:
         runs=compared_run_names,
+        states=compared_states,
         version=CODE_VERSION,
     script:
         "../scripts/compare_runs.py"

@@ -190,7 +190,7 @@ def claims_section(runs: list[RunResults], findings: dict[str, dict]) -> tuple[l
         for revision in revisions:
             cells = [findings[r.label].get((revision, claim)) for r in runs]
             lines.append(f"| `{revision}` | this run | " + " | ".join(c["this_run"] if c else "—" for c in cells) + " |")
-            lines.append(f"| `{revision}` | holds here | " + " | ".join(c["holds_text"] if c else "not in this run"
+            lines.append(f"| `{revision}` | holds here | " + " | ".join(c["holds_text"] if c else "no such row in its report"
                                                                          for c in cells) + " |")
             record.append({"claim": claim, "revision": revision, "reference_study": reference,
                            "runs": {r.label: ({"this_run": c["this_run"], "holds": c["holds"]} if c else None)

@@ -11,12 +11,13 @@ nothing. Loads no model and imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from stagereplay.analysis.compare import FIGURES, build_comparison
 from stagereplay.analysis.inputs import discover
 from stagereplay.experiments.audit import AuditFailedError
-from stagereplay.io.parquet import CorruptFileError
+from stagereplay.io.parquet import CorruptFileError, read_hash_record
 from stagereplay.stages.gather import verify_audit
 from stagereplay.stages.integrity import DamagedResultsError, verify_results
 
@@ -59,6 +60,20 @@ def files_read(folder: str | Path) -> list[str]:
     found = [str(path) for paths in discover(folder).values() for path in paths.values()]
     extra = [folder / "selection" / "items.parquet", folder / "report" / "stats.json"]
     return sorted(found + [str(path) for path in extra if path.is_file()])
+
+
+def run_state(folder: str | Path) -> str:
+    """A digest of the files of a run the comparison reads, from their recorded sha256 (their size and mtime where
+    none is recorded): it changes when one of them does, without reading them. The workflow keeps it in the rule's
+    params, so that a changed run is compared again while its files are never the rule's inputs (as inputs, a
+    compared run whose name is the config's own run would be rebuilt with this config's settings)."""
+    digest = hashlib.sha256()
+    for path in files_read(folder):
+        record = read_hash_record(path)
+        stat = Path(path).stat()
+        state = record.sha256 if record else f"{stat.st_size}:{stat.st_mtime_ns}"
+        digest.update(f"{Path(path).relative_to(folder)}\0{state}\n".encode())
+    return digest.hexdigest()
 
 
 def check_run(label: str, folder: Path) -> None:
