@@ -28,10 +28,11 @@ EXAMPLE = REPO / "config" / "compare-example.yaml"
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> Path:
-    """The example config's two runs, `default` and `invariant` (`--config numerics=invariant run=invariant`), eight items with the default
-    config's boundary and 12-token suffixes, made in one work folder."""
+    """The example config's two runs, `default` and `invariant` (`--config numerics=invariant run=invariant`): eight
+    items with the default config's boundary and 12-token suffixes, made in one work folder."""
     workdir = tmp_path_factory.mktemp("compare")
-    settings = dict(n_items=8, max_new_tokens=12, boundary=yaml.safe_load((REPO / "config.yaml").read_text())["boundary"],
+    boundary = yaml.safe_load((REPO / "config.yaml").read_text())["boundary"]
+    settings = dict(n_items=8, max_new_tokens=12, boundary=boundary,
                     bridge={"n_rows": 2, "seed": 0}, transplant={"select": "divergent:1", "sweeps": ["all"]},
                     cache_differences={"n_items": 1})
     for run, numerics in (("default", "default"), ("invariant", "invariant")):

@@ -189,9 +189,10 @@ def claims_section(runs: list[RunResults], findings: dict[str, dict]) -> tuple[l
                   "| --- | --- | " + " | ".join("---" for _ in runs) + " |"]
         for revision in revisions:
             cells = [findings[r.label].get((revision, claim)) for r in runs]
-            lines.append(f"| `{revision}` | this run | " + " | ".join(c["this_run"] if c else "—" for c in cells) + " |")
-            lines.append(f"| `{revision}` | holds here | " + " | ".join(c["holds_text"] if c else "no such row in its report"
-                                                                         for c in cells) + " |")
+            figures = [c["this_run"] if c else "—" for c in cells]
+            verdicts = [c["holds_text"] if c else "no such row in its report" for c in cells]
+            lines.append(f"| `{revision}` | this run | " + " | ".join(figures) + " |")
+            lines.append(f"| `{revision}` | holds here | " + " | ".join(verdicts) + " |")
             record.append({"claim": claim, "revision": revision, "reference_study": reference,
                            "runs": {r.label: ({"this_run": c["this_run"], "holds": c["holds"]} if c else None)
                                     for r, c in zip(runs, cells)}})
@@ -233,7 +234,8 @@ def divergence_section(cells: pd.DataFrame, runs: list[RunResults]) -> tuple[lis
              "both), with the Wilson 95% interval; figure `divergence`.", ""]
     if cells.empty:
         return lines + ["_No run holds compared items._", ""], []
-    lines += ["| revision | experiment | precision | constructions | " + " | ".join(f"`{r.label}`" for r in runs) + " |",
+    lines += ["| revision | experiment | precision | constructions | "
+              + " | ".join(f"`{r.label}`" for r in runs) + " |",
               "| --- | --- | --- | --- | " + " | ".join("---" for _ in runs) + " |"]
     keys = ["revision", "experiment", "precision", "construction_a", "construction_b"]
     for key, group in cells.groupby(keys, sort=False):

@@ -56,8 +56,8 @@ def plot_divergence(cells: pd.DataFrame, runs: list[str], paths: dict[str, str])
                 ax.errorbar(rate, y + dodge(index, len(runs)), color=style["color"], marker=style["marker"],
                             ms=3.5, mfc="white" if index % 2 else style["color"], lw=0.8, capsize=1.5,
                             xerr=error_lengths(rate, 100 * r["wilson_low"], 100 * r["wilson_high"]), clip_on=False)
-        labels = [(f"{revision} · " if revisions > 1 else "") + f"{precision} · {EXPERIMENT_NAMES.get(e, e)}\n{a} vs {b}"
-                  for revision, e, precision, a, b in rows]
+        labels = [(f"{revision} · " if revisions > 1 else "")
+                  + f"{precision} · {EXPERIMENT_NAMES.get(e, e)}\n{a} vs {b}" for revision, e, precision, a, b in rows]
         ax.set_yticks(range(len(rows)), labels)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         ax.tick_params(axis="y", length=0, pad=4)
