@@ -24,6 +24,7 @@ from stagereplay.stages.compare import CompareError, compare_runs
 from workflow_runner import REPO, snakemake, tiny_config
 
 EXAMPLE = REPO / "config" / "compare-example.yaml"
+pytestmark = pytest.mark.slow  # every test reads the two runs the workflow makes
 
 
 @pytest.fixture(scope="module")
