@@ -26,6 +26,7 @@ include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/fidelity.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
+include: "workflow/rules/compare.smk"
 include: "workflow/rules/integrity.smk"
 include: "workflow/rules/preflight.smk"
 

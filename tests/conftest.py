@@ -25,7 +25,8 @@ os.environ.setdefault("STAGEREPLAY_JOB_SERVER_DIR", os.path.join(tempfile.gettem
 SLOWEST_FIRST = ["test_cluster_executor.py", "test_batched_workflow.py", "test_invariant_triton.py",
                  "test_workflow.py", "test_turnaround_bench.py", "test_replay_constructions_workflow.py", "test_controls_workflow.py",
                  "test_divergence_location_workflow.py",
-                 "test_crash.py", "test_results_safety.py", "test_transplant_workflow.py", "test_sharding.py",
+                 "test_crash.py", "test_results_safety.py", "test_transplant_workflow.py", "test_compare.py",
+                 "test_sharding.py",
                  "test_bad_inputs.py", "test_input_fingerprints.py", "test_readme_commands.py"]
 
 

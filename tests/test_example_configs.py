@@ -21,7 +21,8 @@ def test_there_are_r1_distill_examples():
 
 
 GGUF_EXAMPLE = REPO / "config/gguf-local-file.yaml"
-HUB_EXAMPLES = [p for p in EXAMPLES if p != GGUF_EXAMPLE]
+COMPARE_EXAMPLE = REPO / "config/compare-example.yaml"  # runs by test_compare.py
+HUB_EXAMPLES = [p for p in EXAMPLES if p not in (GGUF_EXAMPLE, COMPARE_EXAMPLE)]
 
 
 @pytest.mark.parametrize("path", HUB_EXAMPLES, ids=lambda p: p.name)

@@ -103,7 +103,7 @@ def test_cache_differences_figure_when_no_layer_differs(tmp_path):
 def drawn(monkeypatch):
     """Call a plotter and get its matplotlib figure back instead of files."""
     kept = []
-    monkeypatch.setattr(figures, "_save", lambda fig, paths: kept.append(fig))
+    monkeypatch.setattr(figures, "save_figure", lambda fig, paths: kept.append(fig))
 
     def draw(name, table, **kw):
         figures.PLOTTERS[name](table, {}, **kw)

@@ -33,6 +33,10 @@ RUN_BY = {
         "test_crash.py::test_killed_in_the_middle_of_generation_then_rerun_incomplete",
     "sha256sum -c": "test_results_safety.py::test_every_atomic_write_records_the_sha256_of_its_bytes",
     "SHAPE=tiny bash scripts/multigpu_demo.sh": "test_readme_commands.py::test_the_multigpu_demo_runs_on_the_cpu",
+    "snakemake --cores all --config numerics=invariant run=invariant":
+        "test_compare.py::test_the_readme_command_compares_two_runs_naming_the_one_factor_that_differs",
+    "snakemake --cores 1 compare --configfile config/compare-example.yaml":
+        "test_compare.py::test_the_readme_command_compares_two_runs_naming_the_one_factor_that_differs",
     "snakemake --cores 2 results/toy_training/primary/fingerprint_check.json":
         "test_readme_commands.py::test_the_toy_retrain_target_plans_and_training_is_bit_reproducible",
 }

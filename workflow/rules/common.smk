@@ -23,6 +23,8 @@ from stagereplay.models.store import ModelStore, planned_keys, resolve_root
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
+from stagereplay.analysis.compare import FIGURES as COMPARE_FIGURES
+from stagereplay.stages.compare import COMPARE_FOLDER, FORMATS as COMPARE_FORMATS, run_folders, run_state
 
 # ---- Config: validation, checks across keys, constants ---------------------------------------------------------------
 # Snakemake leaves the scalars of a nested --config value strings (bridge={n_rows: 2}): typed by the schema first.
@@ -641,3 +643,43 @@ def report_inputs(wildcards):
 
 def figure_files(fmt):
     return [f"{RESULTS}/report/figures/{name}.{fmt}" for name in FIGURE_NAMES]
+
+
+# ---- Comparisons of runs (compare.smk) -------------------------------------------------------------------------------
+COMPARED = f"results/{COMPARE_FOLDER}/{{name}}"
+
+
+def compare_settings():
+    settings = config["compare"]
+    if not settings["runs"]:
+        raise ValueError(
+            "compare.runs is empty: give the comparison's name and the finished runs to compare, e.g. "
+            "--config 'compare={name: numerics, runs: [default, invariant]}' (README, \"Several runs side by side\")"
+        )
+    return settings
+
+
+def comparison_outputs(wildcards):
+    name = compare_settings()["name"]
+    return [f"results/{COMPARE_FOLDER}/{name}/report.md", f"results/{COMPARE_FOLDER}/{name}/stats.json"]
+
+
+def compared_runs(wildcards):
+    """The runs, refused before any job when fewer than two, one listed twice or one without a results folder."""
+    settings = compare_settings()
+    if wildcards.name != settings["name"]:
+        raise ValueError(
+            f"results/{COMPARE_FOLDER}/{wildcards.name}/ is not the comparison the config names "
+            f"({settings['name']}); set compare.name to build it"
+        )
+    return run_folders(settings["runs"])
+
+
+def compared_run_names(wildcards):
+    return list(compared_runs(wildcards))
+
+
+def compared_states(wildcards):
+    """Per run, a digest of the files the comparison reads: a run whose files change is compared again. They are no
+    inputs of the rule: a compared run named as the config's own run would then be rebuilt with this config."""
+    return {label: run_state(folder) for label, folder in compared_runs(wildcards).items()}

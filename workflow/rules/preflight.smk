@@ -43,6 +43,16 @@ def preflight():
     )
 
 
+def only_comparisons():
+    """Whether this invocation builds comparisons alone (target compare, or files under results/compare/): those
+    check the runs they read themselves (compare.smk), and the config's own run is none of them."""
+    targets = workflow.dag_settings.targets
+    return bool(targets) and all(
+        t in ("compare", "compare_runs") or t.startswith(f"results/{COMPARE_FOLDER}/") for t in targets
+    )
+
+
 onstart:
-    check_results()
-    preflight()
+    if not only_comparisons():
+        check_results()
+        preflight()

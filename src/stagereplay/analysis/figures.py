@@ -51,7 +51,7 @@ FIGURES = {name: title for name, (title, _) in captions.CAPTIONS.items()}
 FORMATS = ("pdf", "png")
 
 
-def _save(fig, paths: dict[str, str]) -> None:
+def save_figure(fig, paths: dict[str, str]) -> None:
     """Write ``fig`` to each format's path atomically, at the figure's own size (a fixed width, not a tight box);
     metadata without dates keeps the PDF reproducible."""
     for fmt, path in paths.items():
@@ -61,12 +61,12 @@ def _save(fig, paths: dict[str, str]) -> None:
     plt.close(fig)
 
 
-def _placeholder(paths: dict[str, str], message: str) -> None:
+def placeholder_figure(paths: dict[str, str], message: str) -> None:
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(WIDTH, 1.0))
         ax.set_axis_off()
         ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, color="0.3", transform=ax.transAxes)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -74,8 +74,8 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
     bar per precision and experiment, with Wilson 95% intervals and k/n beside each bar; the reference study's
     counts as labelled open diamonds on the cells the study gives a count for."""
     if cells is None or cells.empty:
-        return _placeholder(paths, "No data yet for figure 1: the ledger holds no compared items "
-                            "(matched or fixed-prefix experiment with status ok on both constructions).")
+        return placeholder_figure(paths, "No data yet for figure 1: the ledger holds no compared items "
+                                  "(matched or fixed-prefix experiment with status ok on both constructions).")
     revisions = ordered_revisions(cells, revision_order)
     experiments = [e for e in analysis.EXPERIMENTS if e in set(cells["experiment"])]
     precisions = analysis.sort_precisions(cells["precision"])
@@ -124,7 +124,7 @@ def plot_disagreement(cells: pd.DataFrame, paths: dict[str, str], revision_order
         handles.append(Line2D([], [], ls="", marker="D", mfc="white", mec="black", ms=4.5,
                               label="reference study"))
         fig.legend(handles=handles, loc="outside lower center", ncol=2, handlelength=1.6, columnspacing=1.0)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_order=(), coinciding=(), **_) -> None:
@@ -132,8 +132,8 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
     and precision (colour), one panel per revision; a fixed-prefix cell repeating the matched one is drawn once."""
     div = pairs[pairs["disagree"].astype(bool)] if pairs is not None and not pairs.empty else None
     if div is None or div.empty:
-        return _placeholder(paths, "No data yet for figure 2: no compared pair of suffixes disagrees "
-                            "(needs a ledger with disagreeing constructions).")
+        return placeholder_figure(paths, "No data yet for figure 2: no compared pair of suffixes disagrees "
+                                  "(needs a ledger with disagreeing constructions).")
     div = drop_coinciding(div, coinciding)
     revisions = ordered_revisions(div, revision_order)
     with plt.rc_context(STYLE):
@@ -163,19 +163,19 @@ def plot_first_divergence(pairs: pd.DataFrame, paths: dict[str, str], revision_o
             ax.set_ylabel("share of disagreeing items")
             panel_title(ax, f"revision {revision}", len(revisions) > 1)
             ax.legend(loc="lower right", handlelength=2.4)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
     """Figure 3: per disagreeing item, the margin at the first divergence (y) against the median margin of the same
     suffix's other steps (x), with the diagonal; symmetric-log axes; one panel per revision."""
     if margins is None or margins.empty:
-        return _placeholder(paths, "No data yet for figure 3: no first divergence with a margin "
-                            "(needs disagreeing suffixes in the ledger).")
+        return placeholder_figure(paths, "No data yet for figure 3: no first divergence with a margin "
+                                  "(needs disagreeing suffixes in the ledger).")
     margins = margins[margins["median_other"].notna()]
     if margins.empty:
-        return _placeholder(paths, "No data yet for figure 3: no disagreeing suffix has a decode step besides "
-                            "its first divergence.")
+        return placeholder_figure(paths, "No data yet for figure 3: no disagreeing suffix has a decode step besides "
+                                  "its first divergence.")
     revisions = ordered_revisions(margins, revision_order)
     values = margins[["margin_divergence", "median_other"]].to_numpy(dtype=float)
     linthresh = symlog_threshold(values)
@@ -212,7 +212,7 @@ def plot_margins(margins: pd.DataFrame, paths: dict[str, str], revision_order=()
             ax.set_ylabel("margin at the first divergence")
             panel_title(ax, f"revision {revision}", len(revisions) > 1)
             ax.legend(loc="upper left", handletextpad=0.3)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -220,8 +220,8 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
     among those items, the max-abs difference (bottom: median line, 10th-90th percentile band); K and V drawn
     apart (line style, marker, a small offset), one colour per precision, one column per revision."""
     if profile is None or profile.empty:
-        return _placeholder(paths, "No data yet for figure 4: cache_differences.parquet is absent or empty "
-                            "(rule measure_cache_differences).")
+        return placeholder_figure(paths, "No data yet for figure 4: cache_differences.parquet is absent or empty "
+                                  "(rule measure_cache_differences).")
     revisions = ordered_revisions(profile, revision_order)
     precisions = analysis.sort_precisions(profile["precision"])
     with plt.rc_context(STYLE):
@@ -261,15 +261,15 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
         handles.append(Patch(facecolor="0.3", alpha=0.15, lw=0, label="10th–90th percentile"))
         fig.legend(handles=handles, loc="outside lower center", ncol=3, handlelength=2.4, columnspacing=1.0,
                    title=f"n = {n_items} items per precision", title_fontsize=6.5)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
     """Figure 5: share of transplanted continuations that follow their cache donor, per layer set / component /
     positions (rows) and direction (columns), one panel per revision and precision, with k/n in each cell."""
     if matrix is None or matrix.empty:
-        return _placeholder(paths, "No data yet for figure 5: transplant.parquet is absent or empty "
-                            "(the transplant stage has not run).")
+        return placeholder_figure(paths, "No data yet for figure 5: transplant.parquet is absent or empty "
+                                  "(the transplant stage has not run).")
     panels = panel_keys(matrix, revision_order)
     n_rows = max(matrix[(matrix["revision"] == r) & (matrix["precision"] == p)]["label"].nunique() for r, p in panels)
     with plt.rc_context(STYLE):
@@ -303,15 +303,15 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
         # below the panels: a vertical bar's label is longer than one short panel is tall
         fig.colorbar(image, ax=axes, label="share following the donor", shrink=0.8, aspect=40,
                      pad=0.02, orientation="horizontal", location="bottom")
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_order=(), coinciding=(), **_) -> None:
     """Figure 6: accuracy of the baseline construction minus the other's, in points, with the paired bootstrap 95%
     CI, one row per revision x experiment x precision; the reference study's matched bf16 result on top."""
     if differences is None or differences.empty:
-        return _placeholder(paths, "No data yet for figure 6: no compared items with correctness labels "
-                            "in the ledger.")
+        return placeholder_figure(paths, "No data yet for figure 6: no compared items with correctness labels "
+                                  "in the ledger.")
     known = list(analysis.EXPERIMENTS)
     precisions = analysis.sort_precisions(differences["precision"])
     rows = differences.assign(
@@ -341,7 +341,7 @@ def plot_accuracy(differences: pd.DataFrame, paths: dict[str, str], revision_ord
         ax.set_ylim(len(labels) - 0.5, -0.5)
         ax.tick_params(axis="y", length=0)
         ax.set_xlabel("baseline − other construction (points, 95% CI)", loc="right")
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -349,8 +349,9 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
     minimal sufficient transplants that include that part, K and V apart; one pair of panels per revision and
     precision, both directions pooled."""
     if coverage is None or coverage.empty:
-        return _placeholder(paths, "No data yet for figure 7: minimal_transplant.parquet is absent, empty or holds "
-                            "no minimal set (rule find_minimal_transplants; transplant.minimal.budget 0 is off).")
+        return placeholder_figure(paths, "No data yet for figure 7: minimal_transplant.parquet is absent, empty or "
+                                  "holds no minimal set (rule find_minimal_transplants; transplant.minimal.budget 0 "
+                                  "is off).")
     panels = [(r, p, c) for r, p in panel_keys(coverage, revision_order) for c in ("k", "v")]
     num_layers = int(coverage["layer"].max()) + 1
     with plt.rc_context(STYLE):
@@ -385,7 +386,7 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
                        loc="lower left", bbox_to_anchor=(0, 1.12), borderaxespad=0, handlelength=1.4)
         fig.colorbar(image, ax=axes, label=f"share of minimal sets including the part (0 to {top:g})", shrink=0.8,
                      aspect=25, pad=0.02)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -394,8 +395,8 @@ def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_o
     divergence against the max-abs difference at the last layer. Colour: precision; one column per revision."""
     items = onset_items(onset)
     if items.empty:
-        return _placeholder(paths, "No data yet for figure 8: divergence_onset.parquet is absent or empty "
-                            "(rule measure_divergence_onset; needs divergent items).")
+        return placeholder_figure(paths, "No data yet for figure 8: divergence_onset.parquet is absent or empty "
+                                  "(rule measure_divergence_onset; needs divergent items).")
     revisions = ordered_revisions(items, revision_order)
     precisions = analysis.sort_precisions(items["precision"])
     per_layer = onset.groupby(["revision", "precision", "item_index", "layer"], as_index=False)["rms"].max()
@@ -434,7 +435,7 @@ def plot_divergence_onset(onset: pd.DataFrame, paths: dict[str, str], revision_o
         axes[1][0].set_ylabel("top-2 margin at the first divergence")
         axes[0][0].legend(loc="upper left", handlelength=1.6)
         axes[1][0].legend(loc="best", handletextpad=0.3)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 CONSTRUCTION_STYLE = {"prefill": {"color": "#CC79A7", "marker": "o"}, "chunked": {"color": "#009E73", "marker": "s"},

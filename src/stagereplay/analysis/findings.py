@@ -37,7 +37,7 @@ def _replicas(numbers: dict) -> tuple[int, int]:
     return same, total
 
 
-def _revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str, str, str, str]]:
+def revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str, str, str, str]]:
     """(claim, reference study, this run, holds) for one revision's numbers; ``named``: the claim names it."""
     rows = []
     where = f" (`{revision}`)" if named else ""
@@ -103,7 +103,7 @@ def _revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str,
 def findings_section(revisions: dict[str, dict]) -> tuple[list[str], list[dict]]:
     """The "Findings" table from the per-revision numbers of stats.json (``stats["revisions"]``), and its record."""
     named = len(revisions) > 1
-    rows = [row for revision, numbers in revisions.items() for row in _revision_rows(revision, numbers, named)]
+    rows = [row for revision, numbers in revisions.items() for row in revision_rows(revision, numbers, named)]
     if not rows:
         return [], []
     lines = ["## Findings", "",

@@ -156,6 +156,48 @@ def no_boundary_line(ledger: pd.DataFrame) -> str | None:
             "the stage budget. Each item is listed under \"Items excluded and why\".")
 
 
+def revision_section(data: RevisionData) -> tuple[list[str], dict]:
+    """One revision's part of the report (its regime, then each section of :data:`SECTIONS` that applies) and its
+    numbers, ``stats.json``'s ``revisions.<revision>``."""
+    lines = [f"## Revision `{data.revision}`", ""]
+    numbers: dict = {}
+    has_ledger = data.declared("ledger")
+    if data.has("ledger"):
+        line, numbers["regime"] = regime_line(data.ledger)
+        lines += [line, ""]
+        reached = no_boundary_line(data.ledger)
+        if reached:
+            lines += [reached, ""]
+            numbers["no_item_reached_boundary"] = True
+    elif not has_ledger:
+        present = [PRODUCERS[k].split(" ")[0] for k in PRODUCERS if data.has(k)]
+        lines += [f"No ledger for this revision: its results on disk are {join_words(present)}; only what they "
+                  "hold is reported.", ""]
+    not_here = []
+    for section in SECTIONS:
+        absent = [kind for kind in section.needs if not data.has(kind)]
+        undeclared = [kind for kind in absent if not data.declared(kind)]
+        if undeclared:  # this revision never gets that input: nothing to say here
+            if has_ledger:
+                not_here.append(section.key)
+            continue
+        if section.title:
+            lines += [section.title, ""]
+        if absent:
+            why = ", ".join(PRODUCERS.get(kind, f"{kind} input") for kind in absent)
+            lines += [f"_Skipped: no {why} for revision `{data.revision}` yet._", ""]
+            numbers[section.key] = {"skipped": f"absent input: {', '.join(absent)}"}
+            continue
+        section_lines, section_numbers = section.build(data)
+        lines += section_lines
+        numbers[section.key] = section_numbers
+    if not_here:
+        lines += [f"Not produced for this revision (no such results file declared or on disk): "
+                  f"{', '.join(not_here)}.", ""]
+        numbers["not_produced"] = not_here
+    return lines, numbers
+
+
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
@@ -199,43 +241,8 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
                  "reference_study": study.summary(), "audit": verdicts_json(verdicts),
                  "revisions_found_on_disk_only": only_on_disk, "revisions": {}}
     for data in revision_data:
-        lines += [f"## Revision `{data.revision}`", ""]
-        numbers: dict = {}
-        has_ledger = data.declared("ledger")
-        if data.has("ledger"):
-            line, numbers["regime"] = regime_line(data.ledger)
-            lines += [line, ""]
-            reached = no_boundary_line(data.ledger)
-            if reached:
-                lines += [reached, ""]
-                numbers["no_item_reached_boundary"] = True
-        elif not has_ledger:
-            present = [PRODUCERS[k].split(" ")[0] for k in PRODUCERS if data.has(k)]
-            lines += [f"No ledger for this revision: its results on disk are {join_words(present)}; only what they "
-                      "hold is reported.", ""]
-        not_here = []
-        for section in SECTIONS:
-            absent = [kind for kind in section.needs if not data.has(kind)]
-            undeclared = [kind for kind in absent if not data.declared(kind)]
-            if undeclared:  # this revision never gets that input: nothing to say here
-                if has_ledger:
-                    not_here.append(section.key)
-                continue
-            if section.title:
-                lines += [section.title, ""]
-            if absent:
-                why = ", ".join(PRODUCERS.get(kind, f"{kind} input") for kind in absent)
-                lines += [f"_Skipped: no {why} for revision `{data.revision}` yet._", ""]
-                numbers[section.key] = {"skipped": f"absent input: {', '.join(absent)}"}
-                continue
-            section_lines, section_numbers = section.build(data)
-            lines += section_lines
-            numbers[section.key] = section_numbers
-        if not_here:
-            lines += [f"Not produced for this revision (no such results file declared or on disk): "
-                      f"{', '.join(not_here)}.", ""]
-            numbers["not_produced"] = not_here
-        all_stats["revisions"][data.revision] = numbers
+        revision_lines, all_stats["revisions"][data.revision] = revision_section(data)
+        lines += revision_lines
     findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
     lines[findings_at:findings_at] = findings_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))

@@ -46,7 +46,7 @@ def _values(records: list[dict], *path: str) -> list:
     return found
 
 
-def _show(values: list, empty: str = NOT_RECORDED) -> str:
+def show_values(values: list, empty: str = NOT_RECORDED) -> str:
     if not values:
         return empty
 
@@ -92,7 +92,7 @@ def transplant_text(records: list[dict]) -> str | None:
             blind = " (outcome-blind)" if "never correctness" in str(sel.get("decided_from")) else ""
             chosen.append(f"rule `{sel.get('rule')}` (seed {sel.get('seed')}): {sel.get('n_selected')} items drawn "
                           f"from the {sel.get('n_divergent')} divergent of {sel.get('n_candidates')} candidates{blind}")
-    return "; ".join(chosen or [NOT_RECORDED]) + f"; sweeps {_show(sweeps)}"
+    return "; ".join(chosen or [NOT_RECORDED]) + f"; sweeps {show_values(sweeps)}"
 
 
 def identity(revision_data: list[RevisionData], selection: str | None, run: str, seed: int) -> tuple[list[str], dict]:
@@ -115,26 +115,26 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
 
     add("run", "run", f"`{run}`", run)
     model = _values(everything, "config", "model") or _values(everything, "model_source")
-    add("model", "model", _show(model), model)
+    add("model", "model", show_values(model), model)
     for data in revision_data:
         records = per_revision[data.revision]
         requested = _values(records, "config", "revision")
         source = _values(records, "model_source")
         commit = _values(records, "model_commit")
         sha = _values(records, "model_sha256")
-        resolved = "; ".join(([f"hub commit {_show(commit)}"] if commit else [])
-                             + ([f"model files sha256 {_show(sha)}"] if sha else [])) or \
+        resolved = "; ".join(([f"hub commit {show_values(commit)}"] if commit else [])
+                             + ([f"model files sha256 {show_values(sha)}"] if sha else [])) or \
             f"{NOT_RECORDED} (no hub commit or model files sha256 in the provenance)"
-        text = (f"requested {_show(requested)}; source {_show(source)}; resolved: {resolved}"
+        text = (f"requested {show_values(requested)}; source {show_values(source)}; resolved: {resolved}"
                 if records else f"{NOT_RECORDED} (no provenance)")
         add(f"revision `{data.revision}`", f"revision:{data.revision}", text,
             {"requested": requested, "source": source, "model_commit": commit, "sha256": sha})
-    add("model type, layers", "model_type", f"{_show(_values(everything, 'model_type'))}, "
-        f"{_show(_values(everything, 'num_layers'))} layers",
+    add("model type, layers", "model_type", f"{show_values(_values(everything, 'model_type'))}, "
+        f"{show_values(_values(everything, 'num_layers'))} layers",
         {"model_type": _values(everything, "model_type"), "num_layers": _values(everything, "num_layers")})
     dataset = [applicable_dataset(d) if isinstance(d, dict) else d
                for d in (_values([sel_prov], "config", "dataset") if sel_prov else [])]
-    add("dataset", "dataset", _show(dataset, f"{NOT_RECORDED} (no selection/items.parquet)"), dataset)
+    add("dataset", "dataset", show_values(dataset, f"{NOT_RECORDED} (no selection/items.parquet)"), dataset)
     fingerprint = _values([sel_prov], "dataset_fingerprint")
     file_sha = _values([sel_prov], "dataset_sha256")
     n_rows = _values([sel_prov], "dataset_rows")
@@ -143,26 +143,26 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         raw = (pq.read_schema(selection).metadata or {}).get(CONTENT_KEY)
         content = raw.decode() if raw else None
     add("dataset content fingerprint", "dataset_fingerprint",
-        f"rows as read: {_show(fingerprint)}" + (f" ({_show(n_rows)} rows)" if n_rows else "")
-        + (f"; dataset file sha256 {_show(file_sha)}" if file_sha else "")
+        f"rows as read: {show_values(fingerprint)}" + (f" ({show_values(n_rows)} rows)" if n_rows else "")
+        + (f"; dataset file sha256 {show_values(file_sha)}" if file_sha else "")
         + f"; selected items (items.parquet content sha256): {'`' + content + '`' if content else NOT_RECORDED}",
         {"source": fingerprint, "file": file_sha, "rows": n_rows, "selection": content})
     n_items = _values([sel_prov], "config", "n_items") if sel_prov else []
     in_ledgers = sorted({int(i) for d in revision_data if d.has("ledger") for i in d.ledger["item_index"].unique()})
-    add("items", "items", f"{_show(n_items)} selected (config n_items); {len(in_ledgers)} in the ledger(s)",
+    add("items", "items", f"{show_values(n_items)} selected (config n_items); {len(in_ledgers)} in the ledger(s)",
         {"n_items": n_items, "in_ledgers": len(in_ledgers)})
-    add("token budgets", "budgets", f"max_stage_tokens {_show(_values(everything, 'config', 'max_stage_tokens'))}; "
-        f"max_new_tokens {_show(_values(everything, 'config', 'max_new_tokens'))}",
+    add("token budgets", "budgets", f"max_stage_tokens {show_values(_values(everything, 'config', 'max_stage_tokens'))}; "
+        f"max_new_tokens {show_values(_values(everything, 'config', 'max_new_tokens'))}",
         {"max_stage_tokens": _values(everything, "config", "max_stage_tokens"),
          "max_new_tokens": _values(everything, "config", "max_new_tokens")})
-    add("boundary", "boundary", _show(_values(everything, "config", "boundary")),
+    add("boundary", "boundary", show_values(_values(everything, "config", "boundary")),
         _values(everything, "config", "boundary"))
     seeds = _values(everything, "config", "seed") + [s for s in _values([sel_prov], "seed")
                                                      if s not in _values(everything, "config", "seed")]
-    add("seed", "seed", f"{_show(seeds)} (recorded); report's bootstrap seed {seed}",
+    add("seed", "seed", f"{show_values(seeds)} (recorded); report's bootstrap seed {seed}",
         {"recorded": seeds, "report": seed})
     precisions = _values(everything, "config", "precision")
-    add("precisions", "precisions", _show(precisions), precisions)
+    add("precisions", "precisions", show_values(precisions), precisions)
     # numerics: the regime the model was loaded in (its record holds the invariant kernels' settings too), else the
     # configured name
     regime = {name: _values(everything, *path) for name, path in (
@@ -176,10 +176,10 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     static = any(v in ("static", "cuda_graph") for v in regime["decode_regime"])
     shown = {k: v for k, v in regime.items() if v and v != [None]  # an unset option says nothing
              and (static or k not in STATIC_ONLY_SETTINGS)}
-    add("numerics and decode regime", "regime", "; ".join(f"{k} {_show(v)}" for k, v in shown.items()), shown)
+    add("numerics and decode regime", "regime", "; ".join(f"{k} {show_values(v)}" for k, v in shown.items()), shown)
     devices = _values(everything, "device")
     flags = [applicable_flags(f, devices) for f in _values(everything, "numerics")]
-    add("determinism flags", "flags", _show(flags), flags)
+    add("determinism flags", "flags", show_values(flags), flags)
     for data in revision_data:
         text = transplant_text(_records(data.provenance("transplant")))
         if text is not None:
@@ -187,17 +187,17 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     hardware = {name: _values(everything, *path) for name, path in (
         ("device", ("device",)), ("attn_implementation", ("attn_implementation",)), ("threads", ("config", "threads")),
         ("dtype", ("dtype",)))}
-    add("device, attention, threads, dtype", "hardware", "; ".join(f"{k} {_show(v)}" for k, v in hardware.items()),
+    add("device, attention, threads, dtype", "hardware", "; ".join(f"{k} {show_values(v)}" for k, v in hardware.items()),
         hardware)
-    add("answers, prompt", "answers", f"answer_format {_show(_values(everything, 'config', 'answer_format'))}; "
-        f"prompt {_show(_values(everything, 'config', 'prompt'))}",
+    add("answers, prompt", "answers", f"answer_format {show_values(_values(everything, 'config', 'answer_format'))}; "
+        f"prompt {show_values(_values(everything, 'config', 'prompt'))}",
         {"answer_format": _values(everything, "config", "answer_format"),
          "prompt": _values(everything, "config", "prompt")})
     package = {"stagereplay": _values(everything, "stagereplay"), "git_commit": _values(everything, "git_commit")}
-    add("package", "package", f"stagereplay {_show(package['stagereplay'])}, commit {_show(package['git_commit'])}",
+    add("package", "package", f"stagereplay {show_values(package['stagereplay'])}, commit {show_values(package['git_commit'])}",
         package)
     software = {name: _values(everything, name) for name in ("torch", "transformers", "cache_fingerprint_scheme")}
-    add("software", "software", "; ".join(f"{k} {_show(v)}" for k, v in software.items()), software)
+    add("software", "software", "; ".join(f"{k} {show_values(v)}" for k, v in software.items()), software)
     lines = ["## What produced this run", "",
              "From the provenance the results files record (their own and their parts'); several values are listed "
              "where the files differ.", "", "| | recorded |", "| --- | --- |"]

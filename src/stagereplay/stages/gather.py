@@ -184,6 +184,14 @@ def gather_bridge(parts: list[str], out_path: str) -> None:
 def check_audit(audit_path: str, ledger_path: str, out_path: str) -> dict:
     """Raise :class:`AuditFailedError` naming every ledger row that did not reproduce (or was never audited, or is
     duplicated); else write a small summary to ``out_path``."""
+    summary = verify_audit(audit_path, ledger_path)
+    write_text_atomic(out_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def verify_audit(audit_path: str, ledger_path: str) -> dict:
+    """:func:`check_audit` without writing anything: raise :class:`AuditFailedError` as it does, else return its
+    summary."""
     audit = read_parquet(audit_path)
     ledger = read_parquet(ledger_path)
     key = SORT_KEYS
@@ -204,5 +212,4 @@ def check_audit(audit_path: str, ledger_path: str, out_path: str) -> dict:
     items = ledger[ledger["experiment"] == "matched"][["item_index", "precision", "construction"]].drop_duplicates()
     summary = {"audit": str(audit_path), "ledger_rows": int(len(ledger)), "audit_rows": int(len(audit)),
                "reproduced": int(audit["reproduced"].sum()), "trajectories": int(len(items))}
-    write_text_atomic(out_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary

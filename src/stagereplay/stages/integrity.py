@@ -101,7 +101,8 @@ def structural_problem(path: Path) -> str | None:
         if path.suffix == ".parquet":
             pq.read_metadata(path)
         elif path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
+            # numpy: opening reads the header alone, and "pt" would import torch into jobs that load no model
+            with safe_open(str(path), framework="np") as f:
                 f.metadata()
     except (OSError, pa.ArrowException, SafetensorError) as exc:
         return f"it has no recorded sha256 and does not open ({exc})"
