@@ -451,7 +451,7 @@ def plot_fidelity(steps: pd.DataFrame, paths: dict[str, str], revision_order=(),
     """Figure 9: per revision, one row per precision and construction: the share of suffix steps whose KL from
     live is exactly 0 (left strip) and the distribution of the others on a log axis (right)."""
     if steps is None or steps.empty:
-        return _placeholder(paths, "No data yet for figure 9: needs fidelity.parquet (rule measure_fidelity) "
+        return placeholder_figure(paths, "No data yet for figure 9: needs fidelity.parquet (rule measure_fidelity) "
                             "with at least one compared suffix step.")
     revisions = ordered_revisions(steps, revision_order)
     rows = [(p, c) for p in analysis.sort_precisions(steps["precision"])
@@ -496,7 +496,7 @@ def plot_fidelity(steps: pd.DataFrame, paths: dict[str, str], revision_order=(),
             ax.spines["left"].set_visible(False)
             ax.set_xlabel("KL(live || construction) per step\n(nats; steps above 0)")
             panel_title(zero_ax, f"revision {revision}", len(revisions) > 1)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -504,7 +504,7 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
     largest logit difference (split items filled; left), and the share of items split within the first k suffix
     tokens with pointwise Wilson intervals (right)."""
     if items is None or items.empty:
-        return _placeholder(paths, "No data yet for figure 10: needs fidelity.parquet (rule measure_fidelity) "
+        return placeholder_figure(paths, "No data yet for figure 10: needs fidelity.parquet (rule measure_fidelity) "
                             "with at least one compared item.")
     keys = panel_keys(items, revision_order)
     constructions = sorted(items["construction"].unique())
@@ -553,7 +553,7 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
                     Line2D([], [], ls="", marker="o", mfc="none", mec="0.3", label="not split"),
                     Patch(facecolor="0.3", alpha=0.15, label="Wilson 95%")]
         fig.legend(handles=handles, loc="outside lower center", ncol=3, handlelength=1.2, columnspacing=1.0)
-        _save(fig, paths)
+        save_figure(fig, paths)
 
 
 def _read_all(paths: dict[str, str] | None) -> pd.DataFrame | None:
