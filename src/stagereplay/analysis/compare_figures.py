@@ -119,7 +119,7 @@ def plot_fidelity(tables: dict[tuple[str, str], pd.DataFrame], runs: list[str], 
             revision, precision, reference, construction = panel
             log_ax.set_title((f"{revision} · " if revisions > 1 else "") + f"{precision}: {reference} vs "
                              f"{construction}", loc="left")
-        axes[-1][1].set_xlabel("symmetric KL per step (kl_sym)")
+        axes[-1][1].set_xlabel("symmetric KL per step, nats (kl_sym)")
         handles = [Line2D([], [], color=run_style(i)["color"], ls=run_style(i)["ls"], label=run)
                    for i, run in enumerate(runs)]
         fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(runs)))
