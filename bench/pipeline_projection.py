@@ -7,7 +7,8 @@
     python bench/pipeline_projection.py --config CONFIG.yaml [--set KEY=VALUE ...] --prompt P --stage S --suffix N \\
         --divergent bf16=0.83,fp32=0 --layers 48 --measures M.json [--measures-batch1 M1.json] \\
         (--overhead-s O [--load-s L] | --overhead-json OVERHEAD.json [--weights-GB bf16=28,fp32=56 --load-GB-s 2] \\
-        [--fingerprint-GB-s F]) [--non-model-s C] [--compare-project [MEASURES.json ...]] [--json OUT.json]
+        [--fingerprint-GB-s F]) [--non-model-s C] [--compare-project [MEASURES.json ...]] \\
+        [--schedule lockstep|suffix] [--gpus N [N ...] [--shards K]] [--json OUT.json]
 
 RUN.json is what ``bench/pipeline_run.py`` writes (it must carry the config it ran with, ``config``, and the counts
 its results record, ``counts``); M.json what ``bench/benchmark.py --only-projection --out DIR`` writes as
@@ -40,18 +41,30 @@ share of items whose matched live and prefill suffixes differ at precision p.
 
 One *cell* is one construction decoded over one batch (``decode_rows``):
 
-- batch > 1 (rows in lockstep, the live schedule for every construction): the prompts in one forward (B * W
-  tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a suffix). ``prefill`` first builds its caches in
-  one forward of B * (W + S_b - 1) tokens; ``chunked`` and ``prefix_cached`` build theirs by per-row forwards of
-  their segments (priced as one batch-1 step each plus their tokens at the prefill rate: not measured as such).
-  A built construction (``prefill``, ``chunked``, ``prefix_cached``) skips the steps before the batch's first
-  boundary, K = s_b - 1 of them (s_b: the mean over batches of a batch's shortest stage; the ledger's
-  ``batch_stage_shortest``, 1 for a run that did not record it, made before the skip): S_b + N_b - 1 - K steps
-  from cache length W + K.
+- batch > 1, the ``lockstep`` schedule (``--schedule lockstep``, the default: the live schedule for every
+  construction): the prompts in one forward (B * W tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a
+  suffix). ``prefill`` first builds its caches in one forward of B * (W + S_b - 1) tokens; ``chunked`` and
+  ``prefix_cached`` build theirs by per-row forwards of their segments (priced as one batch-1 step each plus their
+  tokens at the prefill rate: not measured as such). A built construction (``prefill``, ``chunked``,
+  ``prefix_cached``) skips the steps before the batch's first boundary, K = s_b - 1 of them (s_b: the mean over
+  batches of a batch's shortest stage; the ledger's ``batch_stage_shortest``, 1 for a run that did not record it,
+  made before the skip): S_b + N_b - 1 - K steps from cache length W + K.
+- batch > 1, the ``suffix`` schedule (``--schedule suffix``; a run's JSON may record ``schedule``, else lockstep):
+  ``live`` and ``incremental`` as in lockstep; a built construction builds its caches as there (the same
+  forwards and tokens) and then decodes only N_b steps at B rows (none without a suffix), each row from its own
+  boundary (priced from the rows' mean, cache length W + S - 1): no prompt forward, no teacher-forced stage step,
+  no skip. With every stage of one length (s_b = S_b) the lockstep skip leaves the same N_b steps, and the two
+  schedules differ by the prompt forward only.
 - batch 1 (one row, which starts at its boundary): ``live`` and ``incremental`` P tokens then S + N - 1 steps at 1
-  row (S - 1 without a suffix); ``prefill`` P + S - 1 tokens then N steps (none without a suffix).
+  row (S - 1 without a suffix); ``prefill`` P + S - 1 tokens then N steps (none without a suffix). Either schedule.
 
-Counts per rule (per job), as the stage code does them:
+Counts per rule (per job), as the stage code does them. With ``shards: K`` every model rule runs K jobs over
+whole batches of the plan (batch b on shard b % K; at batch 1, item by item): a per-precision rule one job per
+precision and shard, the others one job per shard with every precision in it, each loading what the one job loads
+(the stages load on every shard, so that the parts record one provenance; a shard without a batch pays its
+overhead and loads only). A shard's batches holding one of k chosen items are its share of the expected batches
+(the chance each of its batches holds one, ``RunShape.holding``; a recorded count spread by the same shares), and
+a count of items (the batch-invariance sample, the dumped bytes) its share of the items:
 
 - reconstruct_prefixes (per precision and shard): per batch, the matched experiment, live x2 and prefill x2 (two
   replicas each), and one incremental cell with suffix in every batch holding a bridge row (``bridge.n_rows``).
@@ -60,26 +73,26 @@ Counts per rule (per job), as the stage code does them:
 - audit_ledger (per precision and shard): per batch, the matched experiment again with one replica (live x1,
   prefill x1; at every precision, since reconstruct_prefixes ran it at every precision) and every fixed-prefix
   construction x1.
-- check_batch_invariance (one job, every precision loaded in turn): at batch size 1 nothing (no model loaded).
+- check_batch_invariance (per shard, every precision loaded in turn): at batch size 1 nothing (no model loaded).
   Else per precision, for each of min(``batch_invariance.sample``, n) items alone at batch 1: a live cell and a
   prefill cell (over the batched row's stage).
-- measure_cache_differences (one job, each of ``cache_differences.precisions`` loaded in turn; none at
+- measure_cache_differences (per shard, each of ``cache_differences.precisions`` loaded in turn; none at
   ``n_items`` 0): per precision, every batch holding one of min(``n_items``, n) sampled items: incremental and
   prefill cells without a suffix.
-- dump_caches (one job): per precision of the ledger that has items to dump (``dump.items``: divergent, d_p * n
+- dump_caches (per shard): per precision of the ledger that has items to dump (``dump.items``: divergent, d_p * n
   items; all; none), one load, and per batch holding one: both constructions of ``transplant.constructions`` rebuilt
   with their suffixes (live as incremental; the stage's ``Rebuild``), and two caches per item written.
-- transplant_caches (one job at the transplant precision, always loaded): per batch holding a selected item
+- transplant_caches (per shard, at the transplant precision, always loaded): per batch holding a selected item
   (``transplant.select``: divergent, d * n; sample:k, k; a list), the Rebuild (two cells), then for each transplant
   spec (``enumerate_sweeps(transplant.sweeps, layers)``: 11 for the default sweeps and 28 layers) one cell per
   direction, of the recipient's construction (live -> prefill: a prefill cell; prefill -> live: incremental).
-- find_minimal_transplants (one job; no model loaded at budget 0 or without a divergent selected item): per batch
+- find_minimal_transplants (per shard; no model loaded at budget 0 or without a divergent selected item): per batch
   holding a searched item (the divergent selected ones), the Rebuild, then per direction one recipient cell per
   round of the lockstep search (a batch's rounds: the most runs any of its rows used; at most the budget).
-- measure_divergence_onset (one job): per precision of the ledger with divergent items, one load, and per batch
+- measure_divergence_onset (per shard): per precision of the ledger with divergent items, one load, and per batch
   holding one, the Rebuild.
-- replay_fixed_prefixes (transplant revisions other than the primary; bench/pipeline_run.py runs none): not
-  projected.
+- replay_fixed_prefixes (per shard, transplant revisions other than the primary; bench/pipeline_run.py runs none):
+  not projected.
 
 Counts read from the run's results where it recorded them (``counts`` in RUN.json: the batches, the batches
 holding bridge rows, the batch-invariance rows, the cache-difference batches, the dumped items and bytes, the
@@ -107,13 +120,25 @@ measures carry the shape's linear parameters and their file the copy rate, the r
 same work (``benchmark.work_floor``: ``run_floor``'s pricing of these counts); ``--compare-project`` splits
 ``benchmark.project(bucketed=True)``'s count of the same variant by rule (``project_by_rule``).
 
+N GPUs (``--gpus N [N ...]``, config mode): for each N the config's ``shards`` set to N (``--shards K``: K at
+every N), every model job priced as above, and the jobs placed on the GPUs of one host by a list scheduler
+(``list_schedule``): as many at a time as ``--resources gpu=N`` lets jobs of ``gpus_per_job`` GPUs run (each on
+GPUs of its own, so at the measured speed; ``gpus_per_job: 0`` is refused), in the order of the rule DAG
+(``job_dependencies``: a shard's fixed-prefix 2x2 after the reference precision's generation of that shard, every
+later model job after every job of the two ledger rules, which ``gather_ledger`` joins), a free GPU taking the
+ready job with the longest path to the end. The jobs that load no model take no time in it (their ``--non-model-s``
+is added to the wall, as on one GPU). On one GPU the wall is the model jobs' sum, as above. Snakemake does not know
+the jobs' times, so its order can be worse than this one; the report gives the bounds, the critical path and the
+work over the GPUs.
+
 Not projected (reported with their measured times): the rules that load no model, select_items, gather_ledger,
 gather_bridge, gather_audit, check_audit, select_transplant_items, plot_figures, build_report, build_item_browser,
 and prepare_model (it loads the model source once per precision, but claims no GPU and runs before every model job).
 
 Where this counts otherwise than ``benchmark.project()`` (the paper-scale projection, left as it is): in a batch of
-several rows every construction runs the live schedule, so a prefill cell decodes S + N - 1 steps as the others do,
-besides its one-shot prefill (project() gives it N steps, which holds at batch 1 only); a step attends over the
+several rows, in the lockstep schedule, every construction runs the live schedule, so a prefill cell decodes
+S + N - 1 steps less the skip as the others do, besides its one-shot prefill (project() gives it N steps, which holds
+at batch 1 and in the suffix schedule only); a step attends over the
 whole buffer for a masked-attention measure, over its own position for a triton one (project(bucketed=True) prices
 bucketed spans, a bucket of one position for the triton attention); the items fill whole batches, the last one
 partial (project() prices 200 rows as 200/62 batches at the 62-row rate); the matched experiment runs
@@ -195,6 +220,7 @@ class RunShape:
     divergent: dict
     recorded: dict
     skip: float = 0.0  # steps a built construction skips in lockstep: a batch's shortest stage less one (mean)
+    schedule: str = "lockstep"  # a built construction's schedule in a batch: lockstep, or suffix (see ``cell``)
     lookahead: bool = False  # the greedy loop overlapped the host's work with the device's (see ``price``)
     sources: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
@@ -243,20 +269,35 @@ class RunShape:
             out = {rows: count * self.batches / units for rows, count in out.items()}
         return out
 
-    def holding(self, k: float) -> dict:
-        """{rows: expected batches of that size holding at least one of ``k`` items drawn from the n}."""
+    @property
+    def shards(self) -> int:
+        return int(self.config["shards"])
+
+    def holding(self, k: float, shard: int | None = None) -> dict:
+        """{rows: expected batches of that size holding at least one of ``k`` items drawn from the n}; of one
+        shard's batches where ``shard`` is given."""
         k = min(round(k), self.n)
         out = {}
-        for size in self.batch_sizes():
+        for size in self.batch_sizes(shard):
             chance = 0.0 if k <= 0 else 1 - math.comb(self.n - size, k) / math.comb(self.n, k)
             out[size] = out.get(size, 0.0) + chance
         return out
 
-    def held(self, name: str, read, k: float) -> dict:
+    def held(self, name: str, read, k: float, shard: int | None = None) -> dict:
         """{rows: batches holding one of ``k`` items}: the number the run recorded (``read``), spread over the batch
-        sizes as the derived chances spread it, else derived."""
+        sizes as the derived chances spread it, else derived; of one shard's batches where ``shard`` is given (its
+        share of the derived chances)."""
         derived = self.holding(k)
-        return spread(self.count(name, read, lambda: sum(derived.values())), derived, self.rows)
+        whole = self.count(name, read, lambda: sum(derived.values()))
+        if shard is None or self.shards == 1:
+            return spread(whole, derived, self.rows)
+        mine = self.holding(k, shard)
+        weight = sum(derived.values())
+        return spread(whole * sum(mine.values()) / weight if weight else 0.0, mine, self.rows)
+
+    def item_share(self, shard: int | None) -> float:
+        """The share of the n items in one shard's batches (1 for the whole run)."""
+        return 1.0 if shard is None or self.shards == 1 else sum(self.batch_sizes(shard)) / self.n
 
 
 def spread(total: float, like: dict, rows: int) -> dict:
@@ -266,6 +307,9 @@ def spread(total: float, like: dict, rows: int) -> dict:
     if len(like) == 1 or not weight:
         return {next(iter(like)) if len(like) == 1 else rows: total}
     return {key: total * value / weight for key, value in like.items()}
+
+
+SCHEDULES = ("lockstep", "suffix")
 
 
 def run_shape(run: dict) -> RunShape:
@@ -288,6 +332,9 @@ def run_shape(run: dict) -> RunShape:
         # a run that did not record its batches' shortest stages was made before built constructions skipped
         shape.skip = shape.count("batch_stage_shortest", lambda _: ledger.get("batch_stage_shortest"), lambda: 1.0) - 1
     shape.batches = shape.count("batches", lambda r: r["batches"], lambda: math.ceil(n / rows))
+    shape.schedule = run.get("schedule", "lockstep")
+    if shape.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {shape.schedule!r}: give one of {', '.join(SCHEDULES)}")
     loop = run.get("greedy_loop")
     if loop is None:
         shape.warnings.append("the run was made before the greedy loop's lookahead and built constructions' skip "
@@ -372,8 +419,13 @@ def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = 
         raise ValueError(f"unknown construction {construction!r}")
     if shape.lockstep and not alone:
         rows, W, S, N = rows or shape.rows, shape.W, shape.S_b, shape.N_b
-        skip = 0.0 if construction in ("live", "incremental") else shape.skip  # before the first boundary
-        work = decoded(rows, W + skip, S - 1 + (N if suffix else 0) - skip, prefill_tokens=rows * W)  # the live schedule
+        if shape.schedule == "suffix" and construction not in ("live", "incremental"):
+            # its rows start at their own boundaries (the rows' mean, W + S - 1) from the built caches: the batch's
+            # longest suffix, no prompt forward, no teacher-forced stage step
+            work = decoded(rows, W + shape.S - 1, N if suffix else 0.0)
+        else:
+            skip = 0.0 if construction in ("live", "incremental") else shape.skip  # before the first boundary
+            work = decoded(rows, W + skip, S - 1 + (N if suffix else 0) - skip, prefill_tokens=rows * W)  # live schedule
         built = rows * (W + S - 1)
     else:
         rows, W, S, N = 1, shape.P, shape.S, shape.N
@@ -407,6 +459,9 @@ class JobWork:
     name: str
     loads: list  # precisions whose model the job loads, in order
     work: dict  # precision -> Work
+    shard: int = 0
+    precision: str | None = None  # the job's own precision (a rule with one job per precision and shard)
+    seconds: float | None = None  # projected (``projected_rules``)
 
 
 # ---- counts per rule ---------------------------------------------------------------------------------------------
@@ -416,8 +471,16 @@ def per_precision_jobs(shape: RunShape, rule: str, per_batch) -> list[JobWork]:
     for p in shape.precisions:
         for shard in range(shape.config["shards"]):
             work = total(per_batch(p, shard, rows) * batches for rows, batches in shape.kinds(shard).items())
-            jobs.append(JobWork(rule, f"{rule}_{p}_{shard}", [p], {p: work}))
+            jobs.append(JobWork(rule, f"{rule}_{p}_{shard}", [p], {p: work}, shard, p))
     return jobs
+
+
+def per_shard_jobs(shape: RunShape, rule: str, loads: list, per_shard) -> list[JobWork]:
+    """One job per shard (every precision in one job), each loading ``loads`` (a stage loads what the whole run
+    needs on every shard, so that their parts record one provenance) and decoding ``per_shard(shard)``: {precision:
+    Work} of its batches. With one shard the job is named after the rule."""
+    return [JobWork(rule, rule if shape.shards == 1 else f"{rule}_{shard}", list(loads), per_shard(shard), shard)
+            for shard in range(shape.shards)]
 
 
 def by_kind(held: dict, per_batch) -> Work:
@@ -457,27 +520,37 @@ def audit_ledger(shape: RunShape) -> list[JobWork]:
 
 def check_batch_invariance(shape: RunShape) -> list[JobWork]:
     if not shape.lockstep:
-        return [JobWork("check_batch_invariance", "check_batch_invariance", [], {})]
+        return per_shard_jobs(shape, "check_batch_invariance", [], lambda shard: {})
     k = min(shape.config["batch_invariance"]["sample"], shape.n)
-    work = {}
-    for p in shape.precisions:
-        live = shape.count(f"batch_invariance_live_{p}", lambda r: r["batch_invariance"][p]["live"], lambda: k)
-        prefill = shape.count(f"batch_invariance_prefill_{p}", lambda r: r["batch_invariance"][p]["prefill"],
-                              lambda: k)
-        work[p] = live * cell(shape, "live", alone=True) + prefill * cell(shape, "prefill", alone=True)
-    return [JobWork("check_batch_invariance", "check_batch_invariance", shape.precisions, work)]
+
+    def per_shard(shard):
+        work = {}
+        for p in shape.precisions:  # the sampled items of the shard's batches: its share of the items
+            live = shape.count(f"batch_invariance_live_{p}", lambda r: r["batch_invariance"][p]["live"], lambda: k)
+            prefill = shape.count(f"batch_invariance_prefill_{p}", lambda r: r["batch_invariance"][p]["prefill"],
+                                  lambda: k)
+            share = shape.item_share(shard)
+            work[p] = share * (live * cell(shape, "live", alone=True) + prefill * cell(shape, "prefill", alone=True))
+        return work
+
+    return per_shard_jobs(shape, "check_batch_invariance", shape.precisions, per_shard)
 
 
 def measure_cache_differences(shape: RunShape) -> list[JobWork]:
     settings = shape.config["cache_differences"]
     k = min(settings["n_items"], shape.n)
     precisions = list(settings["precisions"]) if k else []
-    work = {}
-    for p in precisions:
-        held = shape.held(f"cache_difference_batches_{p}", lambda r: r["cache_differences"][p]["batches"], k)
-        work[p] = by_kind(held, lambda rows: cell(shape, "incremental", suffix=False, rows=rows)
-                          + cell(shape, "prefill", suffix=False, rows=rows))
-    return [JobWork("measure_cache_differences", "measure_cache_differences", precisions, work)]
+
+    def per_shard(shard):
+        work = {}
+        for p in precisions:
+            held = shape.held(f"cache_difference_batches_{p}", lambda r: r["cache_differences"][p]["batches"], k,
+                              shard)
+            work[p] = by_kind(held, lambda rows: cell(shape, "incremental", suffix=False, rows=rows)
+                              + cell(shape, "prefill", suffix=False, rows=rows))
+        return work
+
+    return per_shard_jobs(shape, "measure_cache_differences", precisions, per_shard)
 
 
 def divergent_items(shape: RunShape, p: str) -> float:
@@ -486,18 +559,24 @@ def divergent_items(shape: RunShape, p: str) -> float:
 
 def dump_caches(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
     chosen = shape.config["dump"]["items"]
-    work, loads = {}, []
+    counted = {}
     for p in shape.precisions:
         derived = {"divergent": divergent_items(shape, p), "all": shape.n, "none": 0}[chosen]
         items = shape.count(f"dump_items_{p}", lambda r: r["dump"].get(p, {}).get("items", 0), lambda: derived)
         if round(items) == 0:
             continue
-        held = shape.held(f"dump_batches_{p}", lambda r: r["dump"][p]["batches"], items)
         gb = shape.count(f"dump_GB_{p}", lambda r: r["dump"][p]["bytes"] / 1e9,
                          lambda: 2 * items * shape.boundary_positions * kv_GB_per_position[p])
-        loads.append(p)
-        work[p] = by_kind(held, lambda rows: rebuild(shape, rows)) + Work(dump_GB=gb)
-    return [JobWork("dump_caches", "dump_caches", loads, work)]
+        counted[p] = (items, gb)
+
+    def per_shard(shard):
+        work = {}
+        for p, (items, gb) in counted.items():  # the shard's batches, and its share of the items' bytes
+            held = shape.held(f"dump_batches_{p}", lambda r: r["dump"][p]["batches"], items, shard)
+            work[p] = by_kind(held, lambda rows: rebuild(shape, rows)) + Work(dump_GB=gb * shape.item_share(shard))
+        return work
+
+    return per_shard_jobs(shape, "dump_caches", list(counted), per_shard)
 
 
 def selected_items(shape: RunShape, divergent_only: bool = False) -> float:
@@ -541,12 +620,15 @@ def directions(shape: RunShape) -> list[str]:
 def transplant_caches(shape: RunShape) -> list[JobWork]:
     p = shape.transplant_precision
     items = shape.count("transplant_items", lambda r: r["transplant"]["items"], lambda: selected_items(shape))
-    held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items)
     specs = shape.count("transplant_specs", lambda r: r["transplant"]["specs_per_direction"],
                         lambda: transplant_specs(shape))
-    work = by_kind(held, lambda rows: rebuild(shape, rows)
-                   + recipient_cells(shape, {d: specs for d in directions(shape)}, rows))
-    return [JobWork("transplant_caches", "transplant_caches", [p], {p: work})]
+
+    def per_shard(shard):
+        held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items, shard)
+        return {p: by_kind(held, lambda rows: rebuild(shape, rows)
+                           + recipient_cells(shape, {d: specs for d in directions(shape)}, rows))}
+
+    return per_shard_jobs(shape, "transplant_caches", [p], per_shard)
 
 
 def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
@@ -554,29 +636,38 @@ def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
     items = shape.count("minimal_items", lambda r: r["minimal"]["items"],
                         lambda: selected_items(shape, divergent_only=True) if budget else 0)
     if round(items) == 0:
-        return [JobWork("find_minimal_transplants", "find_minimal_transplants", [], {})]
+        return per_shard_jobs(shape, "find_minimal_transplants", [], lambda shard: {})
     held = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items)
     # a recorded direction may be named incremental where the rebuilt live cache was not the ledger's: the same cell
     rounds = shape.count("minimal_rounds", lambda r: r["minimal"]["rounds_per_direction"] or None,
                          lambda: {d: budget * sum(held.values()) for d in directions(shape)})
     by_rows = {d: spread(runs, held, shape.rows) for d, runs in rounds.items()}  # each batch's rounds, by its size
-    work = total(batches * rebuild(shape, rows)
-                 + recipient_cells(shape, {d: r.get(rows, 0.0) for d, r in by_rows.items()}, rows)
-                 for rows, batches in held.items())
-    return [JobWork("find_minimal_transplants", "find_minimal_transplants", [p], {p: work})]
+
+    def per_shard(shard):
+        mine = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items, shard)
+        # the shard's rounds: its share of the batches of each size
+        return {p: total(batches * rebuild(shape, rows)
+                         + recipient_cells(shape, {d: r.get(rows, 0.0) * (batches / held[rows] if shape.shards > 1
+                                                                          else 1.0)
+                                                   for d, r in by_rows.items()}, rows)
+                         for rows, batches in mine.items() if batches)}
+
+    return per_shard_jobs(shape, "find_minimal_transplants", [p], per_shard)
 
 
 def measure_divergence_onset(shape: RunShape) -> list[JobWork]:
-    work, loads = {}, []
+    counted = {}
     for p in shape.precisions:
         items = shape.count(f"onset_items_{p}", lambda r: r["onset"].get(p, {}).get("items", 0),
                             lambda: divergent_items(shape, p))
-        if round(items) == 0:
-            continue
-        held = shape.held(f"onset_batches_{p}", lambda r: r["onset"][p]["batches"], items)
-        loads.append(p)
-        work[p] = by_kind(held, lambda rows: rebuild(shape, rows))
-    return [JobWork("measure_divergence_onset", "measure_divergence_onset", loads, work)]
+        if round(items) != 0:
+            counted[p] = items
+
+    def per_shard(shard):
+        return {p: by_kind(shape.held(f"onset_batches_{p}", lambda r: r["onset"][p]["batches"], items, shard),
+                           lambda rows: rebuild(shape, rows)) for p, items in counted.items()}
+
+    return per_shard_jobs(shape, "measure_divergence_onset", list(counted), per_shard)
 
 
 def model_jobs(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
@@ -587,6 +678,78 @@ def model_jobs(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
         jobs += rule(shape)
     jobs += dump_caches(shape, kv_GB_per_position)
     return jobs
+
+
+# ---- the rule DAG on N GPUs ----------------------------------------------------------------------------------------
+LEDGER_RULES = ("reconstruct_prefixes", "generate_fixed_prefix")  # what gather_ledger joins
+
+
+def job_dependencies(jobs: list[JobWork], shape: RunShape) -> dict:
+    """{job name: the model jobs it waits for}, as the workflow's inputs chain them through the jobs that load no
+    model: the fixed-prefix 2x2 of a shard reads that shard's prefixes of the reference precision
+    (``parts/prefixes_<reference>_<shard>``); every later model job reads the ledger or the prefixes that
+    ``gather_ledger`` joins from every job of the two ledger rules (the audit, the controls, the cache differences,
+    the dumps, and through ``select_transplant_items`` the transplants and the minimal search)."""
+    reference = shape.config["reference_precision"]
+    ledger = {j.name for j in jobs if j.rule in LEDGER_RULES}
+    after = {}
+    for job in jobs:
+        if job.rule == "reconstruct_prefixes":
+            after[job.name] = set()
+        elif job.rule == "generate_fixed_prefix":
+            after[job.name] = {j.name for j in jobs if j.rule == "reconstruct_prefixes" and j.precision == reference
+                               and j.shard == job.shard}
+        else:
+            after[job.name] = set(ledger)
+    return after
+
+
+def list_schedule(seconds: dict, after: dict, slots: int) -> dict:
+    """The jobs (``seconds``: {name: duration}, ``after``: {name: names it waits for}) on ``slots`` devices, each
+    job on one: whenever a device is free it takes the ready job with the longest path to the end of the DAG (its
+    own time and its longest chain of dependents; ties by name), as a list scheduler does. Snakemake does not know
+    the jobs' times, so its order can be worse; the makespan is bounded below by the critical path and by the work
+    over the devices. Returns {"makespan_s", "critical_path_s", "work_s", "jobs": {name: (start, end, device)}}."""
+    if slots < 1:
+        raise ValueError(f"{slots} devices: give at least one")
+    unknown = {d for deps in after.values() for d in deps} - set(seconds)
+    if unknown:
+        raise ValueError(f"jobs wait for jobs not in the DAG: {sorted(unknown)}")
+    dependents = {name: [] for name in seconds}
+    for name, deps in after.items():
+        for d in deps:
+            dependents[d].append(name)
+    rank = {}
+
+    def tail(name, seen=()):
+        if name in seen:
+            raise ValueError(f"the DAG has a cycle through {name}")
+        if name not in rank:
+            rank[name] = seconds[name] + max((tail(d, (*seen, name)) for d in dependents[name]), default=0.0)
+        return rank[name]
+
+    for name in seconds:
+        tail(name)
+    waiting = {name: set(after.get(name, ())) for name in seconds}
+    free = list(range(slots))
+    running, placed, now = [], {}, 0.0  # running: (end, device, name)
+    while len(placed) < len(seconds):
+        ready = sorted((n for n, deps in waiting.items() if not deps and n not in placed), key=lambda n: (-rank[n], n))
+        while free and ready:
+            name, device = ready.pop(0), free.pop(0)
+            placed[name] = (now, now + seconds[name], device)
+            running.append((now + seconds[name], device, name))
+        if not running:
+            raise ValueError("no job is ready and none is running: the DAG has a cycle")
+        running.sort()
+        end, device, name = running.pop(0)
+        now = end
+        free.append(device)
+        free.sort()
+        for other in dependents[name]:
+            waiting[other].discard(name)
+    return {"makespan_s": max((end for _, end, _ in placed.values()), default=0.0),
+            "critical_path_s": max(rank.values(), default=0.0), "work_s": sum(seconds.values()), "jobs": placed}
 
 
 # ---- rates ---------------------------------------------------------------------------------------------------------
@@ -785,6 +948,7 @@ def projected_rules(shape: RunShape, rates: Rates) -> tuple[dict, list[JobWork]]
     rules = {}
     for job in jobs:
         priced = job_seconds(job, shape, rates)
+        job.seconds = priced["s"]
         rule = rules.setdefault(job.rule, {"jobs_projected": 0, "projected_s": 0.0, "parts": {}})
         rule["jobs_projected"] += 1
         rule["projected_s"] += priced["s"]
@@ -903,18 +1067,60 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
 
 
 def config_run(config: dict, prompt: float, stage: float, suffix: float, divergent: dict, layers: int,
-               shortest_stage: float | None = None) -> dict:
+               shortest_stage: float | None = None, schedule: str = "lockstep") -> dict:
     """What ``run_shape`` reads of a run, for one not made: the config, the ledger's lengths (a batch's longest prompt,
     stage and suffix taken equal to the means; its shortest stage ``shortest_stage``, else the mean too), the
     divergent shares and the model's layer count; no counts recorded, so every other count is derived from the
     config (the decode buffer as ``reconstruct_prefixes`` sets it: the longest prompt + max_stage_tokens +
-    max_new_tokens)."""
+    max_new_tokens); ``schedule`` the built constructions' schedule in a batch (``cell``)."""
     ledger = {"mean_prompt": prompt, "mean_stage": stage, "mean_suffix": suffix, "batch_width": prompt,
               "batch_stage": stage, "batch_stage_shortest": stage if shortest_stage is None else shortest_stage,
               "batch_suffix": suffix, "divergent_share": dict(divergent)}
     from pipeline_run import GREEDY_LOOP  # bench/pipeline_run.py: what the package's loop does now
 
-    return {"config": config, "ledger": ledger, "counts": {"num_layers": layers}, "greedy_loop": GREEDY_LOOP}
+    return {"config": config, "ledger": ledger, "counts": {"num_layers": layers}, "greedy_loop": GREEDY_LOOP,
+            "schedule": schedule}
+
+
+def on_gpus(run: dict, measures: list[dict], overhead: Overhead, gpus: list[int], measures_batch1=None,
+            shards: int | None = None, non_model_s: float = 0.0) -> list[dict]:
+    """The run on each of ``gpus`` GPUs of one host: the config's ``shards`` set to ``shards`` (default: the GPU
+    count), every model job priced, and the jobs placed on the GPUs by ``list_schedule`` along
+    ``job_dependencies``, as many at a time as ``--resources gpu=N`` lets jobs of ``gpus_per_job`` GPUs run (each
+    model job on GPUs of its own, so at its measured speed); the wall adds ``non_model_s`` (the jobs that load no
+    model, run one after another as on one GPU)."""
+    per_job = int(run["config"].get("gpus_per_job") or 0)
+    if per_job < 1:
+        raise ValueError(f"gpus_per_job: {per_job}: the model jobs claim no GPU, so --resources gpu=N does not limit "
+                         "how many share one; set gpus_per_job: 1 to price N GPUs")
+    out = []
+    for n in gpus:
+        config = {**run["config"], "shards": shards or n}
+        shape = run_shape({**run, "config": config})
+        _, jobs = projected_rules(shape, rates_for(shape, measures, overhead, measures_batch1))
+        slots = n // per_job
+        if slots < 1:
+            raise ValueError(f"{n} GPUs: fewer than the {per_job} a model job claims (gpus_per_job)")
+        placed = list_schedule({j.name: j.seconds for j in jobs}, job_dependencies(jobs, shape), slots)
+        out.append({"gpus": n, "shards": config["shards"], "jobs": len(jobs), "jobs_at_once": slots,
+                    "model_jobs_s": placed["makespan_s"], "non_model_s": non_model_s,
+                    "wall_s": placed["makespan_s"] + non_model_s, "critical_path_s": placed["critical_path_s"],
+                    "work_s": placed["work_s"], "busy": placed["work_s"] / (slots * placed["makespan_s"])
+                    if placed["makespan_s"] else None,
+                    "placed": {name: list(v) for name, v in placed["jobs"].items()}})
+    return out
+
+
+def render_gpus(rows: list[dict], schedule: str) -> str:
+    lines = [f"on N GPUs ({schedule} schedule; shards = N unless --shards; the jobs placed by a list scheduler):",
+             f"{'GPUs':>5} {'shards':>6} {'jobs':>5} {'at once':>7} {'model jobs h':>12} {'wall h':>7} "
+             f"{'critical path h':>15} {'work / GPUs h':>13} {'busy':>5}"]
+    for r in rows:
+        lines.append(f"{r['gpus']:>5} {r['shards']:>6} {r['jobs']:>5} {r['jobs_at_once']:>7} "
+                     f"{r['model_jobs_s'] / 3600:>12.2f} {r['wall_s'] / 3600:>7.2f} {r['critical_path_s'] / 3600:>15.2f} "
+                     f"{r['work_s'] / r['jobs_at_once'] / 3600:>13.2f} "
+                     f"{'-' if r['busy'] is None else format(r['busy'], '.0%'):>5}")
+    return "\n".join(lines)
 
 
 def arm_counts(jobs: list[JobWork], shape: RunShape, rates: Rates) -> dict:
@@ -1237,7 +1443,8 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
     if args.fingerprint_GB_s:
         overhead.fingerprint_GB_s = args.fingerprint_GB_s
     config = load_config(args.config, args.set)
-    run = config_run(config, *lengths, parse_shares(args.divergent), args.layers, args.stage_shortest)
+    run = config_run(config, *lengths, parse_shares(args.divergent), args.layers, args.stage_shortest,
+                     args.schedule)
     measures = load_measures(args.measures)
     saved = json.loads(Path(args.measures).read_text())
     copy_TB_s = saved.get("meta", {}).get("copy_TB_s") if isinstance(saved, dict) else None
@@ -1258,6 +1465,10 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
         report["project_by_rule"] = {"arguments": {"items": config["n_items"], "divergent": share, **kwargs},
                                      **{label: table for label, table in old.items()}}
     print(render_projection(report, old))
+    if args.gpus:
+        report["gpus"] = on_gpus(run, measures, overhead, args.gpus, load_measures(args.measures_batch1)
+                                 if args.measures_batch1 else None, args.shards, args.non_model_s)
+        print(render_gpus(report["gpus"], args.schedule))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0
@@ -1285,6 +1496,13 @@ def main(argv=None) -> int:
                       help="a batch's shortest stage (a built construction skips the steps before its boundary); "
                            "default: --stage, as if every stage had the mean length")
     made.add_argument("--layers", type=int, help="the model's layer count (the transplant sweeps' specs)")
+    made.add_argument("--schedule", choices=SCHEDULES, default="lockstep",
+                      help="a built construction's schedule in a batch of several rows: lockstep (the live "
+                           "schedule's steps, today's) or suffix (only its suffix steps, from each row's boundary)")
+    made.add_argument("--gpus", type=int, nargs="+", metavar="N",
+                      help="also the wall on N GPUs of one host (e.g. 1 2 4 8): shards = N, the rule DAG's jobs "
+                           "placed on them")
+    made.add_argument("--shards", type=int, help="with --gpus: this shard count at every GPU count (default: N)")
     made.add_argument("--non-model-s", type=float, default=0.0,
                       help="a stated constant for the jobs that load no model (default 0: not counted)")
     made.add_argument("--weights-GB", default="", help="with --load-GB-s: each precision's load is its weights read "

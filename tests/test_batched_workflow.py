@@ -106,7 +106,7 @@ def test_batched_run_end_to_end(run_a):
     assert (layouts == 1).all().all()
     # a later revision replays the primary's prefixes in the primary's plan and transplants there
     later = pd.read_parquet(run / "results/tiny/later/transplant.parquet")
-    assert read_provenance(run / "results/tiny/later/replay_baseline.parquet")["batch_plan"] == plan
+    assert read_provenance(run / "results/tiny/later/replay_baseline.parquet")["parts"][0]["batch_plan"] == plan
     kv = later[later["component"] == "kv"]
     assert len(kv) == 3 * 2 and (kv["outcome"] == "donor").all()
     assert "### Transplants" in report and "Not run" not in report

@@ -57,7 +57,7 @@ def test_minimal_transplants_and_onset_in_the_workflow(tmp_path):
     assert jobs_planned(tmp_path, "--config", "transplant={minimal: {budget: 8}}") == {
         "find_minimal_transplants", "gather_minimal_transplants", "plot_figures", "build_report", "all"}
     assert jobs_planned(tmp_path, "--config", "transplant={revisions: [primary, later]}") == {
-        "prepare_model", "replay_fixed_prefixes", "select_transplant_items", "dump_caches", "gather_caches",
-        "transplant_caches", "gather_transplants", "find_minimal_transplants", "gather_minimal_transplants",
-        "measure_divergence_onset", "gather_divergence_onset", "plot_figures", "build_report", "build_item_browser",
-        "all"}
+        "prepare_model", "replay_fixed_prefixes", "gather_replay_baseline", "select_transplant_items", "dump_caches",
+        "gather_caches", "transplant_caches", "gather_transplants", "find_minimal_transplants",
+        "gather_minimal_transplants", "measure_divergence_onset", "gather_divergence_onset", "plot_figures",
+        "build_report", "build_item_browser", "all"}

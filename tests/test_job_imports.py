@@ -22,8 +22,8 @@ SCRIPTS = REPO / "workflow" / "scripts"
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "triton", "scipy", "statsmodels", "matplotlib",
          "sympy")
 TABLE_JOBS = ["select_items", "gather_ledger", "gather_audit", "check_audit", "select_transplant_items",
-              "gather_transplants", "gather_minimal_transplants", "gather_divergence_onset", "gather_batch_invariance",
-              "gather_cache_differences", "gather_caches", "gather_fidelity"]
+              "gather_replay_baseline", "gather_transplants", "gather_minimal_transplants", "gather_divergence_onset",
+              "gather_batch_invariance", "gather_cache_differences", "gather_caches", "gather_fidelity"]
 
 
 def script_imports(script: Path) -> list[str]:

@@ -1,11 +1,13 @@
 """bench/pipeline_projection.py --config: a run not made, projected rule by rule from its config; measures of the
 triton attention priced step by step at each step's position, those of the masked attention at the whole buffer as
-before; benchmark.project()'s count split by rule; the floor of the per-rule work."""
+before; benchmark.project()'s count split by rule; the floor of the per-rule work; the suffix schedule; every model
+rule split into shards and the rule DAG's jobs placed on N GPUs."""
 
 import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from bench_scripts import load_bench
@@ -257,3 +259,177 @@ def test_the_per_rule_work_of_the_paper_config_has_a_higher_floor_than_project_s
     for precision in ("bf16", "fp32"):
         assert report["arms"][precision]["row_steps"] > 200 * benchmark.project(
             saved["projection"], 200, 0.83, bucketed=True)["parts"][precision]["decode_steps_per_item"]
+
+
+def test_the_suffix_schedule_decodes_only_a_built_construction_s_suffix_in_a_batch(tmp_path):
+    """--schedule suffix: in a batch of 4 a built construction builds its caches as in lockstep, then decodes the
+    batch's N suffix steps from the rows' boundary (W + S - 1), without the prompt forward; live and incremental
+    keep the live schedule's S + N - 1 steps; a row alone is the same in both schedules."""
+    config = _config_run(tmp_path)["config"]
+    lockstep = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12))
+    suffix = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+                                                        schedule="suffix"))
+    assert suffix.schedule == "suffix" and lockstep.schedule == "lockstep"
+    prefill = projection.cell(suffix, "prefill")
+    assert prefill.segments == {(4, P + S - 1, N): 1.0} and prefill.steps == {4: N}
+    assert prefill.prefill_tokens == 4 * (P + S - 1)  # the build only: no prompt forward
+    assert projection.cell(lockstep, "prefill").steps == {4: S - 1 + N - 11}  # the skip leaves 11 stage steps
+    assert projection.cell(lockstep, "prefill").prefill_tokens == 4 * P + 4 * (P + S - 1)
+    assert projection.cell(suffix, "prefill", suffix=False).steps == {4: 0.0}  # no suffix, no step
+    for name in ("chunked", "prefix_cached"):  # their per-row forwards (batch-1 steps) as before, then N at 4 rows
+        built, before = projection.cell(suffix, name), projection.cell(lockstep, name)
+        assert built.steps[4] == N and built.steps[1] == before.steps[1]
+    for name in ("live", "incremental"):
+        assert vars(projection.cell(suffix, name)) == vars(projection.cell(lockstep, name))
+        assert projection.cell(suffix, name).steps == {4: S - 1 + N}
+    alone = projection.cell(suffix, "prefill", alone=True)
+    assert vars(alone) == vars(projection.cell(lockstep, "prefill", alone=True)) and alone.steps == {1: N}
+    # with every stage of one length the lockstep skip leaves the same steps: only the prompt forward differs
+    equal = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28))
+    assert projection.cell(equal, "prefill").segments == prefill.segments
+    # the whole run: fewer steps, the live cells' as before
+    rates = projection.Rates(TRITON, projection.Overhead.from_seconds(0.0), [])
+    priced = {name: sum(j.seconds for j in projection.projected_rules(shape, rates)[1])
+              for name, shape in (("lockstep", lockstep), ("suffix", suffix))}
+    assert priced["suffix"] < priced["lockstep"]
+    try:
+        projection.run_shape({**_config_run(tmp_path), "schedule": "sideways"})
+    except ValueError as exc:
+        assert "lockstep, suffix" in str(exc)
+    else:
+        raise AssertionError("an unknown schedule was accepted")
+
+
+def test_the_list_scheduler_places_a_hand_made_dag_on_n_devices():
+    """a (3 s) -> c (2 s); b (2 s) -> d (1 s): on one device the sum; on two a and b first (the longest paths to the
+    end), d on b's device when b ends, c when a ends."""
+    seconds = {"a": 3.0, "b": 2.0, "c": 2.0, "d": 1.0}
+    after = {"a": set(), "b": set(), "c": {"a"}, "d": {"b"}}
+    one = projection.list_schedule(seconds, after, 1)
+    assert one["makespan_s"] == 8.0 and one["work_s"] == 8.0 and one["critical_path_s"] == 5.0
+    ends = sorted(end for _, end, _ in one["jobs"].values())
+    assert ends == [3.0, 5.0, 7.0, 8.0]  # back to back: a, then c (path 5) before b (path 3)
+    two = projection.list_schedule(seconds, after, 2)
+    assert two["jobs"] == {"a": (0.0, 3.0, 0), "b": (0.0, 2.0, 1), "d": (2.0, 3.0, 1), "c": (3.0, 5.0, 0)}
+    assert two["makespan_s"] == 5.0 == two["critical_path_s"]
+    assert projection.list_schedule(seconds, after, 8)["makespan_s"] == 5.0  # no device helps past the chain
+    # a job waits for every job it needs, whatever the devices free: c after a and b
+    joined = projection.list_schedule(seconds, {**after, "c": {"a", "b"}}, 4)
+    assert joined["jobs"]["c"][0] == 3.0
+    for bad, match in (({**after, "a": {"c"}}, "cycle"), ({**after, "d": {"e"}}, "not in the DAG")):
+        try:
+            projection.list_schedule(seconds, bad, 2)
+        except ValueError as exc:
+            assert match in str(exc)
+        else:
+            raise AssertionError(f"a DAG with {match} was accepted")
+
+
+def _shape_at(tmp_path, shards, **overrides):
+    return projection.run_shape(_config_run(tmp_path, config={**SMALL, "shards": shards, **overrides}))
+
+
+def test_every_model_rule_splits_into_shards_of_whole_batches(tmp_path):
+    """With shards: 2 (8 items, 2 batches of 4) every model rule runs 2 jobs, each loading what the one job loads
+    and decoding its half of the batches: the shards' work adds up to the one job's."""
+    one, two = _shape_at(tmp_path, 1), _shape_at(tmp_path, 2)
+    jobs1, jobs2 = projection.model_jobs(one, {"bf16": 1e-6, "fp32": 2e-6}), projection.model_jobs(
+        two, {"bf16": 1e-6, "fp32": 2e-6})
+    rules = {j.rule for j in jobs1}
+    assert len(rules) == 9 and len(jobs2) == 2 * len(jobs1) == 24
+    for rule in rules:
+        mine1 = [j for j in jobs1 if j.rule == rule]
+        mine2 = [j for j in jobs2 if j.rule == rule]
+        assert sorted(j.shard for j in mine2) == sorted([0, 1] * len(mine1)), rule
+        assert {tuple(j.loads) for j in mine2} == {tuple(j.loads) for j in mine1}, rule
+        for p in {p for j in mine1 for p in j.work}:
+            for field in ("prefill_tokens", "boundary_rows", "dump_GB"):
+                whole = sum(getattr(j.work[p], field) for j in mine1 if p in j.work)
+                halves = [sum(getattr(j.work[p], field) for j in mine2 if p in j.work and j.shard == k)
+                          for k in (0, 1)]
+                assert abs(sum(halves) - whole) < 1e-9 * max(1.0, whole), (rule, p, field)
+                assert abs(halves[0] - halves[1]) < 1e-9 * max(1.0, whole), (rule, p, field)  # equal batches
+            whole = sum(j.work[p].steps.get(4, 0.0) for j in mine1 if p in j.work)
+            assert abs(sum(j.work[p].steps.get(4, 0.0) for j in mine2 if p in j.work) - whole) < 1e-9 * max(1, whole)
+    # 3 shards of 2 batches: the third has none and pays its overhead and loads only
+    three = projection.model_jobs(_shape_at(tmp_path, 3), {"bf16": 1e-6, "fp32": 2e-6})
+    empty = [j for j in three if j.shard == 2]
+    assert empty and all(not any(w.steps.get(4) for w in j.work.values()) for j in empty)
+    assert {j.rule: j.loads for j in empty if j.rule == "transplant_caches"} == {"transplant_caches": ["bf16"]}
+
+
+def test_the_jobs_wait_for_what_their_inputs_need():
+    shape = projection.run_shape(projection.config_run(
+        projection.load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2"]), 256, 2048, 1024,
+        {"bf16": 0.83}, 48))
+    jobs = projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
+    after = projection.job_dependencies(jobs, shape)
+    ledger = {f"{rule}_{p}_{k}" for rule in projection.LEDGER_RULES for p in ("bf16", "fp32") for k in (0, 1)}
+    assert after["reconstruct_prefixes_fp32_1"] == set()
+    # the 2x2 of a shard reads that shard's prefixes of the reference precision (bf16)
+    assert after["generate_fixed_prefix_fp32_1"] == {"reconstruct_prefixes_bf16_1"}
+    for name in ("audit_ledger_fp32_0", "check_batch_invariance_1", "measure_cache_differences_0",
+                 "transplant_caches_1", "find_minimal_transplants_0", "measure_divergence_onset_1", "dump_caches_0"):
+        assert after[name] == ledger, name
+
+
+def test_on_n_gpus_one_gpu_is_the_sum_and_more_gpus_shorten_the_wall(tmp_path):
+    run = _config_run(tmp_path)
+    overhead = projection.Overhead.from_seconds(5.0, 1.0)
+    one = projection.project_config(run, TRITON[:2], overhead, TRITON[2:], non_model_s=7.0)
+    rows = projection.on_gpus(run, TRITON[:2], overhead, [1, 2, 4], TRITON[2:], non_model_s=7.0)
+    assert [r["shards"] for r in rows] == [1, 2, 4] and [r["jobs_at_once"] for r in rows] == [1, 2, 4]
+    assert abs(rows[0]["wall_s"] - one["wall"]["predicted_s"]) < 1e-9  # one GPU: the jobs one after another
+    for r in rows:
+        assert r["model_jobs_s"] >= max(r["critical_path_s"], r["work_s"] / r["jobs_at_once"]) - 1e-9
+        assert abs(r["wall_s"] - r["model_jobs_s"] - 7.0) < 1e-9
+    assert rows[1]["wall_s"] < rows[0]["wall_s"]
+    # 4 shards of 2 batches: two of them empty, their jobs pay overhead; --shards 2 on 4 GPUs does not
+    fixed = projection.on_gpus(run, TRITON[:2], overhead, [4], TRITON[2:], shards=2, non_model_s=7.0)[0]
+    assert fixed["shards"] == 2 and fixed["work_s"] < rows[2]["work_s"]
+    try:
+        projection.on_gpus({**run, "config": {**run["config"], "gpus_per_job": 0}}, TRITON[:2], overhead, [2])
+    except ValueError as exc:
+        assert "gpus_per_job" in str(exc)
+    else:
+        raise AssertionError("gpus_per_job 0 was priced on N GPUs")
+
+
+def _rulegraph(workdir) -> dict:
+    """{rule: the rules whose outputs it reads}, from Snakemake's rule graph of the workflow in ``workdir``."""
+    from workflow_runner import snakemake
+
+    dot = snakemake(workdir, "--rulegraph", "--forceall").stdout
+    names = dict(re.findall(r'^\s*(\d+)\[label = "([^"]+)"', dot, re.M))
+    needs = {name: set() for name in names.values()}
+    for source, target in re.findall(r"^\s*(\d+) -> (\d+)", dot, re.M):
+        needs[names[target]].add(names[source])
+    return needs
+
+
+@pytest.mark.slow
+def test_the_dag_of_the_model_jobs_is_the_workflow_s(tmp_path):
+    """Each model rule waits for the model rules the workflow's rule graph puts before it (through the rules that
+    load no model: the gathers, the selection): the projection's job_dependencies, by rule."""
+    from workflow_runner import tiny_config
+
+    config = tiny_config(tmp_path, shards=2, batch_size=2, decode_regime="static", precisions=["bf16", "fp32"],
+                         reference_precision="bf16", gpus_per_job=1, transplant={"minimal": {"budget": 2}})
+    needs = _rulegraph(tmp_path)
+    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28))
+    jobs = projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
+    model = {j.rule for j in jobs}
+    assert model <= set(needs), sorted(model - set(needs))
+
+    def upstream(rule, seen):
+        out = set()
+        for before in needs[rule] - seen:
+            seen.add(before)
+            out |= {before} if before in model else upstream(before, seen)
+        return out
+
+    by_job = {j.name: j.rule for j in jobs}
+    after = projection.job_dependencies(jobs, shape)
+    for rule in model:
+        projected = {by_job[d] for j in jobs if j.rule == rule for d in after[j.name]}
+        assert projected == upstream(rule, set()), rule

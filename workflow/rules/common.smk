@@ -305,6 +305,7 @@ def baseline_kwargs(wildcards):
             answer_format=config["answer_format"],
             stage_end=config["stage_end"],
             constructions=list(config["transplant"]["constructions"]),
+            **shard_of(wildcards),
             **chunked(config["transplant"]["constructions"]),
         )
     )

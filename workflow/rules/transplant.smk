@@ -1,6 +1,7 @@
 # Stages 4 and 5: boundary-cache dumps and bidirectional K/V transplants, at every revision of transplant.revisions,
 # on the primary revision's prefix ids. Transplant settings live only in the params of the rules that use them, so
-# changing them reruns selection or transplants, never generation.
+# changing them reruns selection or transplants, never generation. Every rule here that loads a model runs one job
+# per shard over whole batches of the recorded plan; a gather joins the parts.
 
 
 rule replay_fixed_prefixes:
@@ -9,11 +10,11 @@ rule replay_fixed_prefixes:
         prefixes=f"{RESULTS}/{PRIMARY}/prefixes.parquet",
         selection=f"{RESULTS}/selection/items.parquet",
     output:
-        baseline=f"{RESULTS}/{{revision}}/replay_baseline.parquet",
+        baseline=f"{RESULTS}/{{revision}}/parts/replay_baseline_{{shard}}.parquet",
     log:
-        f"{LOGS}/{{revision}}/replay_fixed_prefixes.log",
+        f"{LOGS}/{{revision}}/replay_fixed_prefixes_{{shard}}.log",
     benchmark:
-        f"{BENCH}/{{revision}}/replay_fixed_prefixes.tsv"
+        f"{BENCH}/{{revision}}/replay_fixed_prefixes_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]
@@ -27,6 +28,21 @@ rule replay_fixed_prefixes:
         version=CODE_VERSION,
     script:
         "../scripts/replay_fixed_prefixes.py"
+
+
+rule gather_replay_baseline:
+    input:
+        baseline=shard_files("replay_baseline", ".parquet"),
+    output:
+        baseline=f"{RESULTS}/{{revision}}/replay_baseline.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_replay_baseline.log",
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_replay_baseline.py"
 
 
 rule select_transplant_items:

@@ -79,6 +79,16 @@ def recorded_batch_plan(path: str | Path) -> dict | None:
     return plans[0] if plans else None
 
 
+def recorded_stages(path: str | Path) -> list[str]:
+    """The stages that computed a results file's rows: its own, or for a gathered file its parts' (in order)."""
+    prov = read_provenance(path)
+    stages = []
+    for record in prov.get("parts") or [prov]:
+        if record.get("stage") and record["stage"] not in stages:
+            stages.append(record["stage"])
+    return stages
+
+
 REGIME_KEYS = ("decode_regime", "decode_max_len", "decode_max_rows", "decode_attention",
                "decode_prefill_group", "decode_kernels")
 

@@ -1,9 +1,10 @@
 """The stages that join what the model stages wrote, and the audit's check: no model, no torch.
 
 A model stage writes one part per shard (and precision); ``gather_ledger``, ``gather_prefixes``, ``gather_audit``,
-``gather_bridge`` and the gathers of the later model stages (transplants, the minimal search, onset, batch
-invariance, cache differences, fidelity and the cache dumps) join the parts in the order one job writes its rows,
-whatever the shard count, so that the gathered file is byte-identical to the one-shard run's; :func:`check_audit`
+``gather_bridge`` and the gathers of the later model stages (a later revision's replayed baseline, transplants, the
+minimal search, onset, batch invariance, cache differences, fidelity and the cache dumps) join the parts in the
+order one job writes its rows, whatever the shard count, so that the gathered file is byte-identical to the
+one-shard run's; :func:`check_audit`
 stops the pipeline when the audit, recomputed from the saved ledger, did not reproduce it. Their jobs import this
 module and the tables' schemas only, never torch, transformers or a decoder (``tests/test_job_imports.py``), so
 that each starts in well under a second instead of paying for a model stack it does not use.
@@ -162,6 +163,11 @@ def gather_caches(manifests: list[str], folders: list[str], out_dir: str, manife
 
 
 def gather_ledger(parts: list[str], out_path: str) -> None:
+    gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
+
+
+def gather_replay_baseline(parts: list[str], out_path: str) -> None:
+    """A later revision's replayed baseline (ledger rows of the transplant pair), in the ledger's order."""
     gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
 
 

@@ -121,6 +121,8 @@ class ReplaySettings(ModelSettings):
     max_new_tokens: int
     answer_format: str = "last_number"
     stage_end: str | None = "</think>"
+    shard: int = 0
+    n_shards: int = 1
     chunk_size: int = 16
     constructions: tuple[str, ...] = ("live", "prefill")
 

@@ -128,19 +128,21 @@ class Rebuild:
 
 
 def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s: ReplaySettings) -> None:
-    """The baseline of a non-primary revision: the transplant pair (``live`` rebuilt as ``incremental``) on the
-    primary revision's prefix ids at ``s.precision``, in the primary's batch plan, two replicas each."""
+    """The baseline of a non-primary revision for this shard's batches: the transplant pair (``live`` rebuilt as
+    ``incremental``) on the primary revision's prefix ids at ``s.precision``, in the primary's batch plan, two
+    replicas each (``gather_replay_baseline`` joins the shards' parts)."""
     prefixes = read_parquet(prefixes_path)
     prefixes = prefixes[(prefixes["precision"] == s.precision)]
     selection = read_parquet(items_path)
     plan = BatchPlan.from_record(recorded_batch_plan(prefixes_path))
-    batches = batches_of(selection.to_dict("records"), plan, source=prefixes_path)
+    batches = batches_of(selection.to_dict("records"), plan, s.shard, s.n_shards, source=prefixes_path)
     by_index = {int(r["item_index"]): r for r in prefixes.to_dict("records")}
     job = load_as_recorded(s, s.precision, prefixes_path)
     settings = job.run_settings(s, s.precision)
     pair = tuple(rebuilt_as(c) for c in s.constructions)
     rows = []
-    for batch in progress(batches, f"replay_fixed_prefixes {s.revision}/{s.precision}", enabled=s.progress):
+    for batch in progress(batches, f"replay_fixed_prefixes {s.revision}/{s.precision} shard {s.shard}",
+                          enabled=s.progress):
         refs = [by_index.get(int(item["item_index"])) for item in batch.items]
         prompts = [[int(i) for i in ref["prompt_ids"]] for ref in refs]
         stages = [[int(i) for i in ref["stage_ids"]] if ref["status"] == "ok" else None for ref in refs]

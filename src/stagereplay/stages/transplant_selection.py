@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from stagereplay.experiments.transplant import choose_transplant_items, rebuilt_as
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
-from stagereplay.io.provenance import software_versions
+from stagereplay.io.provenance import recorded_stages, software_versions
 
 log = logging.getLogger("stagereplay")
 
@@ -93,6 +93,6 @@ def select_transplant_items(baseline_path: str, out_path: str, *, revision: str,
 
 def baseline_pair(baseline_path: str, constructions) -> tuple[str, str]:
     """The pair as the baseline names it: a replayed baseline holds ``incremental`` where the pair says ``live``."""
-    if read_provenance(baseline_path).get("stage") == "replay_fixed_prefixes":
+    if "replay_fixed_prefixes" in recorded_stages(baseline_path):  # its parts' stage: the file is gathered
         return tuple(rebuilt_as(c) for c in constructions)
     return tuple(constructions)

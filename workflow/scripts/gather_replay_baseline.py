@@ -1,0 +1,9 @@
+import logging
+import sys
+
+sys.stderr = open(snakemake.log[0], "w")
+logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+
+from stagereplay.stages.gather import gather_replay_baseline
+
+gather_replay_baseline(list(snakemake.input.baseline), snakemake.output.baseline)
