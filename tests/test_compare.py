@@ -81,8 +81,12 @@ def test_the_readme_command_compares_two_runs_naming_the_one_factor_that_differs
         assert (cell["k"], cell["n"]) == (numbers["suffix_disagreements"]["k"], numbers["suffix_disagreements"]["n"])
         assert cell["wilson_high"] == numbers["suffix_disagreements"]["wilson_high"]
     assert {c["run"] for c in stats["divergence"]} == {"default", "invariant"}
-    assert "The runs have no fidelity table" in report and stats["fidelity"]["runs_without_table"] == [
-        "default", "invariant"]
+    # both runs measured fidelity (the default config's stage): each run's pairs are summarised from its own table
+    assert "The runs have no fidelity table" not in report and stats["fidelity"]["runs_without_table"] == []
+    for run in ("default", "invariant"):
+        table = pd.read_parquet(two_runs / "results" / run / "primary" / "fidelity.parquet")
+        cells = [c for c in stats["fidelity"]["cells"] if c["run"] == run]
+        assert sum(c["steps"] for c in cells) == len(table) > 0
     for name in ("divergence", "fidelity"):
         for fmt in ("png", "pdf"):
             assert (out / "figures" / f"{name}.{fmt}").stat().st_size > 1000
@@ -95,12 +99,13 @@ def test_a_changed_run_is_compared_again_and_one_that_fails_its_results_check_is
     shutil.rmtree(results / "compare", ignore_errors=True)
     snakemake(tmp_path, "--cores", "1", "compare", configfile=EXAMPLE)
     assert "Nothing to be done" in snakemake(tmp_path, "--cores", "1", "compare", configfile=EXAMPLE).stderr
-    # A results file the comparison reads appears: compared again (its files are no inputs of the rule, so that the
+    # A results file the comparison reads changes: compared again (its files are no inputs of the rule, so that the
     # runs themselves are never rebuilt; their recorded sha256 are in its params).
     write_parquet(fidelity_table(2, 3, 0.5, 0), results / "default" / "primary" / "fidelity.parquet", {"stage": "t"})
     proc = snakemake(tmp_path, "--cores", "1", "compare", configfile=EXAMPLE)
     assert "Params have changed since last execution" in proc.stdout + proc.stderr
-    assert "Run(s) `invariant` have no fidelity table" in (results / "compare" / "numerics" / "report.md").read_text()
+    stats = json.loads((results / "compare" / "numerics" / "stats.json").read_text())
+    assert sum(c["steps"] for c in stats["fidelity"]["cells"] if c["run"] == "default") == 2 * 3 * 2  # the new one
     shutil.rmtree(results / "compare")
     ledger = results / "invariant" / "primary" / "ledger.parquet"
     table = pq.read_table(ledger)
@@ -153,11 +158,12 @@ def fidelity_table(items: int, steps: int, zero_share: float, seed: int) -> pd.D
             for step in range(steps):
                 equal = bool(rng.random() < (zero_share if precision == "bf16" else 0.9))
                 kl = 0.0 if equal else float(10.0 ** rng.uniform(-10 if precision == "fp32" else -6, -2))
-                rows.append({"item_id": f"toy-{item}", "precision": precision, "reference": "incremental",
+                rows.append({"item_index": item, "item_id": f"toy-{item}", "revision": "primary",
+                             "precision": precision, "reference": "incremental",
                              "construction": "prefill", "step": step, "token_id": 5, "kl_forward": kl / 2,
                              "kl_reverse": kl / 2, "kl_sym": kl, "max_abs_logit_diff": 0.0 if equal else 0.01,
                              "margin_reference": 1.0, "margin_construction": 1.0, "argmax_differs": False,
-                             "logits_equal": equal})
+                             "logits_equal": equal, "cache_equal": equal})
     return pd.DataFrame(rows)
 
 

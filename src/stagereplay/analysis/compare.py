@@ -368,6 +368,7 @@ def figure_lines(figures: dict[str, str] | None, out_md: str) -> list[str]:
 def comparison(name: str, runs: list[RunResults]) -> tuple[list[str], dict, pd.DataFrame, dict, pd.DataFrame]:
     """The report's lines and stats, and the tables its figures draw (divergence cells, fidelity tables and their
     summary)."""
+    tables = fidelity_tables(runs)  # first: a fidelity table without its contract's columns is refused by name
     numbers = {run.label: run_numbers(run) for run in runs}
     findings = {run.label: run_findings(run, numbers[run.label]) for run in runs}
     lines = [f"# stagereplay comparison `{name}`", "",
@@ -383,7 +384,6 @@ def comparison(name: str, runs: list[RunResults]) -> tuple[list[str], dict, pd.D
     claim_lines, claims = claims_section(runs, findings)
     cells = divergence_cells(runs)
     divergence_lines, divergence = divergence_section(cells, runs)
-    tables = fidelity_tables(runs)
     summary = fidelity_summary(tables)
     fidelity_lines, fidelity = fidelity_section(runs, tables, summary)
     lines += factor_lines + claim_lines + divergence_lines + fidelity_lines
