@@ -220,7 +220,7 @@ class RunShape:
     divergent: dict
     recorded: dict
     skip: float = 0.0  # steps a built construction skips in lockstep: a batch's shortest stage less one (mean)
-    schedule: str = "lockstep"  # a built construction's schedule in a batch: lockstep, or suffix (see ``cell``)
+    schedule: str = "suffix"  # a built construction's schedule in a batch: lockstep, or suffix (see ``cell``)
     lookahead: bool = False  # the greedy loop overlapped the host's work with the device's (see ``price``)
     sources: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
@@ -310,6 +310,11 @@ def spread(total: float, like: dict, rows: int) -> dict:
 
 
 SCHEDULES = ("lockstep", "suffix")
+SCHEDULE = "suffix"  # the decoder's schedule now (decode/greedy.py); lockstep kept to price runs made before it
+VOCAB = 151936  # Qwen2.5's vocabulary (the 14B's 152064): measure_fidelity's logits per row and step
+# measure_fidelity's work beside its steps, per row-step, where --overhead-json does not give it (see the docstring):
+OBSERVE_S = 1.0e-5  # one torch op a row and step (the logits' copy): a CUDA launch's host cost, assumed
+COMPARE_S = 2.2e-5  # 16.5 us host (the table row and its DataFrame, timed on the VM's CPU) + 5.8 us device (bound)
 
 
 def run_shape(run: dict) -> RunShape:
@@ -332,7 +337,7 @@ def run_shape(run: dict) -> RunShape:
         # a run that did not record its batches' shortest stages was made before built constructions skipped
         shape.skip = shape.count("batch_stage_shortest", lambda _: ledger.get("batch_stage_shortest"), lambda: 1.0) - 1
     shape.batches = shape.count("batches", lambda r: r["batches"], lambda: math.ceil(n / rows))
-    shape.schedule = run.get("schedule", "lockstep")
+    shape.schedule = run.get("schedule", SCHEDULE)
     if shape.schedule not in SCHEDULES:
         raise ValueError(f"schedule {shape.schedule!r}: give one of {', '.join(SCHEDULES)}")
     loop = run.get("greedy_loop")
@@ -368,6 +373,8 @@ class Work:
     matcher_row_steps: float = 0.0
     dump_GB: float = 0.0
     segments: dict = field(default_factory=dict)  # (rows, start, count) -> multiplicity
+    observed_row_steps: float = 0.0  # rows' fp32 logits copied and kept at a suffix step (measure_fidelity)
+    compared_row_steps: float = 0.0  # compared rows' steps: step_measures and the table row (measure_fidelity)
 
     def __add__(self, other: "Work") -> "Work":
         steps = dict(self.steps)
@@ -377,12 +384,15 @@ class Work:
         for key, times in other.segments.items():
             segments[key] = segments.get(key, 0.0) + times
         return Work(steps, self.prefill_tokens + other.prefill_tokens, self.boundary_rows + other.boundary_rows,
-                    self.matcher_row_steps + other.matcher_row_steps, self.dump_GB + other.dump_GB, segments)
+                    self.matcher_row_steps + other.matcher_row_steps, self.dump_GB + other.dump_GB, segments,
+                    self.observed_row_steps + other.observed_row_steps,
+                    self.compared_row_steps + other.compared_row_steps)
 
     def __mul__(self, k: float) -> "Work":
         return Work({rows: count * k for rows, count in self.steps.items()}, self.prefill_tokens * k,
                     self.boundary_rows * k, self.matcher_row_steps * k, self.dump_GB * k,
-                    {key: times * k for key, times in self.segments.items()})
+                    {key: times * k for key, times in self.segments.items()}, self.observed_row_steps * k,
+                    self.compared_row_steps * k)
 
     __rmul__ = __mul__
 
@@ -462,6 +472,8 @@ class JobWork:
     shard: int = 0
     precision: str | None = None  # the job's own precision (a rule with one job per precision and shard)
     seconds: float | None = None  # projected (``projected_rules``)
+    lookahead: bool = True  # False: its loop observes or forces every step, so the lookahead is off (``price``)
+    logits_GB: float = 0.0  # peak fp32 logits it keeps on the device (measure_fidelity)
 
 
 # ---- counts per rule ---------------------------------------------------------------------------------------------
@@ -670,13 +682,54 @@ def measure_divergence_onset(shape: RunShape) -> list[JobWork]:
     return per_shard_jobs(shape, "measure_divergence_onset", list(counted), per_shard)
 
 
-def model_jobs(shape: RunShape, kv_GB_per_position: dict) -> list[JobWork]:
+def fidelity_items(shape: RunShape) -> int:
+    """Items ``fidelity.items`` compares (all, or a sample of N), none where ``fidelity.constructions`` is empty."""
+    settings = shape.config["fidelity"]
+    if not settings["constructions"]:
+        return 0
+    items = settings["items"]
+    return shape.n if items == "all" else min(int(items), shape.n)
+
+
+def fidelity_cells(shape: RunShape, rows: int, compared: float) -> Work:
+    """One batch of measure_fidelity (``fidelity_batch``): ``live`` regenerated with its suffix, and each of
+    ``fidelity.constructions`` teacher-forced through live's suffix (a cell of its construction with the suffix:
+    the same steps, the ids forced); every row's fp32 logits kept at each of its N suffix steps on both sides, and
+    ``compared`` rows (those wanted) compared step by step."""
+    names = list(shape.config["fidelity"]["constructions"])
+    work = cell(shape, "live", rows=rows) + total(cell(shape, c, rows=rows) for c in names)
+    work.observed_row_steps = rows * shape.N * (1 + len(names))
+    work.compared_row_steps = compared * shape.N * len(names)
+    return work
+
+
+def measure_fidelity(shape: RunShape, vocab: int = 0) -> list[JobWork]:
+    """Per precision and shard, every batch holding a compared item (``fidelity.items``): ``fidelity_cells``; none
+    where ``fidelity.constructions`` is empty. The loop observes (and forces) every step, so its lookahead is off.
+    Its peak logits on the device: the reference's kept rows plus one construction's, rows x N_b x vocab x 4 B each."""
+    k = fidelity_items(shape)
+    if not k:
+        return []
+    jobs = []
+    for p in shape.precisions:
+        for shard in range(shape.shards):
+            held = shape.held(f"fidelity_batches_{p}", lambda r: r["fidelity"][p]["batches"], k, shard)
+            work = by_kind(held, lambda rows: fidelity_cells(shape, rows, rows * k / shape.n))
+            job = JobWork("measure_fidelity", f"measure_fidelity_{p}_{shard}", [p], {p: work}, shard, p,
+                          lookahead=False)
+            job.logits_GB = 2 * max(held, default=0) * shape.N_b * vocab * 4 / 1e9 if any(held.values()) else 0.0
+            jobs.append(job)
+    return jobs
+
+
+def model_jobs(shape: RunShape, kv_GB_per_position: dict, vocab: int = 0) -> list[JobWork]:
     """Every model job of the run, with the work it decodes."""
     jobs = []
     for rule in (reconstruct_prefixes, generate_fixed_prefix, audit_ledger, check_batch_invariance,
                  measure_cache_differences, transplant_caches, find_minimal_transplants, measure_divergence_onset):
         jobs += rule(shape)
     jobs += dump_caches(shape, kv_GB_per_position)
+    jobs += measure_fidelity(shape, vocab)
     return jobs
 
 
@@ -763,6 +816,8 @@ class Overhead:
     greedy_step_s: dict = field(default_factory=dict)  # rows -> host seconds per decode step (greedy choice, sync)
     matcher_s_per_row_step: float = 0.0
     fingerprint_GB_s: float | None = None
+    observe_s_per_row_step: float = 0.0  # measure_fidelity: a row's fp32 logits copied and kept, per step
+    compare_s_per_row_step: float = 0.0  # measure_fidelity: step_measures and the table row, per compared step
 
     @classmethod
     def from_seconds(cls, overhead_s: float, load_s: float = 0.0) -> "Overhead":
@@ -773,7 +828,8 @@ class Overhead:
     def from_json(cls, measured: dict) -> "Overhead":
         return cls(measured["start_s"], measured["load_s"], measured.get("first_load_extra_s", 0.0),
                    {int(r): s for r, s in measured.get("greedy_step_s", {}).items()},
-                   measured.get("matcher_s_per_row_step", 0.0), measured.get("fingerprint_GB_s"))
+                   measured.get("matcher_s_per_row_step", 0.0), measured.get("fingerprint_GB_s"),
+                   measured.get("observe_s_per_row_step", OBSERVE_S), measured.get("compare_s_per_row_step", COMPARE_S))
 
     def of_job(self, loads: list) -> float:
         """Start, and one load per precision loaded (one not measured: the mean of those measured)."""
@@ -794,6 +850,7 @@ class Rates:
     def __init__(self, measures: list[dict], overhead: Overhead, warnings: list):
         self.by = {(m["precision"], int(m["rows"])): m for m in measures}
         self.overhead, self.warnings = overhead, warnings
+        self.vocab = VOCAB  # measure_fidelity's logits (the measures record no vocabulary)
 
     def nearest(self, precision: str, rows: int) -> dict:
         """The measure at ``precision`` whose row count is nearest ``rows``."""
@@ -860,7 +917,7 @@ def steps_seconds(m: dict, start: float, count: float, buffer: float) -> float:
     return decode_seconds(at, int(round(start)), whole, bucketed=True) * m["rows"] * count / whole
 
 
-def price(work: Work, precision: str, shape: RunShape, rates: Rates) -> dict:
+def price(work: Work, precision: str, shape: RunShape, rates: Rates, lookahead: bool = True) -> dict:
     """Seconds of one precision's work, by part. A decode step is priced at the measure for its rows: at the whole
     buffer (``shape.span``) for a measure of the masked attention, at its own position for one of the triton
     attention (``by_position``)."""
@@ -875,21 +932,25 @@ def price(work: Work, precision: str, shape: RunShape, rates: Rates) -> dict:
             decode += count * step_seconds(m, shape.span)
     host = sum(count * rates.overhead.greedy(rows) for rows, count in steps.items())
     host += work.matcher_row_steps * rates.overhead.matcher_s_per_row_step
-    if shape.lookahead:
+    if shape.lookahead and lookahead:
         # the greedy loop's lookahead: the host checks a step while the device runs the next one, so only host work
         # beyond the device's is left (counted in aggregate, a lower bound of the step-by-step excess)
         host = max(0.0, host - decode)
     measure = rates.nearest(precision, shape.rows)  # its prefill and dump rates
     fingerprint_GB = work.boundary_rows * shape.boundary_positions * rates.kv_GB_per_position(precision)
     fingerprint = fingerprint_GB / rates.overhead.fingerprint_GB_s if rates.overhead.fingerprint_GB_s else 0.0
-    return {"decode_s": decode, "prefill_s": work.prefill_tokens / measure["prefill_tokens_s"],
-            "dump_s": work.dump_GB / measure["dump_GB_s"], "host_s": host, "fingerprint_s": fingerprint}
+    out = {"decode_s": decode, "prefill_s": work.prefill_tokens / measure["prefill_tokens_s"],
+           "dump_s": work.dump_GB / measure["dump_GB_s"], "host_s": host, "fingerprint_s": fingerprint}
+    if work.observed_row_steps or work.compared_row_steps:  # measure_fidelity's logits kept and compared
+        out["fidelity_s"] = (work.observed_row_steps * rates.overhead.observe_s_per_row_step
+                             + work.compared_row_steps * rates.overhead.compare_s_per_row_step)
+    return out
 
 
 def job_seconds(job: JobWork, shape: RunShape, rates: Rates) -> dict:
     parts = {"overhead_s": rates.overhead.of_job(job.loads)}
     for precision, work in job.work.items():
-        for part, seconds in price(work, precision, shape, rates).items():
+        for part, seconds in price(work, precision, shape, rates, job.lookahead).items():
             parts[part] = parts.get(part, 0.0) + seconds
     return {"s": sum(parts.values()), **parts}
 
@@ -944,7 +1005,7 @@ def rates_for(shape: RunShape, measures: list[dict], overhead: Overhead, measure
 
 def projected_rules(shape: RunShape, rates: Rates) -> tuple[dict, list[JobWork]]:
     """{rule: jobs, projected seconds and their parts} and the jobs."""
-    jobs = model_jobs(shape, {p: rates.kv_GB_per_position(p) for p in shape.precisions})
+    jobs = model_jobs(shape, {p: rates.kv_GB_per_position(p) for p in shape.precisions}, rates.vocab)
     rules = {}
     for job in jobs:
         priced = job_seconds(job, shape, rates)
@@ -952,9 +1013,20 @@ def projected_rules(shape: RunShape, rates: Rates) -> tuple[dict, list[JobWork]]
         rule = rules.setdefault(job.rule, {"jobs_projected": 0, "projected_s": 0.0, "parts": {}})
         rule["jobs_projected"] += 1
         rule["projected_s"] += priced["s"]
+        if job.logits_GB:
+            rule["peak_logits_GB"] = max(rule.get("peak_logits_GB", 0.0), job.logits_GB)
         for part, seconds in priced.items():
             if part != "s":
                 rule["parts"][part] = rule["parts"].get(part, 0.0) + seconds
+    if "measure_fidelity" in rules:
+        o, r = rates.overhead, rules["measure_fidelity"]
+        note = (f"measure_fidelity: its loop observes every step (lookahead off: the greedy host work counted whole); "
+                f"the logits kept priced at {o.observe_s_per_row_step * 1e6:.1f} us a row-step, the comparison at "
+                f"{o.compare_s_per_row_step * 1e6:.1f} us a compared row-step ({r['parts'].get('fidelity_s', 0):.1f} s "
+                f"in all; rates assumed, not measured on the device, unless --overhead-json gives them); its peak "
+                f"fp32 logits on the device {r.get('peak_logits_GB', 0):.1f} GB a job (vocabulary {rates.vocab}), "
+                "beside the weights and the cache: not checked against the device's memory")
+        shape.warnings.append(note)
     return rules, jobs
 
 
@@ -981,7 +1053,8 @@ def compare(run: dict, measures: list[dict], overhead: Overhead, measures_batch1
     absent = sorted(name for name, r in rules.items() if r["status"] == "absent from the run")
     return {"rules": rules, "model_jobs": model, "absent_rules": absent, "wall": wall(run, shape, rules),
             "sources": shape.sources, "warnings": shape.warnings,
-            "shape": {k: getattr(shape, k) for k in ("n", "rows", "batches", "P", "S", "N", "W", "S_b", "N_b", "span")},
+            "shape": {k: getattr(shape, k) for k in ("n", "rows", "batches", "P", "S", "N", "W", "S_b", "N_b", "span",
+                                                     "schedule")},
             "overhead": {"start_s": overhead.start_s, "load_s": overhead.load_s,
                          "first_load_extra_s": overhead.first_load_extra_s}}
 
@@ -1031,6 +1104,7 @@ def render(report: dict) -> str:
                  f"another + {s(w['non_model_s'])} s measured without a model job running, from {w['from']}), "
                  f"relative error {werr}" + (f" ({w['why_not_compared']})" if w.get("why_not_compared") else "")
                  + (f"; residual {s(w['residual_s'])} s" if w["residual_s"] is not None else ""))
+    lines.append(f"schedule: {report['shape']['schedule']}")
     if report["absent_rules"]:
         lines.append(f"absent from the run: {', '.join(report['absent_rules'])}")
     derived = sorted(k for k, v in report["sources"].items() if v == "derived")
@@ -1067,7 +1141,7 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
 
 
 def config_run(config: dict, prompt: float, stage: float, suffix: float, divergent: dict, layers: int,
-               shortest_stage: float | None = None, schedule: str = "lockstep") -> dict:
+               shortest_stage: float | None = None, schedule: str = SCHEDULE) -> dict:
     """What ``run_shape`` reads of a run, for one not made: the config, the ledger's lengths (a batch's longest prompt,
     stage and suffix taken equal to the means; its shortest stage ``shortest_stage``, else the mean too), the
     divergent shares and the model's layer count; no counts recorded, so every other count is derived from the
@@ -1164,7 +1238,7 @@ def project_config(run: dict, measures: list[dict], overhead: Overhead, measures
                                   "and reports)"},
               "arms": arm_counts(jobs, shape, rates), "sources": shape.sources, "warnings": shape.warnings,
               "shape": {k: getattr(shape, k) for k in ("n", "rows", "batches", "P", "S", "N", "W", "S_b", "N_b",
-                                                       "span")},
+                                                       "span", "schedule")},
               "batches_by_rows": shape.kinds(),
               "overhead": {"start_s": overhead.start_s, "load_s": overhead.load_s,
                            "first_load_extra_s": overhead.first_load_extra_s,
@@ -1443,6 +1517,7 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
     if args.fingerprint_GB_s:
         overhead.fingerprint_GB_s = args.fingerprint_GB_s
     config = load_config(args.config, args.set)
+    args.schedule = args.schedule or SCHEDULE
     run = config_run(config, *lengths, parse_shares(args.divergent), args.layers, args.stage_shortest,
                      args.schedule)
     measures = load_measures(args.measures)
@@ -1484,6 +1559,11 @@ def main(argv=None) -> int:
                     help="the part of --overhead-s a job pays again for each further precision it loads")
     ap.add_argument("--overhead-json", help="--measure-overhead's JSON (start, loads and host rates)")
     ap.add_argument("--json", help="write the comparison (or the overhead measured) here")
+    ap.add_argument("--schedule", choices=SCHEDULES, default=None,
+                    help="a built construction's schedule in a batch of several rows: suffix (only its suffix steps, "
+                         "from each row's boundary: the decoder's now; the default with --config, and with --run where "
+                         "the run records none) or lockstep (the live schedule's steps: runs made before the suffix "
+                         "schedule). With --run it overrides the run's recorded schedule")
     made = ap.add_argument_group("--config: a run not made, projected from its config and lengths")
     made.add_argument("--config", help="a workflow config (YAML); the schema's defaults filled as the workflow does")
     made.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -1496,9 +1576,7 @@ def main(argv=None) -> int:
                       help="a batch's shortest stage (a built construction skips the steps before its boundary); "
                            "default: --stage, as if every stage had the mean length")
     made.add_argument("--layers", type=int, help="the model's layer count (the transplant sweeps' specs)")
-    made.add_argument("--schedule", choices=SCHEDULES, default="lockstep",
-                      help="a built construction's schedule in a batch of several rows: lockstep (the live "
-                           "schedule's steps, today's) or suffix (only its suffix steps, from each row's boundary)")
+
     made.add_argument("--gpus", type=int, nargs="+", metavar="N",
                       help="also the wall on N GPUs of one host (e.g. 1 2 4 8): shards = N, the rule DAG's jobs "
                            "placed on them")
@@ -1553,7 +1631,10 @@ def main(argv=None) -> int:
                 else Overhead.from_seconds(args.overhead_s, args.load_s))
     if args.config:
         return main_config(args, ap, overhead, measured)
-    report = compare(json.loads(Path(args.run).read_text()), load_measures(args.measures), overhead,
+    run = json.loads(Path(args.run).read_text())
+    if args.schedule:
+        run["schedule"] = args.schedule
+    report = compare(run, load_measures(args.measures), overhead,
                      load_measures(args.measures_batch1) if args.measures_batch1 else None)
     print(render(report))
     if args.json:

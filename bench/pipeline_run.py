@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the
 
 
 GREEDY_LOOP = {"lookahead": "cuda_graph", "built_constructions_skip_before_first_boundary": True}
+SCHEDULE = "suffix"  # a built construction decodes only its suffix steps in a batch (decode/greedy.py)
 
 def write_config(work: Path, args) -> Path:
     config = {
@@ -340,6 +341,7 @@ def main() -> int:
         # what the package's greedy loop does, which bench/pipeline_projection.py prices (runs made before these
         # lack the key): the lookahead in the cuda_graph regime, built constructions' skip before the first boundary
         "greedy_loop": GREEDY_LOOP,
+        "schedule": SCHEDULE,
     }
     text = json.dumps(report, indent=1)
     print(text)

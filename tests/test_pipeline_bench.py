@@ -98,8 +98,8 @@ MEASURES = [_measure("bf16", 4, 0.01), _measure("fp32", 4, 0.03)]
 MEASURES_BATCH1 = [_measure("bf16", 1, 0.008), _measure("fp32", 1, 0.02)]
 
 
-def _run(n_items=8, batch_size=4, sample=2, bridge_rows=0, counts=None, rules=None, **config):
-    return {"status": "complete", "wall_s": 100.0, "gpu_slots": 1,
+def _run(n_items=8, batch_size=4, sample=2, bridge_rows=0, counts=None, rules=None, schedule="lockstep", **config):
+    return {**({"schedule": schedule} if schedule else {}), "status": "complete", "wall_s": 100.0, "gpu_slots": 1,
             "config": {"run": "bench", "n_items": n_items, "model": "/nonexistent", "revisions": ["local"],
                        "precisions": ["bf16", "fp32"], "max_new_tokens": N, "max_stage_tokens": S + 4,
                        "batch_size": batch_size, "decode_regime": "static", "gpus_per_job": 1,
@@ -236,3 +236,23 @@ def test_the_snakemake_log_gives_every_jobs_start_and_end(tmp_path):
                    "1 of 2 steps (50%) done\n[Tue Dec  1 10:45:09 2026]\nFinished jobid: 7 (Rule: gather_ledger)\n")
     assert pipeline_run.log_job_times(log) == [{"rule": "select_items", "start_s": 0.0, "end_s": 6.0},
                                                {"rule": "gather_ledger", "start_s": 4.0, "end_s": 15.0}]
+
+
+def test_fidelity_counts_live_and_each_construction_per_batch_and_defaults_to_suffix():
+    """8 items at batch 4, fidelity of prefill and chunked: per precision one job, 2 batches each decoding live
+    (S + N - 1 steps) and both constructions from their boundaries (N steps each, the suffix schedule by default);
+    every row's logits kept at N steps on 3 sides, every row compared on 2; none with no constructions."""
+    run = _run(n_items=8, schedule=None, fidelity={"constructions": ["prefill", "chunked"], "items": "all", "seed": 0})
+    shape = projection.run_shape(run)
+    assert shape.schedule == "suffix"
+    jobs = _jobs(run, "measure_fidelity")
+    assert [j.name for j in jobs] == ["measure_fidelity_bf16_0", "measure_fidelity_fp32_0"]
+    for job in jobs:
+        work = job.work[job.precision]
+        assert not job.lookahead
+        assert work.steps[4] == 2 * ((S - 1 + N) + N + N)
+        assert work.observed_row_steps == 2 * 4 * N * 3
+        assert work.compared_row_steps == 2 * 4 * N * 2
+    assert _jobs(_run(n_items=8, fidelity={"constructions": [], "items": "all", "seed": 0}), "measure_fidelity") == []
+    lockstep = projection.run_shape({**run, "schedule": "lockstep"})
+    assert lockstep.schedule == "lockstep"
