@@ -41,15 +41,16 @@ share of items whose matched live and prefill suffixes differ at precision p.
 
 One *cell* is one construction decoded over one batch (``decode_rows``):
 
-- batch > 1, the ``lockstep`` schedule (``--schedule lockstep``, the default: the live schedule for every
-  construction): the prompts in one forward (B * W tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a
+- batch > 1, the ``lockstep`` schedule (``--schedule lockstep``: the live schedule for every construction, as
+  the decoder ran before the suffix schedule; price runs made then with it): the prompts in one forward (B * W tokens), then S_b + N_b - 1 steps at B rows (S_b - 1 without a
   suffix). ``prefill`` first builds its caches in one forward of B * (W + S_b - 1) tokens; ``chunked`` and
   ``prefix_cached`` build theirs by per-row forwards of their segments (priced as one batch-1 step each plus their
   tokens at the prefill rate: not measured as such). A built construction (``prefill``, ``chunked``,
   ``prefix_cached``) skips the steps before the batch's first boundary, K = s_b - 1 of them (s_b: the mean over
   batches of a batch's shortest stage; the ledger's ``batch_stage_shortest``, 1 for a run that did not record it,
   made before the skip): S_b + N_b - 1 - K steps from cache length W + K.
-- batch > 1, the ``suffix`` schedule (``--schedule suffix``; a run's JSON may record ``schedule``, else lockstep):
+- batch > 1, the ``suffix`` schedule (the default, the decoder's now: decode/greedy.py; a run's JSON may record
+  ``schedule``, a run that records none is priced as suffix):
   ``live`` and ``incremental`` as in lockstep; a built construction builds its caches as there (the same
   forwards and tokens) and then decodes only N_b steps at B rows (none without a suffix), each row from its own
   boundary (priced from the rows' mean, cache length W + S - 1): no prompt forward, no teacher-forced stage step,

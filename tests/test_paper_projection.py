@@ -38,7 +38,8 @@ MASKED, TRITON = _measures(16), _measures(1)
 SMALL = {"run": "small", "n_items": 8, "model": "/nonexistent", "revisions": ["local"], "precisions": ["bf16", "fp32"],
          "max_stage_tokens": STAGE_BUDGET, "max_new_tokens": N, "batch_size": 4, "decode_regime": "static",
          "gpus_per_job": 1, "bridge": {"n_rows": 8, "seed": 0}, "batch_invariance": {"sample": 2, "seed": 0},
-         "cache_differences": {"n_items": 8, "precisions": ["bf16", "fp32"]}, "transplant": {"minimal": {"budget": 4}}}
+         "cache_differences": {"n_items": 8, "precisions": ["bf16", "fp32"]}, "transplant": {"minimal": {"budget": 4}},
+         "fidelity": {"constructions": []}}  # the fidelity stage off here (tests/test_pipeline_bench.py prices it)
 DIVERGENT = {"bf16": 1.0, "fp32": 0.0}
 # what bench/pipeline_run.py records of a run of SMALL where every bf16 item diverged and every search used its budget
 RECORDED = {"batches": 2, "decode": {"decode_max_len": P + STAGE_BUDGET + N}, "num_layers": 28,
@@ -70,13 +71,14 @@ def test_a_built_construction_skips_the_steps_before_the_batch_s_first_boundary(
     ``advance``); live and incremental decode the whole schedule. A run that did not record its shortest stages was
     made before the skip and is counted without it."""
     config = _config_run(tmp_path)["config"]
-    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12))
+    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+                                                       schedule="lockstep"))
     assert shape.skip == 11
     assert projection.cell(shape, "incremental").segments == {(4, P, S - 1 + N): 1.0}
     for name in ("prefill", "chunked", "prefix_cached"):
         assert (4, P + 11, S - 1 + N - 11) in projection.cell(shape, name).segments
     assert projection.cell(shape, "prefill", suffix=False).segments == {(4, P + 11, S - 1 - 11): 1.0}
-    old = _recorded_run()
+    old = {**_recorded_run(), "schedule": "lockstep"}
     del old["ledger"]["batch_stage_shortest"]
     before = projection.run_shape(old)
     assert before.skip == 0 and before.sources["batch_stage_shortest"] == "derived"
@@ -200,7 +202,8 @@ def test_the_measured_1_5b_run_is_priced_as_before():
               "measure_cache_differences": 30.38921276764396, "transplant_caches": 50.31544609311683,
               "find_minimal_transplants": 29.775843969680597, "measure_divergence_onset": 18.038928470574177,
               "dump_caches": 18.303169622574178}
-    report = projection.compare(json.loads((folder / "run32.json").read_text()),
+    run = {**json.loads((folder / "run32.json").read_text()), "schedule": "lockstep"}  # made before the suffix one
+    report = projection.compare(run,
                                 _measures_from_log(folder / "meas16.log"),
                                 projection.Overhead.from_json(json.loads((folder / "overhead.json").read_text())),
                                 _measures_from_log(folder / "meas1.log"))
@@ -266,7 +269,8 @@ def test_the_suffix_schedule_decodes_only_a_built_construction_s_suffix_in_a_bat
     batch's N suffix steps from the rows' boundary (W + S - 1), without the prompt forward; live and incremental
     keep the live schedule's S + N - 1 steps; a row alone is the same in both schedules."""
     config = _config_run(tmp_path)["config"]
-    lockstep = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12))
+    lockstep = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+                                                          schedule="lockstep"))
     suffix = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
                                                         schedule="suffix"))
     assert suffix.schedule == "suffix" and lockstep.schedule == "lockstep"
