@@ -94,6 +94,13 @@ a count of items (the batch-invariance sample, the dumped bytes) its share of th
   holding one, the Rebuild.
 - replay_fixed_prefixes (per shard, transplant revisions other than the primary; bench/pipeline_run.py runs none):
   not projected.
+- measure_fidelity (per precision and shard; none with ``fidelity.constructions`` empty): per batch holding a
+  compared item (``fidelity.items``: all, or a sample), a ``live`` cell with its suffix and one cell per construction
+  of ``fidelity.constructions`` (teacher-forced through live's suffix, from its boundaries in the suffix schedule).
+  The loop observes every step, so the lookahead is off and the greedy host work counts in full; besides, per row and
+  suffix step, the fp32 logits kept on the device and the per-step comparison (KL, logit difference), at rates from
+  ``--overhead-json`` or, where it gives none, assumed (10 us and 22 us a row-step: not measured on a GPU; the
+  output says so). Against the measured H200 run it projects 0.70 of the stage's time (bench/RESULTS.md).
 
 Counts read from the run's results where it recorded them (``counts`` in RUN.json: the batches, the batches
 holding bridge rows, the batch-invariance rows, the cache-difference batches, the dumped items and bytes, the
