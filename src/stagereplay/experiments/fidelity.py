@@ -107,10 +107,13 @@ class _Logits:
     """Each row's fp32 logits at every suffix step, as :func:`decode_rows`'s ``observe`` hands them (copied: the
     decoder may reuse the tensor)."""
 
-    def __init__(self):
+    def __init__(self, rows: set[int] | None = None):
         self.rows: dict[int, list] = {}
+        self.wanted = rows  # the batch rows whose logits are kept (None: all): what the device holds grows with them
 
     def __call__(self, row: int, step: int, logits) -> None:
+        if self.wanted is not None and row not in self.wanted:
+            return
         steps = self.rows.setdefault(row, [])
         if step != len(steps):
             raise RuntimeError(f"row {row}: suffix step {step} observed after {len(steps)} steps")
@@ -156,7 +159,8 @@ def fidelity_batch(decoder: Decoder, batch: Batch, prompts: list[list[int]], set
         if name == REFERENCE or not constructions.get(name).rebuildable:
             raise ValueError(f"fidelity.constructions: {name!r} cannot be compared with the {REFERENCE} reference "
                              "(it is the reference, or cannot be rebuilt from the prefix ids)")
-    seen = _Logits()
+    kept = None if wanted is None else {r for r, item in enumerate(batch.items) if int(item["item_index"]) in wanted}
+    seen = _Logits(kept)
     reference = run(decoder, REFERENCE, prompts, settings, matcher=matcher, observe=seen)
     for r, item in enumerate(batch.items):
         _check_reference(item, reference[r], recorded.get(int(item["item_index"])), settings.precision)
@@ -164,7 +168,7 @@ def fidelity_batch(decoder: Decoder, batch: Batch, prompts: list[list[int]], set
     suffixes = [list(res.suffix_ids) if res.stage_ids else None for res in reference]
     rows = []
     for name in pair_constructions:
-        forced = _Logits()
+        forced = _Logits(kept)
         other = run(decoder, name, prompts, settings, stages=stages, suffixes=suffixes, observe=forced)
         for r, item in enumerate(batch.items):
             index = int(item["item_index"])
