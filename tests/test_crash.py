@@ -148,12 +148,14 @@ def test_killed_in_the_middle_of_a_dump_then_rerun_incomplete(tmp_path):
     assert 0 < len(dumped) < 2 * 12  # caught in the middle
     for path in dumped:  # every dump under its own name is whole: its bytes match the fingerprints inside it
         cache_io.load_cache(path)
+    # the other shard's dump ran before the killed one, or never started (one job at a time, in Snakemake's order)
+    other_done = (tmp_path / "results/crash/primary/parts/caches_1.parquet").exists()
     subprocess.run(snakemake_command(tmp_path, "--unlock"), check=True, capture_output=True)
     rerun = subprocess.run(snakemake_command(tmp_path, "--cores", "1", "--rerun-incomplete",
                                          str(manifest.relative_to(tmp_path))), capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    # the killed shard's dump again (--rerun-incomplete), the other shard's (never started), then their gather
+    # the killed shard's dump again (--rerun-incomplete), the other shard's unless it had finished, then their gather
     assert sorted(re.findall(r"^(?:local)?rule (\w+):", rerun.stderr, flags=re.M)) == [
-        "dump_caches", "dump_caches", "gather_caches"], rerun.stderr[-3000:]
+        "dump_caches"] * (1 if other_done else 2) + ["gather_caches"], rerun.stderr[-3000:]
     assert "reason: Forced execution" in rerun.stderr.split("output: results/crash/primary/parts/caches_0,")[1][:400]
     assert len(read_parquet(manifest)) == 2 * 12 == len(list(caches.glob("*.safetensors")))
