@@ -12,7 +12,7 @@ import pytest
 
 from stagereplay.data.datasets import choose_items, load_synthetic
 from stagereplay.io.parquet import read_provenance
-from stagereplay.stages.gather import gather_caches, gather_replay_baseline, gather_transplants
+from stagereplay.stages.gather import gather_caches, gather_ledger, gather_transplants
 from toy_divergence import DEFAULT_BOUNDARY, toy_items
 from workflow_runner import REPO, snakemake, tiny_config
 
@@ -178,8 +178,7 @@ def test_every_model_stage_splits_by_whole_batches_with_the_same_bytes(tmp_path)
     differs = compare_tables(out / "reordered", out / "missing")
     assert differs.returncode == 1 and "primary/transplant.parquet: DIFFERS" in differs.stdout, differs.stdout
     later = results[3] / "later/parts"
-    gather_replay_baseline([str(later / f"replay_baseline_{k}.parquet") for k in (0, 1, 1)],
-                           str(out / "twice.parquet"))
+    gather_ledger([str(later / f"replay_baseline_{k}.parquet") for k in (0, 1, 1)], str(out / "twice.parquet"))
     assert sha256(out / "twice.parquet") != same["later/replay_baseline.parquet"]
     with pytest.raises(FileExistsError, match="the parts overlap"):
         gather_caches([str(parts / "caches_0.parquet")] * 2, [str(parts / "caches_0")] * 2, str(out / "caches"),

@@ -4,6 +4,6 @@ import sys
 sys.stderr = open(snakemake.log[0], "w")
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 
-from stagereplay.stages.gather import gather_replay_baseline
+from stagereplay.stages.gather import gather_ledger  # a replayed baseline is ledger rows
 
-gather_replay_baseline(list(snakemake.input.baseline), snakemake.output.baseline)
+gather_ledger(list(snakemake.input.baseline), snakemake.output.baseline)

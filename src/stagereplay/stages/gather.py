@@ -163,11 +163,8 @@ def gather_caches(manifests: list[str], folders: list[str], out_dir: str, manife
 
 
 def gather_ledger(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
-
-
-def gather_replay_baseline(parts: list[str], out_path: str) -> None:
-    """A later revision's replayed baseline (ledger rows of the transplant pair), in the ledger's order."""
+    """Ledger rows in the ledger's order: the generation's parts, or a later revision's replayed baseline (rule
+    ``gather_replay_baseline``: ledger rows of the transplant pair)."""
     gather(parts, out_path, LEDGER_SCHEMA, SORT_KEYS)
 
 
