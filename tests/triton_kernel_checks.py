@@ -69,6 +69,25 @@ def attention_checks(r, tag):
         results["invariant"][f"attention/{tag}"] = steps and chunks
 
 
+def programs_check(r) -> dict:
+    """The fp32 attention's per-K/V-head program against its reference, one program per query head: the same bytes
+    for rows at their own positions and padding, one token and several (5 query heads on 2 K/V heads: a partial
+    group tile); and the control, chunks of one block instead of the configured size, which must differ."""
+    rows, L, heads, kv, d, block = 3, 150, 10, 2, 32, 16
+    q, keys, values = r(rows, 2, heads, d), r(rows, kv, L, d), r(rows, kv, L, d)
+    pads = torch.tensor([0, 5, 17], device=DEVICE)
+    index = torch.tensor([[140, 141], [100, 101], [60, 61]], device=DEVICE)
+    out = {}
+    for name, config in (("per_query_head", {"attention_programs": "per_query_head"}),
+                         ("per_kv_head", {"attention_programs": "per_kv_head"}),
+                         ("control", {"attention_programs": "per_query_head", "attention_chunk_blocks": 1})):
+        CONFIGS["fp32"] = {**FP32, "attention_chunk_blocks": 4, **config}
+        out[name] = tensor_bytes(K.attention_rows(q, keys, values, pads, index, d ** -0.5, block).cpu())
+    CONFIGS["fp32"] = FP32
+    return {"equal": out["per_kv_head"] == out["per_query_head"],
+            "control_differs": out["control"] != out["per_query_head"]}
+
+
 for dtype in (torch.float32, torch.bfloat16):
     tag = str(dtype).split(".")[1]
     r = lambda *s: torch.randn(*s, device=DEVICE).to(dtype)  # noqa: E731
@@ -100,5 +119,7 @@ for dtype in (torch.float32, torch.bfloat16):
         CONFIGS["fp32"] = {**FP32, "attention_chunk_blocks": 1}
         attention_checks(r, f"{tag}_chunks")
         CONFIGS["fp32"] = FP32
+        results["programs"] = programs_check(r)
+
 
 print(json.dumps(results))

@@ -17,10 +17,13 @@ Every kernel here computes a row (a token) in a way fixed by that row alone:
   masked out entirely, which leaves the running max, sum and accumulator exactly as they were.
   That packed tile is the bf16/fp16 kernel (tensor cores); a head_dim below 16 (the smallest reduction a
   ``tl.dot`` takes) or not a power of two is padded with zeros in the tile, which add exact zero products. In fp32 a decode step would fill 16-row FMA tiles
-  with a group's few heads, so fp32 runs one program per (row, query head, token, chunk of keys): the same
-  blocks aligned at the row's first real key, an online softmax over each chunk's blocks, and the chunks
-  (``attention_chunk_blocks`` blocks each, counted from that first key) combined in ascending order. A decode
-  step and a prefill row at the same position cut their keys into the same chunks, so they agree bit for bit.
+  with a group's few heads, so fp32 runs each query head on its own: the same blocks aligned at the row's first
+  real key, an online softmax over each chunk's blocks, and the chunks (``attention_chunk_blocks`` blocks each,
+  counted from that first key) combined in ascending order. A decode step and a prefill row at the same position
+  cut their keys into the same chunks, so they agree bit for bit. One program per (row, K/V head, token, chunk)
+  runs the group's query heads one after another over each key block, which it then reads from the SM's cache;
+  its bytes are those of one program per query head (``attention_programs: per_query_head``, the reference kept
+  for that proof: bench/fp32_attention.py).
 
 fp32 inputs use ``input_precision="ieee"`` for every ``tl.dot``: TF32 would change the precision the study
 crosses. The kernels run on CUDA; with ``TRITON_INTERPRET=1`` they also run on the CPU (slowly), which is how
@@ -234,6 +237,68 @@ def _attention_head_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, stride_ir, 
 
 
 @triton.jit
+def _attention_head_block(q_ptr, q_row, d, g, h, k_base, v_base, kpos, seen, stride_kl, scaling, running_max,
+                          running_sum, acc, D: tl.constexpr):
+    """One query head's online-softmax step over one key block: ``_attention_head_kernel``'s statements on the same
+    tiles, the head's (max, sum, weighted values) read from and written to element ``h`` of the group's tiles."""
+    q = tl.load(q_ptr + q_row * D + d)
+    k = tl.load(k_base + kpos[:, None] * stride_kl + d[None, :], mask=seen[:, None], other=0.0)  # (N, D)
+    scores = tl.sum(k * q[None, :], axis=1) * scaling
+    scores = tl.where(seen, scores, float("-inf"))
+    mine = g == h
+    head_max = tl.max(tl.where(mine, running_max, float("-inf")), axis=0)  # exact: one element
+    new_max = tl.maximum(head_max, tl.max(scores, axis=0))
+    p = tl.exp(scores - new_max)
+    rescale = tl.exp(head_max - new_max)
+    running_sum = tl.where(mine, running_sum * rescale + tl.sum(p, axis=0), running_sum)
+    v = tl.load(v_base + kpos[:, None] * stride_kl + d[None, :], mask=seen[:, None], other=0.0)  # (N, D)
+    acc = tl.where(mine[:, None], acc * rescale + tl.sum(p[:, None] * v, axis=0)[None, :], acc)
+    running_max = tl.where(mine, new_max, running_max)
+    return running_max, running_sum, acc
+
+
+@triton.jit
+def _attention_group_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, stride_ir, pads_ptr, T, heads, chunks,
+                            stride_kr, stride_kh, stride_kl, scaling, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            CHUNK: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr):
+    """``_attention_head_kernel``'s arithmetic for the ``GROUPS`` query heads of one K/V head in one program: a key
+    block is fetched for the group's first head and read again from the SM's cache by the others, where one program
+    per query head fetched it ``GROUPS`` times through L2. Every head runs that kernel's statements on the same tiles
+    (``_attention_head_block``), so each head's sums keep their reduction trees; the heads' running (max, sum,
+    weighted values) sit in (``GP``,) and (``GP``, D) tiles, each element updated by its head's formula and left as
+    it is by the others."""
+    row = tl.program_id(0) // (heads // GROUPS)
+    kv_head = tl.program_id(0) % (heads // GROUPS)
+    token = tl.program_id(1)
+    chunk = tl.program_id(2)
+    pad = tl.load(pads_ptr + row)
+    position = tl.load(index_ptr + row * stride_ir) + token
+    d = tl.arange(0, D)
+    g = tl.arange(0, GP)
+    q_row0 = (row * T + token) * heads + kv_head * GROUPS  # the group's first query head
+    running_max = tl.full((GP,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((GP,), dtype=tl.float32)
+    acc = tl.zeros((GP, D), dtype=tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + row * stride_kr + kv_head * stride_kh
+    v_base = v_ptr + row * stride_kr + kv_head * stride_kh
+    first = pad + chunk * CHUNK
+    for start in range(first, tl.minimum(position + 1, first + CHUNK), BLOCK_N):
+        kpos = start + keys
+        seen = kpos <= position
+        for h in range(GROUPS):  # a loop: unrolled, the heads' tiles spill (bench/fp32_attention.py)
+            running_max, running_sum, acc = _attention_head_block(
+                q_ptr, q_row0 + h, d, g, h, k_base, v_base, kpos, seen, stride_kl, scaling, running_max, running_sum,
+                acc, D)
+    # a chunk wholly after the position (or a padding query's) writes (-inf, 0, 0): it adds nothing when combined
+    part = part_ptr + ((q_row0 + g) * chunks + chunk) * (D + 2)  # (GP,)
+    used = g < GROUPS
+    tl.store(part[:, None] + d[None, :], acc, mask=used[:, None])
+    tl.store(part + D, running_max, mask=used)
+    tl.store(part + D + 1, running_sum, mask=used)
+
+
+@triton.jit
 def _attention_combine_kernel(part_ptr, out_ptr, chunks, D: tl.constexpr):
     """One query's chunk results combined in ascending chunk order (the same chunks for a decode step and a
     prefill row at the same position, so the same bits)."""
@@ -348,11 +413,17 @@ class TritonKernels:
             chunk = config["attention_chunk_blocks"] * block_size
             chunks = triton.cdiv(keys.shape[2], chunk)  # the buffer's length: a fixed grid for a CUDA graph
             parts = torch.empty((rows * T * heads, chunks, d + 2), dtype=torch.float32, device=q.device)
-            _attention_head_kernel[(rows * heads, T, chunks)](
-                q, keys, values, parts, index, stride_ir, pads, T, heads, groups, chunks, keys.stride(0),
-                keys.stride(1),
-                keys.stride(2), float(scaling), D=d, BLOCK_N=block_size, CHUNK=chunk,
-                num_warps=config["attention_warps"])
+            if config.get("attention_programs", "per_kv_head") == "per_kv_head":
+                _attention_group_kernel[(rows * kv, T, chunks)](
+                    q, keys, values, parts, index, stride_ir, pads, T, heads, chunks, keys.stride(0),
+                    keys.stride(1), keys.stride(2), float(scaling), D=d, BLOCK_N=block_size, CHUNK=chunk,
+                    GROUPS=groups, GP=triton.next_power_of_2(groups), num_warps=config["attention_warps"],
+                    num_stages=config.get("attention_stages", 3))
+            else:  # the reference: one program per query head
+                _attention_head_kernel[(rows * heads, T, chunks)](
+                    q, keys, values, parts, index, stride_ir, pads, T, heads, groups, chunks, keys.stride(0),
+                    keys.stride(1), keys.stride(2), float(scaling), D=d, BLOCK_N=block_size, CHUNK=chunk,
+                    num_warps=config["attention_warps"], num_stages=config.get("attention_stages", 3))
             _attention_combine_kernel[(rows * T * heads,)](parts, out, chunks, D=d, num_warps=1)
             return out
         grid = (rows * kv, triton.cdiv(T * groups, config["attention_rows"]))
