@@ -35,12 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 LOCAL_SBATCH = Path(__file__).resolve().parent / "local_sbatch.py"
 SNAPSHOT_PATHS = ("Snakefile", "config.yaml", "workflow", "src", "data", "envs", "profiles")
 
-# Every stage kind but the report: generation, fixed-prefix 2x2, audit, dumps, transplants, and the gathers.
+# Every stage kind but the report: generation, fixed-prefix 2x2, audit, dumps, transplants, and the gathers, in two
+# shards (each model rule submits a job per shard).
 TARGETS = [f"results/tiny/primary/{name}" for name in
            ("ledger.parquet", "bridge.parquet", "audit_check.json", "transplant.parquet", "caches.parquet")]
 TINY = dict(n_items=3, max_new_tokens=8, max_stage_tokens=16, precisions=["bf16"], reference_precision="bf16",
             bridge={"n_rows": 2, "seed": 0}, transplant={"select": "sample:1", "sweeps": ["all"]},
-            threads=2, gpus_per_job=1, mem_mb_per_job=1500, runtime_per_job=7)
+            threads=2, gpus_per_job=1, mem_mb_per_job=1500, runtime_per_job=7, shards=2)
 
 
 def snapshot(dest: Path) -> str:
@@ -186,6 +187,13 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
         assert [{key: s[key] for key in ("mem_mb", "runtime", "gpu", "threads")}] == local_jobs[job], s
     # ... each as a process of its own: the PID is the job id Snakemake was given, and the job's own Snakemake,
     # writing to the file named after that PID, ran exactly that one job, with those resources.
+    # With shards: 2 every model rule among the targets' jobs runs as one submitted job per shard.
+    shards = collections.defaultdict(set)
+    for s in submissions:
+        if "shard" in s["wildcards"]:
+            shards[s["rule"]].add(s["wildcards"]["shard"])
+    for rule in ("reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger", "transplant_caches", "dump_caches"):
+        assert shards[rule] == {"0", "1"}, (rule, dict(shards))
     pids = [s["pid"] for s in submissions]
     assert len(set(pids)) == len(pids) and main_pid not in pids
     assert sorted(map(int, re.findall(r"with external jobid '(\d+)'", cluster_output))) == sorted(pids)
