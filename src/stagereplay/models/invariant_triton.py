@@ -286,7 +286,7 @@ def _attention_group_kernel(q_ptr, k_ptr, v_ptr, part_ptr, index_ptr, stride_ir,
     for start in range(first, tl.minimum(position + 1, first + CHUNK), BLOCK_N):
         kpos = start + keys
         seen = kpos <= position
-        for h in range(GROUPS):  # a loop: unrolled, the heads' tiles spill (bench/fp32_attention.py)
+        for h in range(GROUPS):  # not unrolled: unrolled, the heads' tiles spill (bench/fp32_attention.py)
             running_max, running_sum, acc = _attention_head_block(
                 q_ptr, q_row0 + h, d, g, h, k_base, v_base, kpos, seen, stride_kl, scaling, running_max, running_sum,
                 acc, D)
