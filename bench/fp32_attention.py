@@ -63,7 +63,7 @@ def call(kernels, config: dict, *args):
 
 
 def cases(g: torch.Generator, rows: int, length: int):
-    """(name, shape, q, keys, values, pads, index) over a buffer of ``length`` positions: decode steps at spread
+    """(name, q, keys, values, pads, index) over a buffer of ``length`` positions: decode steps at spread
     positions, rows at their own positions with their own padding, and multi-token forwards."""
     for shape, (heads, kv) in SHAPES.items():
         keys = torch.randn(rows, kv, length, 128, device="cuda", generator=g)

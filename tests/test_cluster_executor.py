@@ -187,13 +187,6 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
         assert [{key: s[key] for key in ("mem_mb", "runtime", "gpu", "threads")}] == local_jobs[job], s
     # ... each as a process of its own: the PID is the job id Snakemake was given, and the job's own Snakemake,
     # writing to the file named after that PID, ran exactly that one job, with those resources.
-    # With shards: 2 every model rule among the targets' jobs runs as one submitted job per shard.
-    shards = collections.defaultdict(set)
-    for s in submissions:
-        if "shard" in s["wildcards"]:
-            shards[s["rule"]].add(s["wildcards"]["shard"])
-    for rule in ("reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger", "transplant_caches", "dump_caches"):
-        assert shards[rule] == {"0", "1"}, (rule, dict(shards))
     pids = [s["pid"] for s in submissions]
     assert len(set(pids)) == len(pids) and main_pid not in pids
     assert sorted(map(int, re.findall(r"with external jobid '(\d+)'", cluster_output))) == sorted(pids)
@@ -203,6 +196,13 @@ def test_every_job_is_its_own_submitted_process_and_results_equal_a_local_run(tm
         job_output = Path(s["output"]).read_text()
         assert dict(executed_jobs(job_output)) == {job: local_jobs[job]}, job_output
         assert "1 of 1 steps (100%) done" in job_output
+    # With shards: 2 every model rule among the targets' jobs runs as one submitted job per shard.
+    shards = collections.defaultdict(set)
+    for s in submissions:
+        if "shard" in s["wildcards"]:
+            shards[s["rule"]].add(s["wildcards"]["shard"])
+    for rule in ("reconstruct_prefixes", "generate_fixed_prefix", "audit_ledger", "transplant_caches", "dump_caches"):
+        assert shards[rule] == {"0", "1"}, (rule, dict(shards))
 
     def job_starts(run):
         return [line for log in sorted((tmp_path / run / "logs").rglob("*.log")) for line in log.read_text().splitlines()
