@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
 import json, os, sys, time
-from stagereplay.stages.job_server import CHILD_ENV, hand_over
+from stagereplay.runtime.job_server import CHILD_ENV, hand_over
 hand_over({"job_server": True})
 print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
                   "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
@@ -50,12 +50,12 @@ def tree(tmp_path):
 
 
 def key_of(env) -> str:
-    return subprocess.run([sys.executable, "-c", "from stagereplay.stages.job_server import server_key; "
+    return subprocess.run([sys.executable, "-c", "from stagereplay.runtime.job_server import server_key; "
                            "print(server_key())"], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def start_server(env, key, preload="json", idle_s=60) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "stagereplay.stages.job_server", "--key", key, "--idle-s",
+    server = subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s",
                                str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline()
     assert "serving on" in line, line + server.stdout.read()
@@ -134,7 +134,7 @@ def test_a_server_whose_imports_start_a_thread_refuses_and_jobs_run_in_their_own
     (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
                                                 "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
     key = key_of(env)
-    server = subprocess.run([sys.executable, "-m", "stagereplay.stages.job_server", "--key", key, "--preload",
+    server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
                              "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
     assert server.returncode == 1 and "refusing to serve" in server.stdout and "2 Python threads" in server.stdout
     assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
@@ -159,7 +159,7 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
     proc, seen = run_job(tmp, env)
     assert not seen["child"] and "is not this user's alone" not in proc.stderr
     assert (servers / f"{key}.lock").exists() and (servers / f"{key}.log").exists()
-    from stagereplay.stages.job_server import stop_servers
+    from stagereplay.runtime.job_server import stop_servers
 
     for _ in range(600):  # the server it started imports the model stack, then answers: stop it
         if stop_servers(servers):

@@ -1,4 +1,4 @@
-from stagereplay.stages.job_server import hand_over
+from stagereplay.runtime.job_server import hand_over
 
 hand_over(snakemake.config)  # job_server: true runs the rest in a warm server's child
 

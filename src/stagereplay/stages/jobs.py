@@ -16,7 +16,7 @@ from stagereplay.models.loading import eos_token_ids, load_model, set_determinis
 from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import load_prepared
 from stagereplay.stages.input_fingerprints import check_model_unchanged
-from stagereplay.stages.job_server import process_start
+from stagereplay.runtime.job_server import process_start
 from stagereplay.stages.prepare import entry_for
 from stagereplay.stages.settings import ModelSettings
 

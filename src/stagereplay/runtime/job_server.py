@@ -239,7 +239,7 @@ def start_server(key: str, idle_s: float) -> None:
     if (where / f"{key}.refused").exists():
         return  # this key's server refused to serve (its log says why): jobs run in their own processes
     logfile = open(where / f"{key}.log", "a")  # noqa: SIM115 (the server writes it)
-    subprocess.Popen([sys.executable, "-m", "stagereplay.stages.job_server", "--key", key, "--idle-s", str(idle_s)],
+    subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s)],
                      stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
                      pass_fds=(lock.fileno(),), env={**os.environ, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
