@@ -173,3 +173,40 @@ def test_snapshots_for_refuses_a_source_it_cannot_fingerprint(tmp_path):
     with pytest.raises(Exception, match="neither a subfolder|not an existing folder"):
         snapshots_for(PrepareSettings(model=str(tmp_path / "nothing"), revision="local", precisions=["bf16"],
                                       model_store=str(tmp_path / "store")), ["bf16"])
+
+
+def test_a_job_checks_its_entry_by_the_entrys_record_and_reads_no_weights_to_hash(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """A job's load of a store entry stats its files against the entry's own record (the weights are not read
+    a second time to hash them: 1.7 s of a 0.5B job's start on the GPU host); a file changed in place since is
+    still read, and refused."""
+    from stagereplay.io import file_hashes
+    from stagereplay.io.file_hashes import HashCache
+    from stagereplay.models import snapshot
+    from stagereplay.models.sources import resolve_source
+
+    store = tmp_path / "store"
+    record = prepare_model(str(tmp_path / "local.json"), settings(tiny_model_dir, store))
+    entry = ModelStore(store).path(record["snapshots"]["bf16"]["key"])
+    source = resolve_source(str(tiny_model_dir), "local")
+    fingerprint = model_fingerprint(str(tiny_model_dir), "local")
+    hashed = []
+    real = file_hashes.sha256_of_file
+    monkeypatch.setattr(file_hashes, "sha256_of_file", lambda path: hashed.append(Path(path).name) or real(path))
+    manifest = snapshot.read_manifest(entry)
+    job_cache = HashCache(tmp_path / "job_hashes.json")  # the workflow's cache, which has never seen the entry
+    snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, job_cache)
+    assert hashed == []
+    # the control: without the entry's record the same check reads and hashes every file
+    (entry / store_module.HASHES).rename(tmp_path / "record.json")
+    snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, HashCache(None))
+    assert "model.safetensors" in hashed
+    (tmp_path / "record.json").rename(entry / store_module.HASHES)
+    hashed.clear()
+    weights = entry / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # same size, new mtime: read again, and refused by content
+    with pytest.raises(snapshot.SnapshotError, match="model.safetensors"):
+        snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, job_cache)
+    assert hashed == ["model.safetensors"]

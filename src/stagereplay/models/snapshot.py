@@ -298,10 +298,11 @@ def read_manifest(folder: str | Path) -> dict:
 def check_snapshot(folder: str | Path, manifest: dict, source: ModelSource, precision: str,
                    source_fingerprint: dict | None, cache: HashCache | None = None) -> None:
     """Refuse a snapshot made from other files (by content: the source's path may differ) or at another precision
-    than the job's, or whose files are not the ones it was written with (a ``stat`` per file with ``cache``, or
-    with the record a store entry keeps, :data:`stagereplay.models.store.HASHES`)."""
+    than the job's, or whose files are not the ones it was written with: a ``stat`` per file with the record a store
+    entry keeps (:data:`stagereplay.models.store.HASHES`), else with ``cache``; a file whose size or modification
+    time changed since is read and hashed again."""
     folder = Path(folder)
-    if cache is None and (folder / HASHES).is_file():
+    if (folder / HASHES).is_file():  # a store entry's own record: a stat per file, not a read of its weights
         cache = HashCache(folder / HASHES)
     if manifest.get("format") != MANIFEST_FORMAT or manifest.get("precision") != precision:
         raise SnapshotError(f"{folder} holds a snapshot at {manifest.get('precision')!r} (format "
