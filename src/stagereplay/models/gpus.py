@@ -130,3 +130,27 @@ def claim_gpu(device: str, n_visible: int | None = None, lock_dir: str | Path | 
             log.info("waiting for a free GPU: all %d claimed (locks in %s)", n_visible, folder)
             last_note = time.monotonic()
         time.sleep(poll_s)
+
+
+def start_device(device: str):
+    """Start CUDA on ``device`` in a background thread (the driver, the device's context, its lazy module loads),
+    so that the start overlaps with reading the weights and the tokenizer; the first use of the device waits for
+    it (torch's lazy start holds a lock). Returns the thread to join, or None where there is no GPU to start. A
+    failure is left for that first use to raise, with the loader's message."""
+    import threading
+
+    import torch
+
+    if device.startswith("cpu") or not torch.cuda.is_available():
+        return None
+    target = torch.device("cuda" if device == "auto" else device)
+
+    def start():
+        try:
+            torch.empty(1, device=target)
+        except Exception:  # noqa: BLE001 (the load's own use of the device raises it, with its context)
+            pass
+
+    thread = threading.Thread(target=start, name="cuda-start", daemon=True)
+    thread.start()
+    return thread

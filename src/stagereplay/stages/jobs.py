@@ -4,6 +4,7 @@ per-shard parts are joined by :mod:`stagereplay.stages.gather`, which loads no m
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass
 
 from stagereplay.decode.protocol import Decoder
@@ -11,7 +12,7 @@ from stagereplay.decode.regimes import decoder_from_record
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
-from stagereplay.models.gpus import claim_gpu
+from stagereplay.models.gpus import claim_gpu, start_device
 from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
 from stagereplay.models.sources import resolve_source
 from stagereplay.models.snapshot import load_prepared
@@ -49,28 +50,55 @@ class Job:
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:
     """Model at ``precision`` on a GPU of this job's own (when several are visible) and its decoder
     (``make_decoder(loaded)``); from the revision's prepared snapshot in the model store where the workflow made
-    one."""
+    one. The job's log says what each part of the start took."""
     log.info("job started %s: loading the model", process_start())
+    took = StartTimes()
     hashes = HashCache()
     check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir, hashes)
+    took("model files check")
     flags = set_determinism(settings.threads)
+    took("numerics flags")
     gpu = claim_gpu(settings.device)  # held until the job ends
+    device_start = start_device(gpu.device)
+    took("GPU claim")
     source = resolve_source(settings.model, settings.revision, settings.base_dir)
     if settings.prepared_models:
-        loaded = load_prepared(entry_for(settings, precision, hashes), source, precision, gpu.device,
-                               settings.attn_implementation, numerics, settings.model_fingerprint,
-                               settings.trust_remote_code, hashes)
+        folder = entry_for(settings, precision, hashes)
+        took("store entry")
+        loaded = load_prepared(folder, source, precision, gpu.device, settings.attn_implementation, numerics,
+                               settings.model_fingerprint, settings.trust_remote_code, hashes)
         hashes.save()
     else:
         loaded = load_model(source, precision, gpu.device, settings.attn_implementation, settings.trust_remote_code,
                             settings.allow_pickle, settings.offline, numerics=numerics)
+    took("weights and tokenizer")
+    if device_start is not None:
+        device_start.join()
+        took("device start (the rest of it)")
     loaded.info["gpu_slot"] = gpu.record()
     if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
         loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
         loaded.info["model_files"] = settings.model_fingerprint["files"]
     job = Job(loaded, make_decoder(loaded), flags)
-    log.info("model and decoder ready: %s", process_start())
+    took("decoder")
+    log.info("model and decoder ready: %s (%s)", process_start(), took)
     return job
+
+
+class StartTimes:
+    """Wall seconds of each part of a job's start, in order: ``took(name)`` ends the part named."""
+
+    def __init__(self):
+        self.parts: list[tuple[str, float]] = []
+        self.since = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts.append((name, now - self.since))
+        self.since = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.parts)
 
 
 def load_as_recorded(settings: ModelSettings, precision: str, regime_from: str) -> Job:
