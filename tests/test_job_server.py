@@ -165,3 +165,35 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
         if stop_servers(servers):
             break
         time.sleep(0.1)
+
+
+def owned_by_another_user(where: Path) -> Path:
+    """A private folder of another uid's: ``where`` given away (as root), else the root folder (not this user's)."""
+    if os.getuid() != 0:
+        return Path("/")
+    where.mkdir(mode=0o700)
+    os.chown(where, 65534, -1)
+    return where
+
+
+@pytest.mark.parametrize("case", ["a link", "another user's"])
+def test_a_folder_that_is_a_link_or_another_users_gets_no_server_and_its_real_cause(tree, case):
+    """chmod 700 mends neither a link nor a folder of another owner's: the job names what is wrong and what mends it."""
+    tmp, env = tree
+    real = tmp / "real"
+    real.mkdir(mode=0o700)
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    if case == "a link":
+        servers.symlink_to(real)
+    else:
+        servers = owned_by_another_user(servers)
+        env = dict(env, STAGEREPLAY_JOB_SERVER_DIR=str(servers))
+    proc, seen = run_job(tmp, env)
+    assert not seen["child"] and proc.returncode == 0 and "chmod" not in proc.stderr
+    assert "this job runs in its own process" in proc.stderr and "set $STAGEREPLAY_JOB_SERVER_DIR" in proc.stderr
+    if case == "a link":
+        assert f"{servers} is a symbolic link (to {real})" in proc.stderr and "not a link" in proc.stderr
+        assert list(real.iterdir()) == []  # no lock, no log, no server started through the link
+    else:
+        assert (f"{servers} belongs to uid {servers.stat().st_uid}, not to this user (uid {os.getuid()}): this "
+                "user cannot use it") in proc.stderr

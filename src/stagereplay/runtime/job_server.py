@@ -70,6 +70,7 @@ LOCK_FD_ENV = "STAGEREPLAY_JOB_SERVER_LOCK_FD"
 OWN_ENV = (CHILD_ENV, LOCK_FD_ENV)
 DEFAULT_IDLE_S = 300.0
 MAX_HEADER = 4 << 20
+not_served: str | None = None  # why this job, meant for the job server, runs in its own process (for its log)
 
 
 def folder() -> Path:
@@ -101,9 +102,12 @@ def server_key(env: dict | None = None) -> str:
 
 def process_start() -> str:
     """How this process started and what it has spent since (wall seconds from its start, or its fork, and CPU
-    seconds), for a job's log."""
+    seconds), for a job's log; the first time, why a job meant for the job server runs in its own process."""
+    global not_served
     how = (f"forked from the job server (pid {os.getppid()})" if os.environ.get(CHILD_ENV)
            else "in its own process")
+    if not_served and not os.environ.get(CHILD_ENV):
+        how, not_served = f"{how} (job server not used: {not_served})", None
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -128,22 +132,39 @@ def socket_path(key: str) -> Path:
     return socket_folder() / f"{key}.sock"
 
 
-def private_folder(where: Path) -> bool:
-    """Make ``where`` if need be and say whether it is this user's alone (a folder, not a link, owned by this user,
-    no access for group or others): a server's socket and a job's request (its environment) go nowhere else."""
-    try:
-        where.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = os.lstat(where)
-    except OSError:
-        return False
+def folder_problem(where: Path) -> str | None:
+    """Make ``where`` if need be; None when it is this user's alone (a folder, not a link, owned by this user, no
+    access for group or others), else what is wrong with it and what to do: a server's socket and a job's request
+    (its environment) go nowhere else."""
     import stat
 
-    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-    if not ok:
-        log.warning("job server folder %s is not this user's alone (owner uid %d, mode %o): no job server; make it "
-                    "private (chmod 700) or set $%s to a folder of your own", where, st.st_uid,
-                    stat.S_IMODE(st.st_mode), FOLDER_ENV)
-    return ok
+    elsewhere = f"set ${FOLDER_ENV} to a folder of your own"
+    try:
+        if not os.path.lexists(where):
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(where)
+    except OSError as exc:
+        return f"the job server folder {where} cannot be made ({exc.strerror}); {elsewhere}"
+    if stat.S_ISLNK(st.st_mode):  # whoever may change the link could send the jobs' requests elsewhere
+        return (f"the job server folder {where} is a symbolic link (to {os.readlink(where)}), not a folder; set "
+                f"${FOLDER_ENV} to a real folder of your own, not a link")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"the job server folder {where} is not a folder; {elsewhere}"
+    if st.st_uid != os.getuid():
+        return (f"the job server folder {where} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): "
+                f"this user cannot use it; {elsewhere}")
+    if st.st_mode & 0o077:
+        return (f"the job server folder {where} is not this user's alone (mode {stat.S_IMODE(st.st_mode):o}): make "
+                f"it private (chmod 700 {where}) or {elsewhere}")
+    return None
+
+
+def tell(message: str, level: int = logging.WARNING) -> None:
+    """Say why this job runs in its own process: now on its stderr (:func:`hand_over` runs before a rule script sends
+    its stderr to the job's log: Snakemake shows it with the job), and later in its log (:func:`process_start`)."""
+    global not_served
+    not_served = message
+    log.log(level, "job server not used, this job runs in its own process: %s", message)
 
 
 # --- the job's side ---------------------------------------------------------------------------------------------
@@ -157,7 +178,8 @@ def hand_over(config: dict | None) -> None:
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
     if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
         return
-    if not (private_folder(folder()) and private_folder(socket_folder())):
+    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
+        tell(problem)
         return
     key = server_key()
     path = socket_path(key)
@@ -252,8 +274,8 @@ def start_server(key: str, idle_s: float) -> None:
 def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
-    if not all(private_folder(where) for where in (folder(), socket_folder())):
-        print("refusing to serve: the job server folder is not this user's alone", flush=True)
+    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
+        print(f"refusing to serve: {problem}", flush=True)
         return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
