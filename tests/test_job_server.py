@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -197,3 +198,56 @@ def test_a_folder_that_is_a_link_or_another_users_gets_no_server_and_its_real_ca
     else:
         assert (f"{servers} belongs to uid {servers.stat().st_uid}, not to this user (uid {os.getuid()}): this "
                 "user cannot use it") in proc.stderr
+
+
+def test_a_temp_folder_too_long_for_a_socket_gets_no_server_and_one_message(tree):
+    """Under a long $TMPDIR (as some batch systems set) no server could bind its socket: the job says so (the path,
+    its length, the limit, the mend) and starts none, rather than start one per job that imports for seconds and dies."""
+    tmp, env = tree
+    long_tmp = tmp / ("t" * (99 - len(str(tmp)) - 1))
+    long_tmp.mkdir()
+    env = dict(env, TMPDIR=str(long_tmp))
+    del env["STAGEREPLAY_JOB_SERVER_DIR"]  # the default: a folder in the temp folder
+    for _ in range(2):
+        proc, seen = run_job(tmp, env)
+        assert not seen["child"] and proc.returncode == 0 and proc.stderr.count("job server not used") == 1
+        assert f"the system temp folder ($TMPDIR, {long_tmp}) is too long" in proc.stderr
+        assert "over the 107 bytes a socket's path may have" in proc.stderr and "bytes long" in proc.stderr
+        assert "set $STAGEREPLAY_JOB_SERVER_DIR to a short folder" in proc.stderr
+        assert not list(long_tmp.glob("stagereplay-jobs-*/*.log"))  # no server started
+    short = Path(tempfile.mkdtemp(prefix="sr-", dir="/tmp")) / "jobs"  # the mend: a short folder
+    try:
+        proc, seen = run_job(tmp, dict(env, STAGEREPLAY_JOB_SERVER_DIR=str(short)))
+        assert "job server not used" not in proc.stderr and list(short.glob("*.log"))
+        from stagereplay.runtime.job_server import stop_servers
+
+        for _ in range(600):  # the server it started imports the model stack, then answers: stop it
+            if stop_servers(short):
+                break
+            time.sleep(0.1)
+    finally:
+        shutil.rmtree(short.parent)
+
+
+def test_the_socket_path_limit_is_the_kernels():
+    """socket_problem's limit is where binding starts to fail: the longest path it passes binds, one byte more fails."""
+    from stagereplay.runtime.job_server import PID_MAX, SUN_PATH_MAX, bound_path, socket_problem
+
+    import socket
+
+    base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    try:
+        suffix = len(bound_path(Path("k.sock"), PID_MAX).name) - len("k")  # ".<pid>.part"
+        for size, fits in ((SUN_PATH_MAX, True), (SUN_PATH_MAX + 1, False)):
+            path = base / ("k" * (size - len(f"{base}/") - suffix) + ".sock")
+            assert (socket_problem(path) is None) == fits
+            longest = bound_path(path, PID_MAX)
+            assert len(str(longest)) == size
+            with socket.socket(socket.AF_UNIX) as sock:
+                if fits:
+                    sock.bind(str(longest))
+                else:
+                    with pytest.raises(OSError, match="too long"):
+                        sock.bind(str(longest))
+    finally:
+        shutil.rmtree(base)

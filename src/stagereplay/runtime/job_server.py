@@ -70,6 +70,8 @@ LOCK_FD_ENV = "STAGEREPLAY_JOB_SERVER_LOCK_FD"
 OWN_ENV = (CHILD_ENV, LOCK_FD_ENV)
 DEFAULT_IDLE_S = 300.0
 MAX_HEADER = 4 << 20
+SUN_PATH_MAX = 107  # bytes of a socket's path on Linux (sockaddr_un's sun_path: 108 with the closing NUL)
+PID_MAX = 1 << 22  # the highest pid_max Linux allows
 not_served: str | None = None  # why this job, meant for the job server, runs in its own process (for its log)
 
 
@@ -119,8 +121,8 @@ def process_start() -> str:
 
 def socket_folder(where: Path | None = None) -> Path:
     """Where the sockets of the servers of ``where`` (default :func:`folder`) are: that folder, or where its path is
-    too long for a socket's name (about 100 bytes on Linux) a short folder of this user's in the system temp dir,
-    named after it."""
+    too long for a socket's name (SUN_PATH_MAX bytes on Linux) a short folder of this user's in the system temp dir,
+    named after it (:func:`socket_problem` says when the temp dir is too long too)."""
     where = Path(where) if where is not None else folder()
     if len(str(where)) <= 60:
         return where
@@ -130,6 +132,23 @@ def socket_folder(where: Path | None = None) -> Path:
 
 def socket_path(key: str) -> Path:
     return socket_folder() / f"{key}.sock"
+
+
+def bound_path(path: Path, pid: int) -> Path:
+    """The name a server binds its socket ``path`` under before it answers (then renames it to ``path``)."""
+    return path.with_suffix(f".{pid}.part")
+
+
+def socket_problem(path: Path) -> str | None:
+    """None when a server can bind its socket ``path`` (with the name it binds first, the longest pid's), else why
+    not and what to do: a socket's path has at most SUN_PATH_MAX bytes."""
+    longest = len(os.fsencode(bound_path(path, PID_MAX)))
+    if longest <= SUN_PATH_MAX:
+        return None
+    return (f"the job server's socket {path} would be {len(os.fsencode(path))} bytes long ({longest} under the name "
+            f"the server binds first, <key>.<pid>.part), over the {SUN_PATH_MAX} bytes a socket's path may have on "
+            f"Linux: the system temp folder ($TMPDIR, {tempfile.gettempdir()}) is too long for it; set ${FOLDER_ENV} "
+            f"to a short folder of your own (60 characters at most, as /tmp/stagereplay-jobs-{os.getuid()})")
 
 
 def folder_problem(where: Path) -> str | None:
@@ -183,6 +202,9 @@ def hand_over(config: dict | None) -> None:
         return
     key = server_key()
     path = socket_path(key)
+    if problem := socket_problem(path):  # no server could bind it: start none
+        tell(problem)
+        return
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(path))
@@ -277,6 +299,9 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
     if problem := folder_problem(folder()) or folder_problem(socket_folder()):
         print(f"refusing to serve: {problem}", flush=True)
         return 1
+    if problem := socket_problem(socket_path(key)):  # before the imports, not after them
+        print(f"refusing to serve: {problem}", flush=True)
+        return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
         try:
@@ -294,7 +319,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
         return 1
     path = socket_path(key)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    partial = path.with_suffix(f".{os.getpid()}.part")
+    partial = bound_path(path, os.getpid())
     listener.bind(str(partial))
     listener.listen(64)
     os.replace(partial, path)  # answers from now on
