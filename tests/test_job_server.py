@@ -10,10 +10,13 @@ import json
 import os
 import shutil
 import signal
+import socket
+import threading
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,13 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = """
 import json, os, sys, time
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
-hand_over({"job_server": True})
+hand_over({"job_server": True, **json.loads(os.environ.get("JOB_CONFIG", "{}"))})
 print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
                   "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
                   "umask": os.umask(0o22)}), flush=True)
 print("a line to stderr", file=sys.stderr)
 if os.environ.get("MODE") == "sleep":
     time.sleep(120)
+if os.environ.get("MODE") == "wait":  # until the test says
+    while not os.path.exists(os.environ["WAIT_FOR"]):
+        time.sleep(0.05)
 if os.environ.get("MODE") == "raise":
     raise RuntimeError("the job's own error")
 sys.exit(int(os.environ.get("CODE", "0")))
@@ -80,9 +86,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_job(tmp, env, *args, **extra):
+def run_job(tmp, env, *args, timeout=120, **extra):
     proc = subprocess.run([sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra), cwd=tmp / "work",
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None)
 
 
@@ -233,8 +239,6 @@ def test_the_socket_path_limit_is_the_kernels():
     """socket_problem's limit is where binding starts to fail: the longest path it passes binds, one byte more fails."""
     from stagereplay.runtime.job_server import PID_MAX, SUN_PATH_MAX, bound_path, socket_problem
 
-    import socket
-
     base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
     try:
         suffix = len(bound_path(Path("k.sock"), PID_MAX).name) - len("k")  # ".<pid>.part"
@@ -251,3 +255,88 @@ def test_the_socket_path_limit_is_the_kernels():
                         sock.bind(str(longest))
     finally:
         shutil.rmtree(base)
+
+
+QUICK = json.dumps({"job_server_timeout_s": 1})  # the hand-over's timeout in the jobs below
+
+
+def test_a_stopped_server_holds_a_job_seconds_not_forever(tree):
+    """A stopped server (SIGSTOP) still takes connections, in its backlog: the job waits job_server_timeout_s for its
+    greeting, then runs in its own process and says why; it never sent its streams, so nothing holds them open. The
+    server, woken, forks nothing for the job that left, and serves the next."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)  # it reads the job's streams to their end
+        assert not seen["child"] and proc.returncode == 0 and time.monotonic() - started < 30
+        assert f"(pid {server.pid}) did not greet the job within 1 s (stopped, or overloaded?)" in proc.stderr
+        assert "this job runs in its own process" in proc.stderr
+        os.kill(server.pid, signal.SIGCONT)
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK)
+        assert seen["child"] and seen["ppid"] == server.pid and proc.returncode == 0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@contextmanager
+def listener(env, greeting: bytes, answer: bytes | None):
+    """Something other than a job server on the socket of ``env``'s key: it sends ``greeting`` and ``answer`` (or
+    nothing more, when None) to the job that connects, and reads what the job sends (dropping the streams it passes)
+    until the job hangs up."""
+    from stagereplay.runtime.job_server import socket_folder
+
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    sockets = socket_folder(servers)
+    for where in (servers, sockets):
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = sockets / f"{key_of(env)}.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(1)
+
+    def answer_one():
+        conn, _ = sock.accept()
+        with conn:
+            conn.sendall(greeting + (answer or b""))
+            while conn.recv(1 << 16):
+                pass
+
+    threading.Thread(target=answer_one, daemon=True).start()
+    try:
+        yield
+    finally:
+        sock.close()
+        path.unlink()
+
+
+def test_a_server_that_greets_but_forks_no_child_holds_a_job_seconds_not_forever(tree):
+    """A server that takes the job's request and then answers nothing: the job waits job_server_timeout_s for its
+    child's pid (not for ever), then runs in its own process and says why."""
+    from stagereplay.runtime.job_server import GREETING
+
+    tmp, env = tree
+    with listener(env, GREETING, None):
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0
+    assert "did not fork the job's child within 1 s" in proc.stderr
+
+
+def test_a_forked_job_runs_as_long_as_it_runs(tree):
+    """The hand-over's timeout ends with the child's pid: the wait for its exit status has none."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        job = subprocess.Popen([sys.executable, str(tmp / "job.py")], cwd=tmp / "work", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env=dict(env, JOB_CONFIG=QUICK, MODE="wait", WAIT_FOR=str(tmp / "go"), CODE="3"))
+        assert json.loads(job.stdout.readline())["child"]
+        time.sleep(3)  # three times the timeout
+        (tmp / "go").touch()
+        assert job.wait(timeout=30) == 3 and "job server not used" not in job.stderr.read()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -72,6 +72,10 @@ DEFAULT_IDLE_S = 300.0
 MAX_HEADER = 4 << 20
 SUN_PATH_MAX = 107  # bytes of a socket's path on Linux (sockaddr_un's sun_path: 108 with the closing NUL)
 PID_MAX = 1 << 22  # the highest pid_max Linux allows
+# How long a job waits for each step of its hand-over (the connection, the server's greeting, the pid of its child)
+# before it runs in its own process (the config's job_server_timeout_s); the wait for its exit status has no limit.
+HAND_OVER_TIMEOUT_S = 10.0
+GREETING = b"stagereplay job server\n"  # a server's first line to each connection: the job's streams go to no other
 not_served: str | None = None  # why this job, meant for the job server, runs in its own process (for its log)
 
 
@@ -205,13 +209,20 @@ def hand_over(config: dict | None) -> None:
     if problem := socket_problem(path):  # no server could bind it: start none
         tell(problem)
         return
+    timeout_s = float((config or {}).get("job_server_timeout_s", HAND_OVER_TIMEOUT_S))
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(path))
-    except OSError:
+        conn = connect(path, timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError):  # no server, or a dead one's socket: start one
         start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)))
         return
-    code = run_in_child(conn, os.path.abspath(sys.argv[0]))
+    except TimeoutError:  # its backlog is full: it takes no jobs
+        tell(f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, or "
+             f"overloaded?); {what_mends(path)}")
+        return
+    except OSError as exc:
+        tell(f"the job server at {path} could not be reached ({exc}); {what_mends(path)}")
+        return
+    code = run_in_child(conn, os.path.abspath(sys.argv[0]), path, timeout_s)
     if code is None:  # refused (stale, or idling out as this job came): run here
         return
     sys.stdout.flush()
@@ -219,19 +230,35 @@ def hand_over(config: dict | None) -> None:
     os._exit(code)  # the child ran the job: nothing is left for this process to do
 
 
-def run_in_child(conn: socket.socket, script: str) -> int | None:
-    """Send the job to the server connected on ``conn``, pass signals on to its child, return its exit status;
-    None when the server forked no child (the job then runs in its own process)."""
+def connect(path: Path, timeout_s: float) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout_s)
+    try:
+        conn.connect(str(path))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def what_mends(path: Path) -> str:
+    """What to do about a server that does not answer as it should on ``path``."""
+    return (f"if it stays so, end it (its pid is in its log, {folder() / (path.stem + '.log')}) or remove {path}: the "
+            "next job starts another")
+
+
+def run_in_child(conn: socket.socket, script: str, path: Path | None = None,
+                 timeout_s: float = HAND_OVER_TIMEOUT_S) -> int | None:
+    """Send the job to the server connected on ``conn`` (at ``path``), pass signals on to its child, return its exit
+    status; None when the server forked no child (the job then runs in its own process)."""
     header = json.dumps({"script": script, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
                          "umask": current_umask(), "sent": time.time()}).encode()
     with conn:
-        socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
         reader = conn.makefile("rb")
-        pid = int(reader.readline() or b"0")
-        if not pid:
-            reason = reader.read().decode(errors="replace").strip() or "it was exiting"
-            log.info("the job server did not take this job (%s): it runs in its own process", reason)
+        pid = send_job(conn, reader, header, path or Path(conn.getpeername()), timeout_s)
+        if pid is None:  # refused, or no answer in time (said why): run here
             return None
+        conn.settimeout(None)  # the job itself may run for hours
 
         def forward(signum, _frame):
             try:
@@ -249,6 +276,39 @@ def run_in_child(conn: socket.socket, script: str) -> int | None:
     return int(status)
 
 
+def send_job(conn: socket.socket, reader, header: bytes, path: Path, timeout_s: float) -> int | None:
+    """Send the job's request and its standard streams to the server on ``conn`` and return the pid of the child it
+    forked for the job; None (said why) when it forked none. The streams go only to a server that greets the job (a
+    stopped server's backlog still takes connections: it would hold them, and whoever reads them would wait on), and
+    no step waits more than ``timeout_s``."""
+    server = f"the job server at {path} (pid {peer(conn)[0]})"
+    step = "greet the job"
+    try:
+        greeting = reader.readline(len(GREETING))
+        if not greeting:  # it was exiting as the job came
+            tell(f"{server} closed the connection (it was exiting)", logging.INFO)
+            return None
+        if greeting != GREETING:
+            tell(f"{server} answered {greeting!r}, not a job server's greeting: whatever listens there is no job "
+                 f"server of this package; {what_mends(path)}")
+            return None
+        step = "take the job's request"
+        socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
+        step = "fork the job's child"
+        pid = int(reader.readline() or b"0")
+        if not pid:
+            reason = reader.read(4096).decode(errors="replace").strip() or "it was exiting"
+            tell(f"{server} did not take this job ({reason})", logging.INFO)
+            return None
+    except TimeoutError:
+        tell(f"{server} did not {step} within {timeout_s:g} s (stopped, or overloaded?); {what_mends(path)}")
+        return None
+    except OSError as exc:
+        tell(f"{server} hung up before it could {step} ({exc}); {what_mends(path)}")
+        return None
+    return pid
+
+
 def stop_servers(where: str | Path | None = None) -> int:
     """Ask every server with a socket in ``where`` (default: :func:`folder`) to exit; returns how many answered.
     Jobs they forked run on to their end."""
@@ -260,7 +320,8 @@ def stop_servers(where: str | Path | None = None) -> int:
                 conn.connect(str(path))
                 header = json.dumps({"stop": True}).encode()
                 conn.sendall(len(header).to_bytes(8, "big") + header)
-                stopped += conn.makefile("rb").readline().strip() == b"0"
+                reader = conn.makefile("rb")
+                stopped += reader.readline() == GREETING and reader.readline().strip() == b"0"
         except OSError:
             pass
     return stopped
@@ -337,6 +398,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 conn.close()
                 continue
             try:
+                conn.sendall(GREETING)
                 conn.settimeout(30)
                 request, fds = receive(conn)
                 conn.settimeout(None)
@@ -356,6 +418,12 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                     os.close(fd)
                 why = "its source files changed"
                 break
+            if not job_waits(conn):  # it gave up waiting (job_server_timeout_s): its own process runs it
+                print("a job gave up waiting before its child was forked: forked none for it", flush=True)
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
             served += 1
             if os.fork() == 0:
                 code = 1
@@ -377,14 +445,31 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
     return 0
 
 
-def same_user(conn: socket.socket) -> bool:
-    """Whether the process at the other end of ``conn`` runs as this user (Linux: SO_PEERCRED)."""
+def peer(conn: socket.socket) -> tuple[int | None, int | None]:
+    """The pid and uid of the process at the other end of ``conn`` (Linux: SO_PEERCRED; elsewhere None, None)."""
     if not hasattr(socket, "SO_PEERCRED"):
-        return True
+        return None, None
     import struct
 
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid == os.getuid()
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this user."""
+    uid = peer(conn)[1]
+    return uid is None or uid == os.getuid()
+
+
+def job_waits(conn: socket.socket) -> bool:
+    """Whether the job on ``conn`` still waits for its child: it sends nothing after its request, so anything to
+    read is its hanging up."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
