@@ -283,10 +283,10 @@ def test_a_stopped_server_holds_a_job_seconds_not_forever(tree):
 
 
 @contextmanager
-def listener(env, greeting: bytes, answer: bytes | None):
+def listener(env, greeting: bytes, answer: bytes | None, hang_up=False):
     """Something other than a job server on the socket of ``env``'s key: it sends ``greeting`` and ``answer`` (or
     nothing more, when None) to the job that connects, and reads what the job sends (dropping the streams it passes)
-    until the job hangs up."""
+    until the job hangs up (or, with ``hang_up``, hangs up itself once it has the job's request)."""
     from stagereplay.runtime.job_server import socket_folder
 
     servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
@@ -302,7 +302,7 @@ def listener(env, greeting: bytes, answer: bytes | None):
         conn, _ = sock.accept()
         with conn:
             conn.sendall(greeting + (answer or b""))
-            while conn.recv(1 << 16):
+            while conn.recv(1 << 16) and not hang_up:
                 pass
 
     threading.Thread(target=answer_one, daemon=True).start()
@@ -340,3 +340,20 @@ def test_a_forked_job_runs_as_long_as_it_runs(tree):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("greeting, answer, said", [
+    (b"HTTP/1.0 400 Bad Request\r\n", None, "not a job server's greeting: whatever listens there is no job server"),
+    (None, b"hello\n", "answered b'hello\\n' where the pid of the job's child belongs: whatever listens there"),
+    (None, b"-1\n", "answered b'-1\\n' where the pid of the job's child belongs"),  # passing signals on to -1 would signal every process
+    (None, b"", "hung up before it"),  # (before it forked the job's child, or took all of its request)
+], ids=["another greeting", "no pid", "a negative pid", "nothing"])
+def test_a_listener_that_answers_no_pid_gets_no_job(tree, greeting, answer, said):
+    """Whatever answers on a server's socket without a pid: the job runs in its own process and says what it got."""
+    from stagereplay.runtime.job_server import GREETING
+
+    tmp, env = tree
+    with listener(env, greeting or GREETING, answer, hang_up=answer == b""):
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert said in proc.stderr and "this job runs in its own process" in proc.stderr

@@ -273,6 +273,10 @@ def run_in_child(conn: socket.socket, script: str, path: Path | None = None,
         print(f"stagereplay: the job's process (pid {pid}, forked by the job server) ended without an exit status "
               "(killed?); see the job's log", file=sys.stderr)
         return 1
+    if not status.strip().lstrip(b"-").isdigit():
+        print(f"stagereplay: the job's process (pid {pid}, forked by the job server) reported {status[:80]!r}, not an "
+              "exit status; see the job's log", file=sys.stderr)
+        return 1
     return int(status)
 
 
@@ -295,8 +299,8 @@ def send_job(conn: socket.socket, reader, header: bytes, path: Path, timeout_s: 
         step = "take the job's request"
         socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
         step = "fork the job's child"
-        pid = int(reader.readline() or b"0")
-        if not pid:
+        line = reader.readline(32)
+        if line == b"0\n":
             reason = reader.read(4096).decode(errors="replace").strip() or "it was exiting"
             tell(f"{server} did not take this job ({reason})", logging.INFO)
             return None
@@ -306,7 +310,21 @@ def send_job(conn: socket.socket, reader, header: bytes, path: Path, timeout_s: 
     except OSError as exc:
         tell(f"{server} hung up before it could {step} ({exc}); {what_mends(path)}")
         return None
-    return pid
+    return child_pid(line, server, path)
+
+
+def child_pid(line: bytes, server: str, path: Path) -> int | None:
+    """The pid in the server's answer ``line``; None (said why) when it is none: a job passes its signals on to
+    that pid, and 0 or a negative one would send them to whole process groups."""
+    if not line:
+        tell(f"{server} hung up before it forked the job's child (did it end?); {what_mends(path)}")
+        return None
+    text = line.rstrip(b"\n")
+    if line.endswith(b"\n") and text.isdigit() and 0 < int(text) < PID_MAX:
+        return int(text)
+    tell(f"{server} answered {line!r} where the pid of the job's child belongs: whatever listens there is no job "
+         f"server of this package; {what_mends(path)}")
+    return None
 
 
 def stop_servers(where: str | Path | None = None) -> int:
