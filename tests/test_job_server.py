@@ -24,14 +24,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
-import json, os, sys, time
+import json, os, subprocess, sys, time
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
 hand_over({"job_server": True, **json.loads(os.environ.get("JOB_CONFIG", "{}"))})
 print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
                   "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
-                  "umask": os.umask(0o22)}), flush=True)
+                  "umask": os.umask(0o22),
+                  "spawned": subprocess.Popen(["sleep", "120"]).pid if os.environ.get("MODE") == "spawn" else None}),
+      flush=True)
 print("a line to stderr", file=sys.stderr)
-if os.environ.get("MODE") == "sleep":
+if os.environ.get("MODE") in ("sleep", "spawn"):
     time.sleep(120)
 if os.environ.get("MODE") == "wait":  # until the test says
     while not os.path.exists(os.environ["WAIT_FOR"]):
@@ -357,3 +359,33 @@ def test_a_listener_that_answers_no_pid_gets_no_job(tree, greeting, answer, said
         proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
     assert not seen["child"] and proc.returncode == 0 and "Traceback" not in proc.stderr
     assert said in proc.stderr and "this job runs in its own process" in proc.stderr
+
+
+def wait_gone(*pids, seconds=5.0) -> bool:
+    for _ in range(int(seconds * 10)):
+        if all(gone(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return all(gone(pid) for pid in pids)
+
+
+def test_a_job_killed_outright_takes_its_child_and_the_childs_subprocesses_with_it(tree):
+    """SIGKILL leaves the waiting job nothing to pass on: its forked child sees the job's end of the connection close
+    and kills its process group, so neither it nor what its script started (a decoder's worker, say) holds the GPU or
+    writes on into outputs that a rerun writes too."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    seen = None
+    try:
+        job = subprocess.Popen([sys.executable, str(tmp / "job.py")], env=dict(env, MODE="spawn"), cwd=tmp / "work",
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = json.loads(job.stdout.readline())
+        assert seen["child"] and not gone(seen["spawned"])
+        job.kill()
+        assert job.wait(timeout=30) == -signal.SIGKILL
+        assert wait_gone(seen["pid"], seen["spawned"]), "the child or its subprocess outlived the job"
+    finally:
+        if seen and not gone(seen["spawned"]):
+            os.kill(seen["spawned"], signal.SIGKILL)
+        server.terminate()
+        server.wait(timeout=30)

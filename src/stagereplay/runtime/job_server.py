@@ -553,12 +553,15 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
 
 
 def die_with_the_job(conn: socket.socket) -> None:
-    """Kill this process when the job at the other end of ``conn`` is gone (it sends nothing after its request)."""
+    """Kill this process, and the process group it leads (what the job's script started), when the job at the other
+    end of ``conn`` is gone (it sends nothing after its request)."""
     try:
         while conn.recv(1):
             pass
     except OSError:
         pass
+    if os.getpgid(0) == os.getpid():  # run_child made the child a group of its own
+        os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
