@@ -389,3 +389,87 @@ def test_a_job_killed_outright_takes_its_child_and_the_childs_subprocesses_with_
             os.kill(seen["spawned"], signal.SIGKILL)
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_server_killed_outright_leaves_its_jobs_to_finish_and_the_next_job_starts_another(tree):
+    """kill -9 of the server: the child it forked is the job's and reports to it, so the job ends as it would have;
+    the dead server's socket, left behind, answers nobody, and the next job starts a server rather than wait."""
+    from stagereplay.runtime.job_server import socket_folder, stop_servers
+
+    tmp, env = tree
+    key = key_of(env)
+    server = start_server(env, key)
+    job = subprocess.Popen([sys.executable, str(tmp / "job.py")], cwd=tmp / "work", stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env=dict(env, JOB_CONFIG=QUICK, MODE="wait", WAIT_FOR=str(tmp / "go"), CODE="4"))
+    seen = json.loads(job.stdout.readline())
+    assert seen["child"] and seen["ppid"] == server.pid
+    server.kill()
+    server.wait(timeout=30)
+    (tmp / "go").touch()
+    _out, err = job.communicate(timeout=30)
+    assert job.returncode == 4 and "a line to stderr" in err and "job server" not in err
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    assert (socket_folder(servers) / f"{key}.sock").exists()  # the dead server's
+    proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0 and "job server not used" not in proc.stderr
+    assert (servers / f"{key}.log").exists()  # the server it started
+    for _ in range(600):  # which imports the model stack, then answers: stop it
+        if stop_servers(servers):
+            break
+        time.sleep(0.1)
+
+
+MARKED_JOB = """
+import json, os
+from stagereplay.runtime import job_server
+if os.environ.get("FORCE_KEY"):  # a job that computed its key before the edit
+    job_server.server_key = lambda env=None: os.environ["FORCE_KEY"]
+job_server.hand_over({"job_server": True})
+from stagereplay import marker
+print(json.dumps({"child": bool(os.environ.get(job_server.CHILD_ENV)), "ppid": os.getppid(), "mark": marker.MARK}))
+"""
+
+
+def test_no_job_forks_from_a_server_whose_source_files_changed(tree):
+    """A source file edited (or only touched) under a live server: the next job computes another key and never
+    reaches the old server, and one that reaches it all the same (its key computed before the edit) is refused by
+    the server, which checks its key again and exits. Either way the job runs the new code in its own process."""
+    tmp, env = tree
+    marker = tmp / "src/stagereplay/marker.py"
+    marker.write_text('MARK = "old"\n')
+    (tmp / "marked_job.py").write_text(MARKED_JOB)
+
+    def run(**extra):
+        proc = subprocess.run([sys.executable, str(tmp / "marked_job.py")], env=dict(env, **extra), cwd=tmp / "work",
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    def later(path: Path):  # a new stat record however coarse the file system's clock
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 2_000_000_000))
+
+    old_key = key_of(env)
+    server = start_server(env, old_key, preload="stagereplay.marker")
+    try:
+        assert run() == {"child": True, "ppid": server.pid, "mark": "old"}
+        marker.write_text('MARK = "new"\n')  # the same size
+        later(marker)
+        here = {"child": False, "ppid": os.getpid(), "mark": "new"}  # in its own process, with the new code
+        with hold_lock(env, key_of(env)):  # (a job that misses a server starts none)
+            assert run() == here
+            assert run(FORCE_KEY=old_key) == here
+        assert server.wait(timeout=30) == 0 and "its source files changed" in server.stdout.read()
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    touched = tmp / "src/stagereplay/io/ids.py"  # a file only touched, no job reads a changed byte of it
+    server = start_server(env, key_of(env), preload="stagereplay.marker")
+    try:
+        assert run()["child"]
+        later(touched)
+        with hold_lock(env, key_of(env)):
+            assert run() == here
+    finally:
+        server.kill()
+        server.wait(timeout=30)
