@@ -210,7 +210,7 @@ def test_a_folder_that_is_a_link_or_another_users_gets_no_server_and_its_real_ca
 
 def test_a_temp_folder_too_long_for_a_socket_gets_no_server_and_one_message(tree):
     """Under a long $TMPDIR (as some batch systems set) no server could bind its socket: the job says so (the path,
-    its length, the limit, the mend) and starts none, rather than start one per job that imports for seconds and dies."""
+    its length, the limit, the mend) and starts none, rather than one per job that imports for seconds and dies."""
     tmp, env = tree
     long_tmp = tmp / ("t" * (99 - len(str(tmp)) - 1))
     long_tmp.mkdir()
@@ -347,7 +347,8 @@ def test_a_forked_job_runs_as_long_as_it_runs(tree):
 @pytest.mark.parametrize("greeting, answer, said", [
     (b"HTTP/1.0 400 Bad Request\r\n", None, "not a job server's greeting: whatever listens there is no job server"),
     (None, b"hello\n", "answered b'hello\\n' where the pid of the job's child belongs: whatever listens there"),
-    (None, b"-1\n", "answered b'-1\\n' where the pid of the job's child belongs"),  # passing signals on to -1 would signal every process
+    # (a job passing its signals on to pid -1 would signal every process it may)
+    (None, b"-1\n", "answered b'-1\\n' where the pid of the job's child belongs"),
     (None, b"", "hung up before it"),  # (before it forked the job's child, or took all of its request)
 ], ids=["another greeting", "no pid", "a negative pid", "nothing"])
 def test_a_listener_that_answers_no_pid_gets_no_job(tree, greeting, answer, said):

@@ -7,13 +7,19 @@ A model job's fresh process spends most of its start importing (torch, torch's d
 "Job start"). With ``job_server: true`` in the config each model job's rule script calls :func:`hand_over` first:
 
 - it connects to the server of its key (the Python executable, ``sys.path``, the package's source files as stat
-  records, the environment variables read at import time), sends its script, arguments, working folder, umask,
-  environment and standard streams (the descriptors themselves), and waits. The server forks; the child takes the
-  job's streams, folder and environment and runs the same script from its top (:func:`hand_over` returns at once in
-  a child), then reports its exit status; the job exits with it. A signal the job receives (Snakemake cancelling
-  it) is passed on to the child.
+  records, the environment variables read at import time), waits for its greeting, sends its script, arguments,
+  working folder, umask, environment and standard streams (the descriptors themselves), and waits. The server forks;
+  the child takes the job's streams, folder and environment and runs the same script from its top
+  (:func:`hand_over` returns at once in a child), then reports its exit status; the job exits with it. A signal the
+  job receives (Snakemake cancelling it) is passed on to the child; a job killed outright takes the child and its
+  process group with it.
 - when no server answers, the job starts one in the background (one per key: a lock) and runs in its own process
   as without the server; the jobs after it fork from the server once it has imported.
+- when no server can serve it (a socket folder that is not this user's alone, a socket path too long for Linux) or
+  the one that answers does not answer as a server (within ``job_server_timeout_s`` for each step up to its
+  child's pid; the job's own run has no limit), the job runs in its own process and says why: on its stderr, which
+  Snakemake shows (:func:`hand_over` runs before a rule script sends stderr to its log), and in a model job's log
+  (its first line, :func:`process_start`).
 
 The child computes exactly what a fresh process computes: the server only imports (it never runs a torch
 operation, initialises CUDA or starts a thread; it refuses to serve when an import did), the child sets the job's
@@ -184,7 +190,8 @@ def folder_problem(where: Path) -> str | None:
 
 def tell(message: str, level: int = logging.WARNING) -> None:
     """Say why this job runs in its own process: now on its stderr (:func:`hand_over` runs before a rule script sends
-    its stderr to the job's log: Snakemake shows it with the job), and later in its log (:func:`process_start`)."""
+    its stderr to the job's log: Snakemake shows it with the job), and later in a model job's log
+    (:func:`process_start`)."""
     global not_served
     not_served = message
     log.log(level, "job server not used, this job runs in its own process: %s", message)
@@ -247,15 +254,14 @@ def what_mends(path: Path) -> str:
             "next job starts another")
 
 
-def run_in_child(conn: socket.socket, script: str, path: Path | None = None,
-                 timeout_s: float = HAND_OVER_TIMEOUT_S) -> int | None:
+def run_in_child(conn: socket.socket, script: str, path: Path, timeout_s: float = HAND_OVER_TIMEOUT_S) -> int | None:
     """Send the job to the server connected on ``conn`` (at ``path``), pass signals on to its child, return its exit
     status; None when the server forked no child (the job then runs in its own process)."""
     header = json.dumps({"script": script, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
                          "umask": current_umask(), "sent": time.time()}).encode()
     with conn:
         reader = conn.makefile("rb")
-        pid = send_job(conn, reader, header, path or Path(conn.getpeername()), timeout_s)
+        pid = send_job(conn, reader, header, path, timeout_s)
         if pid is None:  # refused, or no answer in time (said why): run here
             return None
         conn.settimeout(None)  # the job itself may run for hours
