@@ -10,9 +10,13 @@ import json
 import os
 import shutil
 import signal
+import socket
+import threading
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,15 +24,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
-import json, os, sys, time
+import json, os, subprocess, sys, time
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
-hand_over({"job_server": True})
+hand_over({"job_server": True, **json.loads(os.environ.get("JOB_CONFIG", "{}"))})
 print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
                   "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
-                  "umask": os.umask(0o22)}), flush=True)
+                  "umask": os.umask(0o22),
+                  "spawned": subprocess.Popen(["sleep", "120"]).pid if os.environ.get("MODE") == "spawn" else None}),
+      flush=True)
 print("a line to stderr", file=sys.stderr)
-if os.environ.get("MODE") == "sleep":
+if os.environ.get("MODE") in ("sleep", "spawn"):
     time.sleep(120)
+if os.environ.get("MODE") == "wait":  # until the test says
+    while not os.path.exists(os.environ["WAIT_FOR"]):
+        time.sleep(0.05)
 if os.environ.get("MODE") == "raise":
     raise RuntimeError("the job's own error")
 sys.exit(int(os.environ.get("CODE", "0")))
@@ -79,9 +88,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_job(tmp, env, *args, **extra):
+def run_job(tmp, env, *args, timeout=120, **extra):
     proc = subprocess.run([sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra), cwd=tmp / "work",
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None)
 
 
@@ -165,3 +174,303 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
         if stop_servers(servers):
             break
         time.sleep(0.1)
+
+
+def owned_by_another_user(where: Path) -> Path:
+    """A private folder of another uid's: ``where`` given away (as root), else the root folder (not this user's)."""
+    if os.getuid() != 0:
+        return Path("/")
+    where.mkdir(mode=0o700)
+    os.chown(where, 65534, -1)
+    return where
+
+
+@pytest.mark.parametrize("case", ["a link", "another user's"])
+def test_a_folder_that_is_a_link_or_another_users_gets_no_server_and_its_real_cause(tree, case):
+    """chmod 700 mends neither a link nor a folder of another owner's: the job names what is wrong and what mends it."""
+    tmp, env = tree
+    real = tmp / "real"
+    real.mkdir(mode=0o700)
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    if case == "a link":
+        servers.symlink_to(real)
+    else:
+        servers = owned_by_another_user(servers)
+        env = dict(env, STAGEREPLAY_JOB_SERVER_DIR=str(servers))
+    proc, seen = run_job(tmp, env)
+    assert not seen["child"] and proc.returncode == 0 and "chmod" not in proc.stderr
+    assert "this job runs in its own process" in proc.stderr and "set $STAGEREPLAY_JOB_SERVER_DIR" in proc.stderr
+    if case == "a link":
+        assert f"{servers} is a symbolic link (to {real})" in proc.stderr and "not a link" in proc.stderr
+        assert list(real.iterdir()) == []  # no lock, no log, no server started through the link
+    else:
+        assert (f"{servers} belongs to uid {servers.stat().st_uid}, not to this user (uid {os.getuid()}): this "
+                "user cannot use it") in proc.stderr
+
+
+def test_a_temp_folder_too_long_for_a_socket_gets_no_server_and_one_message(tree):
+    """Under a long $TMPDIR (as some batch systems set) no server could bind its socket: the job says so (the path,
+    its length, the limit, the mend) and starts none, rather than one per job that imports for seconds and dies."""
+    tmp, env = tree
+    long_tmp = tmp / ("t" * (99 - len(str(tmp)) - 1))
+    long_tmp.mkdir()
+    env = dict(env, TMPDIR=str(long_tmp))
+    del env["STAGEREPLAY_JOB_SERVER_DIR"]  # the default: a folder in the temp folder
+    for _ in range(2):
+        proc, seen = run_job(tmp, env)
+        assert not seen["child"] and proc.returncode == 0 and proc.stderr.count("job server not used") == 1
+        assert f"the system temp folder ($TMPDIR, {long_tmp}) is too long" in proc.stderr
+        assert "over the 107 bytes a socket's path may have" in proc.stderr and "bytes long" in proc.stderr
+        assert "set $STAGEREPLAY_JOB_SERVER_DIR to a short folder" in proc.stderr
+        assert not list(long_tmp.glob("stagereplay-jobs-*/*.log"))  # no server started
+    short = Path(tempfile.mkdtemp(prefix="sr-", dir="/tmp")) / "jobs"  # the mend: a short folder
+    try:
+        proc, seen = run_job(tmp, dict(env, STAGEREPLAY_JOB_SERVER_DIR=str(short)))
+        assert "job server not used" not in proc.stderr and list(short.glob("*.log"))
+        from stagereplay.runtime.job_server import stop_servers
+
+        for _ in range(600):  # the server it started imports the model stack, then answers: stop it
+            if stop_servers(short):
+                break
+            time.sleep(0.1)
+    finally:
+        shutil.rmtree(short.parent)
+
+
+def test_the_socket_path_limit_is_the_kernels():
+    """socket_problem's limit is where binding starts to fail: the longest path it passes binds, one byte more fails."""
+    from stagereplay.runtime.job_server import PID_MAX, SUN_PATH_MAX, bound_path, socket_problem
+
+    base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    try:
+        suffix = len(bound_path(Path("k.sock"), PID_MAX).name) - len("k")  # ".<pid>.part"
+        for size, fits in ((SUN_PATH_MAX, True), (SUN_PATH_MAX + 1, False)):
+            path = base / ("k" * (size - len(f"{base}/") - suffix) + ".sock")
+            assert (socket_problem(path) is None) == fits
+            longest = bound_path(path, PID_MAX)
+            assert len(str(longest)) == size
+            with socket.socket(socket.AF_UNIX) as sock:
+                if fits:
+                    sock.bind(str(longest))
+                else:
+                    with pytest.raises(OSError, match="too long"):
+                        sock.bind(str(longest))
+    finally:
+        shutil.rmtree(base)
+
+
+QUICK = json.dumps({"job_server_timeout_s": 1})  # the hand-over's timeout in the jobs below
+
+
+def test_a_stopped_server_holds_a_job_seconds_not_forever(tree):
+    """A stopped server (SIGSTOP) still takes connections, in its backlog: the job waits job_server_timeout_s for its
+    greeting, then runs in its own process and says why; it never sent its streams, so nothing holds them open. The
+    server, woken, forks nothing for the job that left, and serves the next."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)  # it reads the job's streams to their end
+        assert not seen["child"] and proc.returncode == 0 and time.monotonic() - started < 30
+        assert f"(pid {server.pid}) did not greet the job within 1 s (stopped, or overloaded?)" in proc.stderr
+        assert "this job runs in its own process" in proc.stderr
+        os.kill(server.pid, signal.SIGCONT)
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK)
+        assert seen["child"] and seen["ppid"] == server.pid and proc.returncode == 0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@contextmanager
+def listener(env, greeting: bytes, answer: bytes | None, hang_up=False):
+    """Something other than a job server on the socket of ``env``'s key: it sends ``greeting`` and ``answer`` (or
+    nothing more, when None) to the job that connects, and reads what the job sends (dropping the streams it passes)
+    until the job hangs up (or, with ``hang_up``, hangs up itself once it has the job's request)."""
+    from stagereplay.runtime.job_server import socket_folder
+
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    sockets = socket_folder(servers)
+    for where in (servers, sockets):
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = sockets / f"{key_of(env)}.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(1)
+
+    def answer_one():
+        conn, _ = sock.accept()
+        with conn:
+            conn.sendall(greeting + (answer or b""))
+            while conn.recv(1 << 16) and not hang_up:
+                pass
+
+    threading.Thread(target=answer_one, daemon=True).start()
+    try:
+        yield
+    finally:
+        sock.close()
+        path.unlink()
+
+
+def test_a_server_that_greets_but_forks_no_child_holds_a_job_seconds_not_forever(tree):
+    """A server that takes the job's request and then answers nothing: the job waits job_server_timeout_s for its
+    child's pid (not for ever), then runs in its own process and says why."""
+    from stagereplay.runtime.job_server import GREETING
+
+    tmp, env = tree
+    with listener(env, GREETING, None):
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0
+    assert "did not fork the job's child within 1 s" in proc.stderr
+
+
+def test_a_forked_job_runs_as_long_as_it_runs(tree):
+    """The hand-over's timeout ends with the child's pid: the wait for its exit status has none."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        job = subprocess.Popen([sys.executable, str(tmp / "job.py")], cwd=tmp / "work", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env=dict(env, JOB_CONFIG=QUICK, MODE="wait", WAIT_FOR=str(tmp / "go"), CODE="3"))
+        assert json.loads(job.stdout.readline())["child"]
+        time.sleep(3)  # three times the timeout
+        (tmp / "go").touch()
+        assert job.wait(timeout=30) == 3 and "job server not used" not in job.stderr.read()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("greeting, answer, said", [
+    (b"HTTP/1.0 400 Bad Request\r\n", None, "not a job server's greeting: whatever listens there is no job server"),
+    (None, b"hello\n", "answered b'hello\\n' where the pid of the job's child belongs: whatever listens there"),
+    # (a job passing its signals on to pid -1 would signal every process it may)
+    (None, b"-1\n", "answered b'-1\\n' where the pid of the job's child belongs"),
+    (None, b"", "hung up before it"),  # (before it forked the job's child, or took all of its request)
+], ids=["another greeting", "no pid", "a negative pid", "nothing"])
+def test_a_listener_that_answers_no_pid_gets_no_job(tree, greeting, answer, said):
+    """Whatever answers on a server's socket without a pid: the job runs in its own process and says what it got."""
+    from stagereplay.runtime.job_server import GREETING
+
+    tmp, env = tree
+    with listener(env, greeting or GREETING, answer, hang_up=answer == b""):
+        proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert said in proc.stderr and "this job runs in its own process" in proc.stderr
+
+
+def wait_gone(*pids, seconds=5.0) -> bool:
+    for _ in range(int(seconds * 10)):
+        if all(gone(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return all(gone(pid) for pid in pids)
+
+
+def test_a_job_killed_outright_takes_its_child_and_the_childs_subprocesses_with_it(tree):
+    """SIGKILL leaves the waiting job nothing to pass on: its forked child sees the job's end of the connection close
+    and kills its process group, so neither it nor what its script started (a decoder's worker, say) holds the GPU or
+    writes on into outputs that a rerun writes too."""
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    seen = None
+    try:
+        job = subprocess.Popen([sys.executable, str(tmp / "job.py")], env=dict(env, MODE="spawn"), cwd=tmp / "work",
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = json.loads(job.stdout.readline())
+        assert seen["child"] and not gone(seen["spawned"])
+        job.kill()
+        assert job.wait(timeout=30) == -signal.SIGKILL
+        assert wait_gone(seen["pid"], seen["spawned"]), "the child or its subprocess outlived the job"
+    finally:
+        if seen and not gone(seen["spawned"]):
+            os.kill(seen["spawned"], signal.SIGKILL)
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_server_killed_outright_leaves_its_jobs_to_finish_and_the_next_job_starts_another(tree):
+    """kill -9 of the server: the child it forked is the job's and reports to it, so the job ends as it would have;
+    the dead server's socket, left behind, answers nobody, and the next job starts a server rather than wait."""
+    from stagereplay.runtime.job_server import socket_folder, stop_servers
+
+    tmp, env = tree
+    key = key_of(env)
+    server = start_server(env, key)
+    job = subprocess.Popen([sys.executable, str(tmp / "job.py")], cwd=tmp / "work", stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env=dict(env, JOB_CONFIG=QUICK, MODE="wait", WAIT_FOR=str(tmp / "go"), CODE="4"))
+    seen = json.loads(job.stdout.readline())
+    assert seen["child"] and seen["ppid"] == server.pid
+    server.kill()
+    server.wait(timeout=30)
+    (tmp / "go").touch()
+    _out, err = job.communicate(timeout=30)
+    assert job.returncode == 4 and "a line to stderr" in err and "job server" not in err
+    servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
+    assert (socket_folder(servers) / f"{key}.sock").exists()  # the dead server's
+    proc, seen = run_job(tmp, env, JOB_CONFIG=QUICK, timeout=60)
+    assert not seen["child"] and proc.returncode == 0 and "job server not used" not in proc.stderr
+    assert (servers / f"{key}.log").exists()  # the server it started
+    for _ in range(600):  # which imports the model stack, then answers: stop it
+        if stop_servers(servers):
+            break
+        time.sleep(0.1)
+
+
+MARKED_JOB = """
+import json, os
+from stagereplay.runtime import job_server
+if os.environ.get("FORCE_KEY"):  # a job that computed its key before the edit
+    job_server.server_key = lambda env=None: os.environ["FORCE_KEY"]
+job_server.hand_over({"job_server": True})
+from stagereplay import marker
+print(json.dumps({"child": bool(os.environ.get(job_server.CHILD_ENV)), "ppid": os.getppid(), "mark": marker.MARK}))
+"""
+
+
+def test_no_job_forks_from_a_server_whose_source_files_changed(tree):
+    """A source file edited (or only touched) under a live server: the next job computes another key and never
+    reaches the old server, and one that reaches it all the same (its key computed before the edit) is refused by
+    the server, which checks its key again and exits. Either way the job runs the new code in its own process."""
+    tmp, env = tree
+    marker = tmp / "src/stagereplay/marker.py"
+    marker.write_text('MARK = "old"\n')
+    (tmp / "marked_job.py").write_text(MARKED_JOB)
+
+    def run(**extra):
+        proc = subprocess.run([sys.executable, str(tmp / "marked_job.py")], env=dict(env, **extra), cwd=tmp / "work",
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    def later(path: Path):  # a new stat record however coarse the file system's clock
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 2_000_000_000))
+
+    old_key = key_of(env)
+    server = start_server(env, old_key, preload="stagereplay.marker")
+    try:
+        assert run() == {"child": True, "ppid": server.pid, "mark": "old"}
+        marker.write_text('MARK = "new"\n')  # the same size
+        later(marker)
+        here = {"child": False, "ppid": os.getpid(), "mark": "new"}  # in its own process, with the new code
+        with hold_lock(env, key_of(env)):  # (a job that misses a server starts none)
+            assert run() == here
+            assert run(FORCE_KEY=old_key) == here
+        assert server.wait(timeout=30) == 0 and "its source files changed" in server.stdout.read()
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    touched = tmp / "src/stagereplay/io/ids.py"  # a file only touched, no job reads a changed byte of it
+    server = start_server(env, key_of(env), preload="stagereplay.marker")
+    try:
+        assert run()["child"]
+        later(touched)
+        with hold_lock(env, key_of(env)):
+            assert run() == here
+    finally:
+        server.kill()
+        server.wait(timeout=30)

@@ -7,13 +7,19 @@ A model job's fresh process spends most of its start importing (torch, torch's d
 "Job start"). With ``job_server: true`` in the config each model job's rule script calls :func:`hand_over` first:
 
 - it connects to the server of its key (the Python executable, ``sys.path``, the package's source files as stat
-  records, the environment variables read at import time), sends its script, arguments, working folder, umask,
-  environment and standard streams (the descriptors themselves), and waits. The server forks; the child takes the
-  job's streams, folder and environment and runs the same script from its top (:func:`hand_over` returns at once in
-  a child), then reports its exit status; the job exits with it. A signal the job receives (Snakemake cancelling
-  it) is passed on to the child.
+  records, the environment variables read at import time), waits for its greeting, sends its script, arguments,
+  working folder, umask, environment and standard streams (the descriptors themselves), and waits. The server forks;
+  the child takes the job's streams, folder and environment and runs the same script from its top
+  (:func:`hand_over` returns at once in a child), then reports its exit status; the job exits with it. A signal the
+  job receives (Snakemake cancelling it) is passed on to the child; a job killed outright takes the child and its
+  process group with it.
 - when no server answers, the job starts one in the background (one per key: a lock) and runs in its own process
   as without the server; the jobs after it fork from the server once it has imported.
+- when no server can serve it (a socket folder that is not this user's alone, a socket path too long for Linux) or
+  the one that answers does not answer as a server (within ``job_server_timeout_s`` for each step up to its
+  child's pid; the job's own run has no limit), the job runs in its own process and says why: on its stderr, which
+  Snakemake shows (:func:`hand_over` runs before a rule script sends stderr to its log), and in a model job's log
+  (its first line, :func:`process_start`).
 
 The child computes exactly what a fresh process computes: the server only imports (it never runs a torch
 operation, initialises CUDA or starts a thread; it refuses to serve when an import did), the child sets the job's
@@ -70,6 +76,13 @@ LOCK_FD_ENV = "STAGEREPLAY_JOB_SERVER_LOCK_FD"
 OWN_ENV = (CHILD_ENV, LOCK_FD_ENV)
 DEFAULT_IDLE_S = 300.0
 MAX_HEADER = 4 << 20
+SUN_PATH_MAX = 107  # bytes of a socket's path on Linux (sockaddr_un's sun_path: 108 with the closing NUL)
+PID_MAX = 1 << 22  # the highest pid_max Linux allows
+# How long a job waits for each step of its hand-over (the connection, the server's greeting, the pid of its child)
+# before it runs in its own process (the config's job_server_timeout_s); the wait for its exit status has no limit.
+HAND_OVER_TIMEOUT_S = 10.0
+GREETING = b"stagereplay job server\n"  # a server's first line to each connection: the job's streams go to no other
+not_served: str | None = None  # why this job, meant for the job server, runs in its own process (for its log)
 
 
 def folder() -> Path:
@@ -101,9 +114,12 @@ def server_key(env: dict | None = None) -> str:
 
 def process_start() -> str:
     """How this process started and what it has spent since (wall seconds from its start, or its fork, and CPU
-    seconds), for a job's log."""
+    seconds), for a job's log; the first time, why a job meant for the job server runs in its own process."""
+    global not_served
     how = (f"forked from the job server (pid {os.getppid()})" if os.environ.get(CHILD_ENV)
            else "in its own process")
+    if not_served and not os.environ.get(CHILD_ENV):
+        how, not_served = f"{how} (job server not used: {not_served})", None
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -115,8 +131,8 @@ def process_start() -> str:
 
 def socket_folder(where: Path | None = None) -> Path:
     """Where the sockets of the servers of ``where`` (default :func:`folder`) are: that folder, or where its path is
-    too long for a socket's name (about 100 bytes on Linux) a short folder of this user's in the system temp dir,
-    named after it."""
+    too long for a socket's name (SUN_PATH_MAX bytes on Linux) a short folder of this user's in the system temp dir,
+    named after it (:func:`socket_problem` says when the temp dir is too long too)."""
     where = Path(where) if where is not None else folder()
     if len(str(where)) <= 60:
         return where
@@ -128,22 +144,57 @@ def socket_path(key: str) -> Path:
     return socket_folder() / f"{key}.sock"
 
 
-def private_folder(where: Path) -> bool:
-    """Make ``where`` if need be and say whether it is this user's alone (a folder, not a link, owned by this user,
-    no access for group or others): a server's socket and a job's request (its environment) go nowhere else."""
-    try:
-        where.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = os.lstat(where)
-    except OSError:
-        return False
+def bound_path(path: Path, pid: int) -> Path:
+    """The name a server binds its socket ``path`` under before it answers (then renames it to ``path``)."""
+    return path.with_suffix(f".{pid}.part")
+
+
+def socket_problem(path: Path) -> str | None:
+    """None when a server can bind its socket ``path`` (with the name it binds first, the longest pid's), else why
+    not and what to do: a socket's path has at most SUN_PATH_MAX bytes."""
+    longest = len(os.fsencode(bound_path(path, PID_MAX)))
+    if longest <= SUN_PATH_MAX:
+        return None
+    return (f"the job server's socket {path} would be {len(os.fsencode(path))} bytes long ({longest} under the name "
+            f"the server binds first, <key>.<pid>.part), over the {SUN_PATH_MAX} bytes a socket's path may have on "
+            f"Linux: the system temp folder ($TMPDIR, {tempfile.gettempdir()}) is too long for it; set ${FOLDER_ENV} "
+            f"to a short folder of your own (60 characters at most, as /tmp/stagereplay-jobs-{os.getuid()})")
+
+
+def folder_problem(where: Path) -> str | None:
+    """Make ``where`` if need be; None when it is this user's alone (a folder, not a link, owned by this user, no
+    access for group or others), else what is wrong with it and what to do: a server's socket and a job's request
+    (its environment) go nowhere else."""
     import stat
 
-    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-    if not ok:
-        log.warning("job server folder %s is not this user's alone (owner uid %d, mode %o): no job server; make it "
-                    "private (chmod 700) or set $%s to a folder of your own", where, st.st_uid,
-                    stat.S_IMODE(st.st_mode), FOLDER_ENV)
-    return ok
+    elsewhere = f"set ${FOLDER_ENV} to a folder of your own"
+    try:
+        if not os.path.lexists(where):
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(where)
+    except OSError as exc:
+        return f"the job server folder {where} cannot be made ({exc.strerror}); {elsewhere}"
+    if stat.S_ISLNK(st.st_mode):  # whoever may change the link could send the jobs' requests elsewhere
+        return (f"the job server folder {where} is a symbolic link (to {os.readlink(where)}), not a folder; set "
+                f"${FOLDER_ENV} to a real folder of your own, not a link")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"the job server folder {where} is not a folder; {elsewhere}"
+    if st.st_uid != os.getuid():
+        return (f"the job server folder {where} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): "
+                f"this user cannot use it; {elsewhere}")
+    if st.st_mode & 0o077:
+        return (f"the job server folder {where} is not this user's alone (mode {stat.S_IMODE(st.st_mode):o}): make "
+                f"it private (chmod 700 {where}) or {elsewhere}")
+    return None
+
+
+def tell(message: str, level: int = logging.WARNING) -> None:
+    """Say why this job runs in its own process: now on its stderr (:func:`hand_over` runs before a rule script sends
+    its stderr to the job's log: Snakemake shows it with the job), and later in a model job's log
+    (:func:`process_start`)."""
+    global not_served
+    not_served = message
+    log.log(level, "job server not used, this job runs in its own process: %s", message)
 
 
 # --- the job's side ---------------------------------------------------------------------------------------------
@@ -157,17 +208,28 @@ def hand_over(config: dict | None) -> None:
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
     if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
         return
-    if not (private_folder(folder()) and private_folder(socket_folder())):
+    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
+        tell(problem)
         return
     key = server_key()
     path = socket_path(key)
+    if problem := socket_problem(path):  # no server could bind it: start none
+        tell(problem)
+        return
+    timeout_s = float((config or {}).get("job_server_timeout_s", HAND_OVER_TIMEOUT_S))
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(path))
-    except OSError:
+        conn = connect(path, timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError):  # no server, or a dead one's socket: start one
         start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)))
         return
-    code = run_in_child(conn, os.path.abspath(sys.argv[0]))
+    except TimeoutError:  # its backlog is full: it takes no jobs
+        tell(f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, or "
+             f"overloaded?); {what_mends(path)}")
+        return
+    except OSError as exc:
+        tell(f"the job server at {path} could not be reached ({exc}); {what_mends(path)}")
+        return
+    code = run_in_child(conn, os.path.abspath(sys.argv[0]), path, timeout_s)
     if code is None:  # refused (stale, or idling out as this job came): run here
         return
     sys.stdout.flush()
@@ -175,19 +237,34 @@ def hand_over(config: dict | None) -> None:
     os._exit(code)  # the child ran the job: nothing is left for this process to do
 
 
-def run_in_child(conn: socket.socket, script: str) -> int | None:
-    """Send the job to the server connected on ``conn``, pass signals on to its child, return its exit status;
-    None when the server forked no child (the job then runs in its own process)."""
+def connect(path: Path, timeout_s: float) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout_s)
+    try:
+        conn.connect(str(path))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def what_mends(path: Path) -> str:
+    """What to do about a server that does not answer as it should on ``path``."""
+    return (f"if it stays so, end it (its pid is in its log, {folder() / (path.stem + '.log')}) or remove {path}: the "
+            "next job starts another")
+
+
+def run_in_child(conn: socket.socket, script: str, path: Path, timeout_s: float = HAND_OVER_TIMEOUT_S) -> int | None:
+    """Send the job to the server connected on ``conn`` (at ``path``), pass signals on to its child, return its exit
+    status; None when the server forked no child (the job then runs in its own process)."""
     header = json.dumps({"script": script, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
                          "umask": current_umask(), "sent": time.time()}).encode()
     with conn:
-        socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
         reader = conn.makefile("rb")
-        pid = int(reader.readline() or b"0")
-        if not pid:
-            reason = reader.read().decode(errors="replace").strip() or "it was exiting"
-            log.info("the job server did not take this job (%s): it runs in its own process", reason)
+        pid = send_job(conn, reader, header, path, timeout_s)
+        if pid is None:  # refused, or no answer in time (said why): run here
             return None
+        conn.settimeout(None)  # the job itself may run for hours
 
         def forward(signum, _frame):
             try:
@@ -202,7 +279,58 @@ def run_in_child(conn: socket.socket, script: str) -> int | None:
         print(f"stagereplay: the job's process (pid {pid}, forked by the job server) ended without an exit status "
               "(killed?); see the job's log", file=sys.stderr)
         return 1
+    if not status.strip().lstrip(b"-").isdigit():
+        print(f"stagereplay: the job's process (pid {pid}, forked by the job server) reported {status[:80]!r}, not an "
+              "exit status; see the job's log", file=sys.stderr)
+        return 1
     return int(status)
+
+
+def send_job(conn: socket.socket, reader, header: bytes, path: Path, timeout_s: float) -> int | None:
+    """Send the job's request and its standard streams to the server on ``conn`` and return the pid of the child it
+    forked for the job; None (said why) when it forked none. The streams go only to a server that greets the job (a
+    stopped server's backlog still takes connections: it would hold them, and whoever reads them would wait on), and
+    no step waits more than ``timeout_s``."""
+    server = f"the job server at {path} (pid {peer(conn)[0]})"
+    step = "greet the job"
+    try:
+        greeting = reader.readline(len(GREETING))
+        if not greeting:  # it was exiting as the job came
+            tell(f"{server} closed the connection (it was exiting)", logging.INFO)
+            return None
+        if greeting != GREETING:
+            tell(f"{server} answered {greeting!r}, not a job server's greeting: whatever listens there is no job "
+                 f"server of this package; {what_mends(path)}")
+            return None
+        step = "take the job's request"
+        socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
+        step = "fork the job's child"
+        line = reader.readline(32)
+        if line == b"0\n":
+            reason = reader.read(4096).decode(errors="replace").strip() or "it was exiting"
+            tell(f"{server} did not take this job ({reason})", logging.INFO)
+            return None
+    except TimeoutError:
+        tell(f"{server} did not {step} within {timeout_s:g} s (stopped, or overloaded?); {what_mends(path)}")
+        return None
+    except OSError as exc:
+        tell(f"{server} hung up before it could {step} ({exc}); {what_mends(path)}")
+        return None
+    return child_pid(line, server, path)
+
+
+def child_pid(line: bytes, server: str, path: Path) -> int | None:
+    """The pid in the server's answer ``line``; None (said why) when it is none: a job passes its signals on to
+    that pid, and 0 or a negative one would send them to whole process groups."""
+    if not line:
+        tell(f"{server} hung up before it forked the job's child (did it end?); {what_mends(path)}")
+        return None
+    text = line.rstrip(b"\n")
+    if line.endswith(b"\n") and text.isdigit() and 0 < int(text) < PID_MAX:
+        return int(text)
+    tell(f"{server} answered {line!r} where the pid of the job's child belongs: whatever listens there is no job "
+         f"server of this package; {what_mends(path)}")
+    return None
 
 
 def stop_servers(where: str | Path | None = None) -> int:
@@ -216,7 +344,8 @@ def stop_servers(where: str | Path | None = None) -> int:
                 conn.connect(str(path))
                 header = json.dumps({"stop": True}).encode()
                 conn.sendall(len(header).to_bytes(8, "big") + header)
-                stopped += conn.makefile("rb").readline().strip() == b"0"
+                reader = conn.makefile("rb")
+                stopped += reader.readline() == GREETING and reader.readline().strip() == b"0"
         except OSError:
             pass
     return stopped
@@ -252,8 +381,11 @@ def start_server(key: str, idle_s: float) -> None:
 def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
-    if not all(private_folder(where) for where in (folder(), socket_folder())):
-        print("refusing to serve: the job server folder is not this user's alone", flush=True)
+    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
+        print(f"refusing to serve: {problem}", flush=True)
+        return 1
+    if problem := socket_problem(socket_path(key)):  # before the imports, not after them
+        print(f"refusing to serve: {problem}", flush=True)
         return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
     for name in preload:
@@ -272,7 +404,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
         return 1
     path = socket_path(key)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    partial = path.with_suffix(f".{os.getpid()}.part")
+    partial = bound_path(path, os.getpid())
     listener.bind(str(partial))
     listener.listen(64)
     os.replace(partial, path)  # answers from now on
@@ -290,6 +422,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 conn.close()
                 continue
             try:
+                conn.sendall(GREETING)
                 conn.settimeout(30)
                 request, fds = receive(conn)
                 conn.settimeout(None)
@@ -309,6 +442,12 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                     os.close(fd)
                 why = "its source files changed"
                 break
+            if not job_waits(conn):  # it gave up waiting (job_server_timeout_s): its own process runs it
+                print("a job gave up waiting before its child was forked: forked none for it", flush=True)
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
             served += 1
             if os.fork() == 0:
                 code = 1
@@ -330,14 +469,31 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
     return 0
 
 
-def same_user(conn: socket.socket) -> bool:
-    """Whether the process at the other end of ``conn`` runs as this user (Linux: SO_PEERCRED)."""
+def peer(conn: socket.socket) -> tuple[int | None, int | None]:
+    """The pid and uid of the process at the other end of ``conn`` (Linux: SO_PEERCRED; elsewhere None, None)."""
     if not hasattr(socket, "SO_PEERCRED"):
-        return True
+        return None, None
     import struct
 
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid == os.getuid()
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this user."""
+    uid = peer(conn)[1]
+    return uid is None or uid == os.getuid()
+
+
+def job_waits(conn: socket.socket) -> bool:
+    """Whether the job on ``conn`` still waits for its child: it sends nothing after its request, so anything to
+    read is its hanging up."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -403,12 +559,15 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
 
 
 def die_with_the_job(conn: socket.socket) -> None:
-    """Kill this process when the job at the other end of ``conn`` is gone (it sends nothing after its request)."""
+    """Kill this process, and the process group it leads (what the job's script started), when the job at the other
+    end of ``conn`` is gone (it sends nothing after its request)."""
     try:
         while conn.recv(1):
             pass
     except OSError:
         pass
+    if os.getpgid(0) == os.getpid():  # run_child made the child a group of its own
+        os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
