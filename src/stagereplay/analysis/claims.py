@@ -17,6 +17,7 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_proportion,
                                                 join_words, table_head, table_row)
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.truncation import budget_stop_lines, budget_stops
 from stagereplay.io.provenance import recorded_batch_plan
 
 
@@ -28,6 +29,12 @@ def _pair_statistics(cmp: pd.DataFrame, seed: int) -> tuple[dict, dict, dict | N
     acc = (stats.paired_accuracy_difference(cmp["correct_a"].tolist(), cmp["correct_b"].tolist(), seed=seed)
            if n else None)
     return dis, flips, acc
+
+
+def _budget_stop_lines(data: RevisionData, out: dict) -> list[str]:
+    """Beside a section's accuracies: its precisions' suffixes that stopped at max_new_tokens (``out``'s numbers)."""
+    lines = budget_stop_lines({p: v["suffixes_at_max_new_tokens"] for p, v in out.items()}, data.max_new_tokens)
+    return [part for line in lines for part in ("", line)]
 
 
 def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]:
@@ -70,7 +77,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
                           "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
                           "label_flips": flips, "accuracy_difference": acc, "replicas": rep.get(precision, {}),
                           "first_divergence": stats.first_divergence_summary(
-                              cmp.loc[cmp["disagree"], "first_divergence"].tolist())}
+                              cmp.loc[cmp["disagree"], "first_divergence"].tolist()),
+                          "suffixes_at_max_new_tokens": budget_stops(cmp)}
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
         claim2.append(table_row(precision, ref_dis if ref_dis else "—", format_proportion(dis)))
@@ -80,7 +88,8 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
                                 study.accuracy_text(precision) if precision in study.MATCHED_ACCURACY else "—",
                                 format_accuracy(acc) if acc else "no compared items"))
     counts = "; ".join(f"{p}: {v['n_items']} items, {v['n_compared']} compared" for p, v in out.items())
-    lines = [f"Items per precision: {counts} (exclusions listed below).", "", *claim1, *claim2, "", *claim3, ""]
+    lines = [f"Items per precision: {counts} (exclusions listed below).", "", *claim1, *claim2, "", *claim3,
+             *_budget_stop_lines(data, out), ""]
     return lines, out
 
 
@@ -126,12 +135,13 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                           "accuracy_difference": acc, "first_divergence": fd, "replicas": rep.get(precision, {}),
                           "nonfinite_rows": int(len(nonfinite)),
                           "nonfinite_items": int(nonfinite["item_index"].nunique()),
-                          "same_rows_as_matched": bool(same)}
+                          "same_rows_as_matched": bool(same), "suffixes_at_max_new_tokens": budget_stops(cmp)}
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
         reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
         lines.append(table_row(f"{precision}{mark}", reference, format_proportion(dis), format_proportion(flips),
                                format_accuracy(acc) if acc else "no compared items", fd_text))
+    lines += _budget_stop_lines(data, out)
     shared = [p for p in out if out[p]["same_rows_as_matched"]]
     if shared:
         lines += ["", f"(= matched): at {join_words(shared)}, the fixed-prefix rows repeat the matched experiment's "
