@@ -23,14 +23,15 @@ def _fp(*parts) -> str:
 
 
 def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfinite=(5,),
-                     replays=None) -> pd.DataFrame:
+                     replays=None, truncated=None) -> pd.DataFrame:
     """Matched (live/prefill, bf16) and fixed-prefix (incremental/prefill, bf16 and fp32) rows, two replicas each.
 
     The prefill side diverges from the reference side on a seeded subset of items (more often in bf16, never in
     fp32), sometimes flipping the correctness label; item ``missing`` never reaches its boundary and item
     ``nonfinite`` overflows on the prefill side. ``replays`` ({construction: {precision: items}}) adds fixed-prefix
     constructions beyond the pair, each equal to the reference except on its items at that precision, where its
-    suffix differs from position 2 on (and its label flips).
+    suffix differs from position 2 on (and its label flips). ``truncated`` ({(experiment, precision, construction):
+    items}) are the suffixes that stopped at max_new_tokens; every other suffix of status ok ended at EOS.
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -64,6 +65,8 @@ def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfi
                     status, suffix, correct = "boundary_missing", suffix, None
                 if item in nonfinite and construction == "prefill" and experiment == "matched":
                     status, correct = "nonfinite", None
+                cut = item in (truncated or {}).get((experiment, precision, construction), ())
+                stop = status if status != "ok" else "max_new_tokens" if cut else "eos"
                 for replica in (1, 2):
                     rows.append({
                         "item_index": item, "item_id": f"item-{item}", "revision": revision,
@@ -72,7 +75,7 @@ def synthetic_ledger(revision="primary", n_items=40, seed=0, missing=(3,), nonfi
                         "stage_ids": [] if status == "boundary_missing" else [4, 5],
                         "prefix_fingerprint": _fp(item), "cache_fingerprint": _fp(item, experiment, precision, construction),
                         "cache_k_fingerprints": [], "cache_v_fingerprints": [], "suffix_ids": suffix,
-                        "suffix_fingerprint": _fp(suffix), "margins": m, "stop_reason": "max_new_tokens",
+                        "suffix_fingerprint": _fp(suffix), "margins": m, "stop_reason": stop,
                         "suffix_text": "", "answer": None, "gold_answer": "1", "correct": correct,
                     })
     return pd.DataFrame(rows, columns=LEDGER_COLUMNS)

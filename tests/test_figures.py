@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import matplotlib.text
@@ -237,6 +238,29 @@ def test_figure_5_colour_bar_lies_below_a_single_panel(tables, drawn):
     fig.canvas.draw()
     box = bar[0].xaxis.label.get_window_extent()
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0  # the whole label is on the canvas
+
+
+def test_figure_5_fits_one_sweep_and_a_long_revision_name(drawn):
+    """One sweep (all layers, one row per panel) and a 63-character revision: the figure had a fixed height per row,
+    too short for the title, direction names and colour bar, so constrained_layout gave up and left them off the
+    canvas; and the revision ran off its panel."""
+    revision = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B-checkpoint-step-120000"
+    assert len(revision) >= 60
+    transplant = synthetic_transplant(revision)
+    one_sweep = transplant[(transplant["layer_set"] == "all") & (transplant["component"] == "kv")
+                           & (transplant["positions"] == "all")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = drawn("fig5_transplant", analysis.transplant_matrix(one_sweep))
+        fig.canvas.draw()
+    assert not [w for w in caught if "constrained_layout" in str(w.message)], [str(w.message) for w in caught]
+    renderer = fig.canvas.get_renderer()
+    for text in fig.findobj(matplotlib.text.Text):
+        if text.get_text() and text.get_visible():
+            box = text.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height, \
+                (text.get_text(), box.bounds, fig.bbox.bounds)
+    assert revision in fig.axes[0].get_title(loc="left").replace("\n", "")  # broken into lines, not cut
 
 
 def test_figure_2_draws_equal_steps_of_two_series_side_by_side(drawn, tmp_path):

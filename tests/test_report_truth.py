@@ -514,3 +514,62 @@ def test_a_revisions_own_split_count_is_in_its_transplant_section(tmp_path):
     section = text.split("## Revision `later`")[1]
     assert "At revision `later` the two constructions continue differently on 41 of 200 items" in section
     assert stats["revisions"]["later"]["transplant"]["split"] == {"k": 41, "n": 200}
+
+
+# --- accuracy beside the suffixes cut at max_new_tokens ------------------------------------------------------------
+
+def cut_at_budget(ledger, experiment, precision):
+    """Per construction of the cell, by a plain loop over replica 1: (suffixes stopped at max_new_tokens, items
+    compared), over the items with status ok on both constructions."""
+    rows = ledger[(ledger["experiment"] == experiment) & (ledger["precision"] == precision) & (ledger["replica"] == 1)]
+    cut, n = {}, 0
+    for _, item in rows.groupby("item_index"):
+        if len(item) < 2 or (item["status"] != "ok").any():
+            continue
+        n += 1
+        for r in item.itertuples(index=False):
+            cut[r.construction] = cut.get(r.construction, 0) + (r.stop_reason == "max_new_tokens")
+    return {construction: (k, n) for construction, k in cut.items()}
+
+
+def budget_report(tmp_path, truncated):
+    ledger = synthetic_ledger("primary", truncated=truncated)
+    path = write_with(ledger, tmp_path / "ledger.parquet", part_provenance("bf16"))
+    text, stats = run(tmp_path, path, figures={"fig6_accuracy": str(tmp_path / "figures/fig6_accuracy.png")})
+    sections = {name: text.split(f"### {name}")[1].split("\n### ")[0]
+                for name in ("Matched experiment", "Fixed-prefix 2x2")}
+    return ledger, text, stats, sections
+
+
+def test_the_suffixes_cut_at_max_new_tokens_are_counted_beside_the_accuracies(tmp_path):
+    """A real run's report gave its accuracies without saying that 42 of 48 suffixes stopped at max_new_tokens."""
+    ledger, text, stats, sections = budget_report(tmp_path, {("matched", "bf16", "live"): range(30),
+                                                             ("matched", "bf16", "prefill"): range(28),
+                                                             ("fixed_prefix", "fp32", "prefill"): (1, 2)})
+    matched = cut_at_budget(ledger, "matched", "bf16")
+    assert matched == {"live": (28, 38), "prefill": (26, 38)}  # items 3 and 5 are not compared
+    recorded = stats["revisions"]["primary"]["matched"]["bf16"]["suffixes_at_max_new_tokens"]
+    assert {c: (p["k"], p["n"]) for c, p in recorded.items()} == matched
+    assert ("Compared suffixes that stopped at `max_new_tokens` (48) before EOS: bf16: 28 / 38 live and 26 / 38 "
+            "prefill.") in sections["Matched experiment"]
+    assert "**Accuracy on truncated answers** at bf16:" in sections["Matched experiment"]
+    fp32 = cut_at_budget(ledger, "fixed_prefix", "fp32")
+    assert fp32 == {"incremental": (0, 39), "prefill": (2, 39)}
+    assert ("bf16: 0 / 39 incremental and 0 / 39 prefill; fp32: 0 / 39 incremental and 2 / 39 prefill."
+            in sections["Fixed-prefix 2x2"])
+    assert "truncated answers" not in sections["Fixed-prefix 2x2"]  # 2 of 39 is no large share
+    caption = next(line for line in text.splitlines() if line.startswith("**Figure 6."))
+    assert "`primary` matched bf16: 28 / 38 live and 26 / 38 prefill" in caption
+    assert "**Accuracy on truncated answers** at `primary` matched bf16:" in caption
+    findings = text.split("## Findings")[1].split("\n## ")[0]
+    row = next(line for line in findings.splitlines() if "accuracy difference" in line)
+    assert "28 / 38 live and 26 / 38 prefill suffixes cut at max_new_tokens: **accuracy on truncated answers**" in row
+
+
+def test_no_warning_where_every_suffix_ended_at_eos(tmp_path):
+    _, text, stats, sections = budget_report(tmp_path, None)
+    assert "truncated answers" not in text
+    for name in ("Matched experiment", "Fixed-prefix 2x2"):
+        assert "No compared suffix stopped at `max_new_tokens` (48)" in sections[name]
+    assert {c: p["k"] for c, p in stats["revisions"]["primary"]["matched"]["bf16"][
+        "suffixes_at_max_new_tokens"].items()} == {"live": 0, "prefill": 0}

@@ -11,7 +11,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import count_true, format_ids
+from stagereplay.analysis.report_format import count_true, format_ids, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -100,22 +100,22 @@ def audit_section(data: RevisionData) -> tuple[list[str], dict]:
     lines = ["#### Claim: saved-ledger audit", "",
              "The reference study counts retained trajectories (one per item); the ledger holds one row per item, "
              "experiment, precision, construction and replica. Both are given.", "",
-             "| unit | reference study | this run |", "| --- | --- | --- |"]
+             *table_head("unit", "reference study", "this run")]
     out: dict = {"reproduced": stat}
     ledger = data.ledger if data.has("ledger") else None
     if ledger is not None:
         counts = _trajectory_counts(ledger, audit)
         for precision, c in counts["trajectories"].items():
             ref = str(study.AUDIT_TRAJECTORIES) if precision == "bf16" else "—"
-            lines.append(f"| retained trajectories reproduced ({precision}: matched `live`, replica 1) | {ref} | "
-                         f"{c['k']} / {c['n']} |")
-        lines.append(f"| items all of whose ledger rows reproduced | — | {counts['items']['k']} / "
-                     f"{counts['items']['n']} |")
+            lines.append(table_row(f"retained trajectories reproduced ({precision}: matched `live`, replica 1)", ref,
+                                   f"{c['k']} / {c['n']}"))
+        lines.append(table_row("items all of whose ledger rows reproduced", "—",
+                               f"{counts['items']['k']} / {counts['items']['n']}"))
         out.update(trajectories={p: stats.proportion(c["k"], c["n"])
                                  for p, c in counts["trajectories"].items()},
                    items=stats.proportion(counts["items"]["k"], counts["items"]["n"]))
-    lines.append(f"| ledger rows reproduced (trajectories and fingerprints) | — (not counted in rows) | "
-                 f"{ok} / {len(audit)} |")
+    lines.append(table_row("ledger rows reproduced (trajectories and fingerprints)", "— (not counted in rows)",
+                           f"{ok} / {len(audit)}"))
     if data.has("ledger"):
         verdict = audit_verdict(data)
         out["verdict"] = {k: v for k, v in verdict.items() if k != "audit_check"}

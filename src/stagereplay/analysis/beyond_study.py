@@ -9,7 +9,7 @@ import pandas as pd
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (NOT_RECORDED, count_true, format_percent, format_proportion,
-                                                join_words)
+                                                join_words, table_head, table_row)
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -23,10 +23,9 @@ def margins_section(data: RevisionData) -> tuple[list[str], dict]:
              "first divergence against the median of its margins at the other decode steps of the same suffix (the "
              "divergence step left out). Items are the unit: one paired value each, tested across items with an "
              "exact one-sided sign test (figure 3).", "",
-             "| experiment | precision | items | median margin at divergence | median of the items' other-step "
-             "medians | items below their own median | median within-item percentile | sign test p (divergence "
-             "< item median) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("experiment", "precision", "items", "median margin at divergence",
+                         "median of the items' other-step medians", "items below their own median",
+                         "median within-item percentile", "sign test p (divergence < item median)")]
     out: dict = {}
     for (experiment, precision), g in margins.groupby(["experiment", "precision"], sort=True):
         test = stats.divergence_margin_test(list(zip(g["margin_divergence"], g["other_margins"])))
@@ -34,9 +33,10 @@ def margins_section(data: RevisionData) -> tuple[list[str], dict]:
         if not test["n"]:
             continue
         p = "—" if test["sign_test_p_less"] is None else f"{test['sign_test_p_less']:.3g}"
-        lines.append(f"| {experiment} | {precision} | {test['n']} | {test['median_divergence']:.3g} | "
-                     f"{test['median_of_item_medians']:.3g} | {test['below_item_median']} / {test['n']} "
-                     f"({test['n_ties']} ties) | {format_percent(test['median_within_item_percentile'])}% | {p} |")
+        lines.append(table_row(experiment, precision, test["n"], f"{test['median_divergence']:.3g}",
+                               f"{test['median_of_item_medians']:.3g}",
+                               f"{test['below_item_median']} / {test['n']} ({test['n_ties']} ties)",
+                               f"{format_percent(test['median_within_item_percentile'])}%", p))
     dropped = sorted({p for _, p in data.coinciding})
     if dropped:
         lines += ["", f"Fixed-prefix {join_words(dropped)} is not tested again: its rows are the matched rows "
@@ -51,9 +51,9 @@ def cache_differences_section(data: RevisionData) -> tuple[list[str], dict]:
         return ["_cache_differences.parquet holds no rows._", ""], {}
     lines = ["Incremental vs prefill boundary caches rebuilt from identical prefix ids for a seeded sample of "
              "items (figure 4).", "",
-             "| precision | component | items | layers bit-identical in every item | first layer that differs | "
-             "items whose last layer differs | largest max-abs difference | median RMS at the last layer, items that "
-             "differ |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("precision", "component", "items", "layers bit-identical in every item",
+                         "first layer that differs", "items whose last layer differs", "largest max-abs difference",
+                         "median RMS at the last layer, items that differ")]
     out: dict = {}
     for (precision, component), g in profile.groupby(["precision", "component"], sort=True):
         g = g.sort_values("layer")
@@ -67,9 +67,9 @@ def cache_differences_section(data: RevisionData) -> tuple[list[str], dict]:
             "rms_median_of_differing_per_layer": [None if pd.isna(x) else float(x) for x in g["rms_median"]],
             "method": "per-layer byte comparison, max-abs and RMS of the difference (fp64) over a seeded item sample"}
         rms = "—" if pd.isna(last["rms_median"]) else f"{last['rms_median']:.3g}"
-        lines.append(f"| {precision} | {component.upper()} | {int(g['n'].max())} | {len(same)} / {len(g)} | "
-                     f"{differs[0] if differs else '—'} | {int(last['n_differ'])} / {int(last['n'])} | "
-                     f"{g['max_abs_max'].max():.3g} | {rms} |")
+        lines.append(table_row(precision, component.upper(), int(g["n"].max()), f"{len(same)} / {len(g)}",
+                               differs[0] if differs else "—", f"{int(last['n_differ'])} / {int(last['n'])}",
+                               f"{g['max_abs_max'].max():.3g}", rms))
     return lines + [""], out
 
 
@@ -98,9 +98,9 @@ def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
              "composition is a construction factor: a difference is a finding, not an error. Only rows with "
              "something to compare are counted: boundary caches where both sides have one, ids and labels where "
              "both sides have status ok.", "",
-             "| precision | construction | rows | boundary caches identical | rows with no cache on a side | stage + "
-             "suffix ids identical | labels identical | rows not ok on a side | first divergence (median [IQR]) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("precision", "construction", "rows", "boundary caches identical",
+                         "rows with no cache on a side", "stage + suffix ids identical", "labels identical",
+                         "rows not ok on a side", "first divergence (median [IQR])")]
     out: dict = {"status": "compared", "batch_size": plan.get("batch_size"), "plan_seed": plan.get("seed")}
     for precision in analysis.sort_precisions(table["precision"]):
         for construction in sorted(table.loc[table["precision"] == precision, "construction"].unique()):
@@ -118,7 +118,7 @@ def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
                 **counts, "first_divergence": fd, "n": len(g), "n_without_cache": len(g) - len(with_cache),
                 "n_not_ok": len(g) - len(both_ok)}
             fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
-            lines.append(f"| {precision} | {construction} | {len(g)} | {format_proportion(counts['cache_equal'])} | "
-                         f"{len(g) - len(with_cache)} | {format_proportion(counts['suffix_equal'])} | "
-                         f"{format_proportion(counts['label_equal'])} | {len(g) - len(both_ok)} | {fd_text} |")
+            lines.append(table_row(precision, construction, len(g), format_proportion(counts["cache_equal"]),
+                                   len(g) - len(with_cache), format_proportion(counts["suffix_equal"]),
+                                   format_proportion(counts["label_equal"]), len(g) - len(both_ok), fd_text))
     return lines + [""], out

@@ -14,9 +14,10 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int,
-                                                format_proportion, join_words)
+from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_proportion,
+                                                join_words, table_head, table_row)
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.truncation import budget_stop_lines, budget_stops
 from stagereplay.io.provenance import recorded_batch_plan
 
 
@@ -30,6 +31,12 @@ def _pair_statistics(cmp: pd.DataFrame, seed: int) -> tuple[dict, dict, dict | N
     return dis, flips, acc
 
 
+def _budget_stop_lines(data: RevisionData, out: dict) -> list[str]:
+    """Beside a section's accuracies: its precisions' suffixes that stopped at max_new_tokens (``out``'s numbers)."""
+    lines = budget_stop_lines({p: v["suffixes_at_max_new_tokens"] for p, v in out.items()}, data.max_new_tokens)
+    return [part for line in lines for part in ("", line)]
+
+
 def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]:
     rep = analysis.replica_agreement(data.ledger)
     rep = rep[rep["experiment"] == experiment]
@@ -39,7 +46,7 @@ def _replica_rows(data: RevisionData, experiment: str) -> tuple[list[str], dict]
             "n": int(r.n), "identical": int(r.identical),
             "method": "replica pairs compared on stage ids, cache fingerprint and suffix fingerprint (sha256 bytes)"}
         ref = ("all exact" if study.REPLICAS_EXACT.get(r.precision) else "—") if experiment == "matched" else "—"
-        lines.append(f"| {r.precision} | {r.construction} | {ref} | {r.identical} / {r.n} bit-identical |")
+        lines.append(table_row(r.precision, r.construction, ref, f"{r.identical} / {r.n} bit-identical"))
     return lines, out
 
 
@@ -53,12 +60,11 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {}
     rep_lines, rep = _replica_rows(data, "matched")
     claim1 = ["#### Claim: matched experiment, replicas on both sides exact", "",
-              "| precision | construction | reference study | this run: replica pairs |", "| --- | --- | --- | --- |",
-              *rep_lines, ""]
+              *table_head("precision", "construction", "reference study", "this run: replica pairs"), *rep_lines, ""]
     claim2 = ["#### Claim: live cache vs one-shot prefill of identical tokens, suffixes that differ", "",
-              "| precision | reference study | this run |", "| --- | --- | --- |"]
+              *table_head("precision", "reference study", "this run")]
     claim3 = ["#### Claim: correctness labels that differ, and the accuracy difference (live − prefill)", "",
-              "| precision | | reference study | this run |", "| --- | --- | --- | --- |"]
+              *table_head("precision", "", "reference study", "this run")]
     for precision in analysis.sort_precisions(matched["precision"]):
         sub = matched[matched["precision"] == precision]
         live1 = sub[(sub["construction"] == "live") & (sub["replica"] == 1)]
@@ -71,17 +77,19 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
                           "nonfinite_items": int(len(nonfinite)), "suffix_disagreements": dis,
                           "label_flips": flips, "accuracy_difference": acc, "replicas": rep.get(precision, {}),
                           "first_divergence": stats.first_divergence_summary(
-                              cmp.loc[cmp["disagree"], "first_divergence"].tolist())}
+                              cmp.loc[cmp["disagree"], "first_divergence"].tolist()),
+                          "suffixes_at_max_new_tokens": budget_stops(cmp)}
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
-        claim2.append(f"| {precision} | {ref_dis if ref_dis else '—'} | {format_proportion(dis)} |")
-        claim3.append(f"| {precision} | labels that differ | {ref_flips if ref_flips else '—'} | "
-                      f"{format_proportion(flips)} |")
-        claim3.append(f"| {precision} | accuracy live / prefill, difference | "
-                      f"{study.accuracy_text(precision) if precision in study.MATCHED_ACCURACY else '—'} | "
-                      f"{format_accuracy(acc) if acc else 'no compared items'} |")
+        claim2.append(table_row(precision, ref_dis if ref_dis else "—", format_proportion(dis)))
+        claim3.append(table_row(precision, "labels that differ", ref_flips if ref_flips else "—",
+                                format_proportion(flips)))
+        claim3.append(table_row(precision, "accuracy live / prefill, difference",
+                                study.accuracy_text(precision) if precision in study.MATCHED_ACCURACY else "—",
+                                format_accuracy(acc) if acc else "no compared items"))
     counts = "; ".join(f"{p}: {v['n_items']} items, {v['n_compared']} compared" for p, v in out.items())
-    lines = [f"Items per precision: {counts} (exclusions listed below).", "", *claim1, *claim2, "", *claim3, ""]
+    lines = [f"Items per precision: {counts} (exclusions listed below).", "", *claim1, *claim2, "", *claim3,
+             *_budget_stop_lines(data, out), ""]
     return lines, out
 
 
@@ -113,11 +121,9 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     a, b = analysis.fixed_prefix_pair(ledger)
     study_pair = (a, b) == analysis.STUDY_FIXED_PREFIX
     out: dict = {}
-    lines = header + [
-        f"| precision | reference study: suffixes that differ | this run: {a} vs {b}, suffixes that "
-        f"differ | labels that differ | accuracy {a} / {b}, difference ({a} − {b}) | first divergence "
-        "(median [IQR]) |",
-        "| --- | --- | --- | --- | --- | --- |"]
+    lines = header + table_head("precision", "reference study: suffixes that differ",
+                                f"this run: {a} vs {b}, suffixes that differ", "labels that differ",
+                                f"accuracy {a} / {b}, difference ({a} − {b})", "first divergence (median [IQR])")
     for precision in analysis.sort_precisions(fixed["precision"]):
         cmp = pairs[pairs["precision"] == precision]
         n = len(cmp)
@@ -129,12 +135,13 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                           "accuracy_difference": acc, "first_divergence": fd, "replicas": rep.get(precision, {}),
                           "nonfinite_rows": int(len(nonfinite)),
                           "nonfinite_items": int(nonfinite["item_index"].nunique()),
-                          "same_rows_as_matched": bool(same)}
+                          "same_rows_as_matched": bool(same), "suffixes_at_max_new_tokens": budget_stops(cmp)}
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
         reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
-        lines.append(f"| {precision}{mark} | {reference} | {format_proportion(dis)} | {format_proportion(flips)} | "
-                     f"{format_accuracy(acc) if acc else 'no compared items'} | {fd_text} |")
+        lines.append(table_row(f"{precision}{mark}", reference, format_proportion(dis), format_proportion(flips),
+                               format_accuracy(acc) if acc else "no compared items", fd_text))
+    lines += _budget_stop_lines(data, out)
     shared = [p for p in out if out[p]["same_rows_as_matched"]]
     if shared:
         lines += ["", f"(= matched): at {join_words(shared)}, the fixed-prefix rows repeat the matched experiment's "
@@ -155,8 +162,8 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
         lines += ["", "Rows with non-finite logits (marked `nonfinite`, never compared): " + ", ".join(
             f"{p}: {k} rows of {out[p]['nonfinite_items']} items" for p, k in overflowed.items()) + "."]
     lines += _replay_lines(data, out)
-    lines += ["", "Replicas of each cell:", "", "| precision | construction | reference study | this run: replica pairs |",
-              "| --- | --- | --- | --- |", *rep_lines, ""]
+    lines += ["", "Replicas of each cell:", "",
+              *table_head("precision", "construction", "reference study", "this run: replica pairs"), *rep_lines, ""]
     return lines, out
 
 
@@ -173,15 +180,14 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
                 if reference == "incremental" else "")
     lines = ["", f"Each replay construction against `{reference}`{stand_in}, over the same prefix ids, in the same "
              "batches and layout, counted as in the 2x2: items whose suffix ids differ.", "",
-             f"| precision | construction | suffixes that differ from {reference} | labels that differ |",
-             "| --- | --- | --- | --- |"]
+             *table_head("precision", "construction", f"suffixes that differ from {reference}", "labels that differ")]
     for r in cells.itertuples(index=False):
         dis = stats.proportion(int(r.k), int(r.n))
         flips = stats.proportion(int(r.label_flips), int(r.n))
         out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
             "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
             "suffix_disagreements": dis, "label_flips": flips}
-        lines.append(f"| {r.precision} | {r.construction_b} | {format_proportion(dis)} | {format_proportion(flips)} |")
+        lines.append(table_row(r.precision, r.construction_b, format_proportion(dis), format_proportion(flips)))
     same = {}
     for r in cells.itertuples(index=False):
         if r.n and not r.k:
@@ -256,12 +262,10 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
                     for name, g in groups if name != "this run"}
 
     def row(label: str, reference: str, column: str) -> str:
-        counts = " | ".join(f"{count_true(g, column)} / {len(g)}" for _, g in groups)
-        return f"| {label} | {reference} | {counts} |"
+        return table_row(label, reference, *(f"{count_true(g, column)} / {len(g)}" for _, g in groups))
 
     lines = ["#### Claim: bridge, token-by-token incremental cache vs retained live cache", "",
-             "| | reference study | " + " | ".join(name for name, _ in groups) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in groups) + " |",
+             *table_head("", "reference study", *(name for name, _ in groups)),
              row("rows bit-exact (every layer's K and V bytes)", str(study.BRIDGE_BIT_EXACT), "bit_exact")]
     if "suffix_equal" in bridge.columns:
         lines.append(row("continuations identical", "—", "suffix_equal"))
@@ -269,10 +273,10 @@ def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
         lines.append(row("contrast: one-shot prefill bit-exact with live", "—", "prefill_bit_exact"))
     bad = bridge[~bridge["bit_exact"].fillna(False).astype(bool)]
     if len(bad):
-        lines += ["", "Rows that are not bit-exact:", "", "| item | precision | first layer | component | first position |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| `{r.item_id}` | {r.precision} | {format_int(r.first_layer_differs)} | {r.component_differs} | "
-                  f"{format_int(r.first_position_differs)} |" for r in bad.itertuples(index=False)]
+        lines += ["", "Rows that are not bit-exact:", "",
+                  *table_head("item", "precision", "first layer", "component", "first position")]
+        lines += [table_row(f"`{r.item_id}`", r.precision, format_int(r.first_layer_differs), r.component_differs,
+                            format_int(r.first_position_differs)) for r in bad.itertuples(index=False)]
     if no_boundary:
         lines += ["", f"{no_boundary} bridge row(s) drawn for items that never reached the boundary are not counted."]
     lines += [""] + _bridge_reading([g for g in groups], bridge_rows_asked(data.provenance("bridge")))
@@ -296,8 +300,8 @@ def exclusions_section(data: RevisionData) -> tuple[list[str], dict]:
     if excluded.empty:
         return ["No item was excluded: every item has status ok on both constructions of every comparison.", ""], {
             "n": 0, "items": []}
-    lines = ["| item | experiment | precision | reason |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{r.item_id}` | {r.experiment} | {r.precision} | {r.reason} |"
+    lines = table_head("item", "experiment", "precision", "reason")
+    lines += [table_row(f"`{r.item_id}`", r.experiment, r.precision, r.reason)
               for r in excluded.itertuples(index=False)]
     items = [{"item_id": str(r.item_id), "experiment": r.experiment, "precision": r.precision, "reason": r.reason}
              for r in excluded.itertuples(index=False)]

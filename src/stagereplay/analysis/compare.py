@@ -25,7 +25,7 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.findings import DOES_NOT_HOLD, HOLDS, NOT_MEASURED, revision_rows
 from stagereplay.analysis.inputs import discover
 from stagereplay.analysis.report import revision_section
-from stagereplay.analysis.report_format import NOT_RECORDED, format_proportion, join_words
+from stagereplay.analysis.report_format import NOT_RECORDED, format_proportion, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.analysis.run_identity import identity, show_values
 from stagereplay.io.parquet import read_parquet, write_text_atomic
@@ -143,11 +143,10 @@ def factor_section(runs: list[RunResults]) -> tuple[list[str], dict]:
         lines.append("The runs' files record the same value for every factor below.")
     lines += ["", "From the provenance each run's results files record (the report's \"What produced this run\"), "
               "and the constructions its ledger holds.", "",
-              "| factor | differs | " + " | ".join(f"`{r.label}`" for r in runs) + " |",
-              "| --- | --- | " + " | ".join("---" for _ in runs) + " |"]
+              *table_head("factor", "differs", *(f"`{r.label}`" for r in runs))]
     for name in names:
         mark = "**differs**" if name in differ else ""
-        lines.append(f"| {name} | {mark} | " + " | ".join(show_factor(values[r.label][name]) for r in runs) + " |")
+        lines.append(table_row(name, mark, *(show_factor(values[r.label][name]) for r in runs)))
     return lines + [""], {"differ": differ, "values": values}
 
 
@@ -185,14 +184,13 @@ def claims_section(runs: list[RunResults], findings: dict[str, dict]) -> tuple[l
         reference = next(findings[r.label][(rev, claim)]["reference_study"] for r in runs for rev in revisions
                          if (rev, claim) in findings[r.label])
         lines += [f"### Claim: {claim}", "", f"Reference study: {reference}.", "",
-                  "| revision | | " + " | ".join(f"`{r.label}`" for r in runs) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in runs) + " |"]
+                  *table_head("revision", "", *(f"`{r.label}`" for r in runs))]
         for revision in revisions:
             cells = [findings[r.label].get((revision, claim)) for r in runs]
             figures = [c["this_run"] if c else "—" for c in cells]
             verdicts = [c["holds_text"] if c else "no such row in its report" for c in cells]
-            lines.append(f"| `{revision}` | this run | " + " | ".join(figures) + " |")
-            lines.append(f"| `{revision}` | holds here | " + " | ".join(verdicts) + " |")
+            lines.append(table_row(f"`{revision}`", "this run", *figures))
+            lines.append(table_row(f"`{revision}`", "holds here", *verdicts))
             record.append({"claim": claim, "revision": revision, "reference_study": reference,
                            "runs": {r.label: ({"this_run": c["this_run"], "holds": c["holds"]} if c else None)
                                     for r, c in zip(runs, cells)}})
@@ -234,16 +232,14 @@ def divergence_section(cells: pd.DataFrame, runs: list[RunResults]) -> tuple[lis
              "both), with the Wilson 95% interval; figure `divergence`.", ""]
     if cells.empty:
         return lines + ["_No run holds compared items._", ""], []
-    lines += ["| revision | experiment | precision | constructions | "
-              + " | ".join(f"`{r.label}`" for r in runs) + " |",
-              "| --- | --- | --- | --- | " + " | ".join("---" for _ in runs) + " |"]
+    lines += table_head("revision", "experiment", "precision", "constructions", *(f"`{r.label}`" for r in runs))
     keys = ["revision", "experiment", "precision", "construction_a", "construction_b"]
     for key, group in cells.groupby(keys, sort=False):
         by_run = {r.run: r for r in group.itertuples(index=False)}
         revision, experiment, precision, a, b = key
         cells_text = [format_proportion(stats.proportion(int(by_run[r.label].k), int(by_run[r.label].n)))
                       if r.label in by_run else "—" for r in runs]
-        lines.append(f"| `{revision}` | {experiment} | {precision} | {a} vs {b} | " + " | ".join(cells_text) + " |")
+        lines.append(table_row(f"`{revision}`", experiment, precision, f"{a} vs {b}", *cells_text))
     record = [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
               for row in cells.to_dict("records")]
     return lines + [""], record
@@ -309,13 +305,13 @@ def fidelity_section(runs: list[RunResults], tables: dict, summary: pd.DataFrame
               "(descriptive: the steps of one item are not independent). \"Bit-identical\" counts the steps whose "
               "logits are equal as bytes (`logits_equal`); a KL of exactly 0 is counted apart. Figure `fidelity`.",
               "",
-              "| run | revision | precision | pair | items | steps | steps with bit-identical logits | KL exactly 0 | "
-              "median KL | max KL |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              *table_head("run", "revision", "precision", "pair", "items", "steps", "steps with bit-identical logits",
+                          "KL exactly 0", "median KL", "max KL")]
     for r in summary.itertuples(index=False):
         share = f"{r.logits_equal} ({100 * r.logits_equal / r.steps:.1f}%)" if r.steps else "0"
-        lines.append(f"| `{r.run}` | `{r.revision}` | {r.precision} | {r.reference} vs {r.construction} | {r.items} | "
-                     f"{r.steps} | {share} | {r.kl_sym_zero} | {format_kl(r.kl_sym_median)} | "
-                     f"{format_kl(r.kl_sym_max)} |")
+        lines.append(table_row(f"`{r.run}`", f"`{r.revision}`", r.precision, f"{r.reference} vs {r.construction}",
+                               r.items, r.steps, share, r.kl_sym_zero, format_kl(r.kl_sym_median),
+                               format_kl(r.kl_sym_max)))
     odd = summary[summary["kl_sym_not_finite"] > 0]
     if len(odd):
         lines += ["", "Steps with a non-finite KL, left out of the median, the max and the figure: " + "; ".join(

@@ -13,7 +13,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_ids, format_proportion
+from stagereplay.analysis.report_format import format_ids, format_proportion, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 
 GUARANTEE = ("The search is a greedy bisection (K alone, then V alone; the lower, then the upper half of the layer "
@@ -119,10 +119,9 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     lines = [GUARANTEE, "",
              f"Budget: {budget} transplant runs per item and direction, the whole-cache one included. Proportions "
              "are per direction, over divergent items (Wilson 95%).", "",
-             "| precision | direction | items | whole cache suffices | budget ran out | minimal against halving | "
-             "K or V alone | one layer | stage positions only | prompt positions only | share of the K/V state, "
-             "median [IQR] | runs, median [IQR] |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("precision", "direction", "items", "whole cache suffices", "budget ran out",
+                         "minimal against halving", "K or V alone", "one layer", "stage positions only",
+                         "prompt positions only", "share of the K/V state, median [IQR]", "runs, median [IQR]")]
     out: dict = {"status": "searched", "budget": budget, "guarantee": GUARANTEE, "cells": {}}
     for (precision, direction), g in frame.groupby(["precision", "direction"], sort=True):
         found = g[g["full_sufficient"].astype(bool)]
@@ -149,12 +148,13 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                 inside = (found["layer_lo"].astype(int) <= layer) & (layer < found["layer_hi"].astype(int))
                 cell["layer_included"][str(layer)] = _share(found, inside)
         out["cells"].setdefault(precision, {})[direction] = cell
-        lines.append(f"| {precision} | {direction} | {len(g)} | {format_proportion(cell['whole_cache_sufficient'])} | "
-                     f"{cell['budget_exhausted']['k']} / {len(g)} | {format_proportion(cell['locally_minimal'])} | "
-                     f"{format_proportion(cell['k_or_v_alone'])} | {format_proportion(cell['single_layer'])} | "
-                     f"{format_proportion(cell['stage_positions_only'])} | "
-                     f"{format_proportion(cell['prompt_positions_only'])} | {_quartiles(found['share_of_state'])} | "
-                     f"{_quartiles(g['runs'])} |")
+        lines.append(table_row(precision, direction, len(g), format_proportion(cell["whole_cache_sufficient"]),
+                               f"{cell['budget_exhausted']['k']} / {len(g)}",
+                               format_proportion(cell["locally_minimal"]),
+                               format_proportion(cell["k_or_v_alone"]), format_proportion(cell["single_layer"]),
+                               format_proportion(cell["stage_positions_only"]),
+                               format_proportion(cell["prompt_positions_only"]), _quartiles(found["share_of_state"]),
+                               _quartiles(g["runs"])))
     same = identical_layers(data.frame("divergence_onset")) if data.has("divergence_onset") else {}
     out["layers_bit_identical_in_every_divergent_item"] = same
     layer_lines = []
@@ -179,16 +179,17 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
         lines += ["", "**Finding:** the whole-cache transplant did not carry the donor's continuation (no search "
                   f"possible; a fault of the construction or layout): {format_ids(out['whole_cache_insufficient'])}."]
     found = frame[frame["full_sufficient"].astype(bool)].sort_values(["precision", "item_index", "direction"])
-    lines += ["", "| item | precision | direction | minimal set | positions (cache; prompt / stage share) | runs |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", *table_head("item", "precision", "direction", "minimal set",
+                              "positions (cache; prompt / stage share)", "runs")]
     for r in found.head(40).itertuples(index=False):
         stage = "—" if pd.isna(r.share_of_stage) else f"{100 * r.share_of_stage:.0f}%"
         prompt = "—" if pd.isna(r.share_of_prompt) else f"{100 * r.share_of_prompt:.0f}%"
-        lines.append(f"| `{r.item_id}` | {r.precision} | {r.direction} | layers {r.layer_set} · {r.component.upper()} "
-                     f"| [{int(r.position_lo)}, {int(r.position_hi)}) of {r.cache_length}; {prompt} / {stage} | "
-                     f"{r.runs}{' (budget ran out)' if r.budget_exhausted else ''} |")
+        lines.append(table_row(f"`{r.item_id}`", r.precision, r.direction,
+                               f"layers {r.layer_set} · {r.component.upper()}",
+                               f"[{int(r.position_lo)}, {int(r.position_hi)}) of {r.cache_length}; {prompt} / {stage}",
+                               f"{r.runs}{' (budget ran out)' if r.budget_exhausted else ''}"))
     if len(found) > 40:
-        lines.append(f"| ... {len(found) - 40} more in minimal_transplant.parquet | | | | | |")
+        lines.append(table_row(f"... {len(found) - 40} more in minimal_transplant.parquet", "", "", "", "", ""))
     return lines + [""], out
 
 
@@ -205,10 +206,9 @@ def divergence_onset_section(data: RevisionData) -> tuple[list[str], dict]:
              "differs and the first differing position in it. Items are chosen by divergence: this describes "
              "divergent items, not how often caches differ (figure 4). Last-layer differences take the larger of "
              "K and V; margins are the first construction's top-2 margin at the first divergent suffix token.", "",
-             "| precision | items | caches bit-identical | onset layer (items per layer) | onset in the prompt | "
-             "onset position, median [IQR] | RMS grows from onset to last layer | margin at divergence vs "
-             "last-layer max-abs: Spearman rho (bootstrap 95%) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("precision", "items", "caches bit-identical", "onset layer (items per layer)",
+                         "onset in the prompt", "onset position, median [IQR]", "RMS grows from onset to last layer",
+                         "margin at divergence vs last-layer max-abs: Spearman rho (bootstrap 95%)")]
     out: dict = {}
     for precision, g in items.groupby("precision", sort=True):
         differs = g[g["onset_layer"].notna()]
@@ -237,17 +237,17 @@ def divergence_onset_section(data: RevisionData) -> tuple[list[str], dict]:
         counts = ", ".join(f"L{k}: {v}" for k, v in cell["onset_layer_counts"].items()) or "—"
         rho = ("—" if corr["rho"] is None else
                f"{corr['rho']:+.2f} ({corr['bootstrap_low']:+.2f}, {corr['bootstrap_high']:+.2f}), n={corr['n']}")
-        lines.append(f"| {precision} | {len(g)} | {cell['bit_identical']} | {counts} | "
-                     f"{format_proportion(cell['onset_in_prompt'])} | {_quartiles(differs['onset_position'])} | "
-                     f"{format_proportion(cell['rms_grows_to_last_layer'])} | {rho} |")
+        lines.append(table_row(precision, len(g), cell["bit_identical"], counts,
+                               format_proportion(cell["onset_in_prompt"]), _quartiles(differs["onset_position"]),
+                               format_proportion(cell["rms_grows_to_last_layer"]), rho))
     lines += ["", "Growth with depth: per layer, the median over divergent items (bit-identical layers count as 0) of "
               "the max-abs and RMS difference.", "",
-              "| precision | layer | items whose K / V differ | median max-abs K / V | median RMS K / V |",
-              "| --- | --- | --- | --- | --- |"]
+              *table_head("precision", "layer", "items whose K / V differ", "median max-abs K / V",
+                          "median RMS K / V")]
     for precision, cell in out.items():
         k_rows, v_rows = cell["per_layer"].get("k", []), cell["per_layer"].get("v", [])
         for k, v in zip(k_rows, v_rows):
-            lines.append(f"| {precision} | {k['layer']} | {k['n_differ']} / {v['n_differ']} of {k['n']} | "
-                         f"{k['max_abs_median']:.3g} / {v['max_abs_median']:.3g} | "
-                         f"{k['rms_median']:.3g} / {v['rms_median']:.3g} |")
+            lines.append(table_row(precision, k["layer"], f"{k['n_differ']} / {v['n_differ']} of {k['n']}",
+                                   f"{k['max_abs_median']:.3g} / {v['max_abs_median']:.3g}",
+                                   f"{k['rms_median']:.3g} / {v['rms_median']:.3g}"))
     return lines + [""], out

@@ -16,7 +16,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_proportion, join_words
+from stagereplay.analysis.report_format import format_proportion, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.parquet import read_parquet, read_provenance
 
@@ -168,12 +168,12 @@ def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
              f"({KL_TEXT}; figure 9). Until the first step whose argmax differs, the forced suffix is the "
              "construction's own greedy one, so that step is the pair's first divergence.", "",
              "**Which replay method matches live**", "",
-             "| precision | construction | items | items split | steps with byte-equal logits | median KL (nats) | "
-             "matches live |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             *table_head("precision", "construction", "items", "items split", "steps with byte-equal logits",
+                         "median KL (nats)", "matches live")]
     for precision, _, construction, n in cells:
         equal = n["steps_logits_equal"]
-        lines.append(f"| {precision} | {construction} | {n['items']} | {n['items_split']['k']} | "
-                     f"{equal['k']} / {equal['n']} | {_kl_text(n['kl_forward_median'])} | {_fidelity_words(n)} |")
+        lines.append(table_row(precision, construction, n["items"], n["items_split"]["k"],
+                               f"{equal['k']} / {equal['n']}", _kl_text(n["kl_forward_median"]), _fidelity_words(n)))
     lines.append("")
     for precision in dict.fromkeys(c[0] for c in cells):
         mine = [c for c in cells if c[0] == precision]
@@ -192,13 +192,15 @@ def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
                      f"({closest['steps_logits_equal']['k']} / {closest['steps']} steps byte-equal, KL median "
                      f"{_kl_text(closest['kl_forward_median'])}, max {_kl_text(closest['kl_forward_max'])} nats)"
                      + (f"; {join_words([f'`{c}`' for c in unsplit])} split on no item." if unsplit else "."))
-    lines += ["", "| precision | pair | steps | steps with byte-equal logits | items with every step byte-equal | "
-              "median KL | max KL | median max-abs logit diff | max |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", *table_head("precision", "pair", "steps", "steps with byte-equal logits",
+                              "items with every step byte-equal", "median KL", "max KL", "median max-abs logit diff",
+                              "max")]
     for precision, reference, construction, n in cells:
-        lines.append(f"| {precision} | {reference} vs {construction} | {n['steps']} | "
-                     f"{format_proportion(n['steps_logits_equal'])} | {format_proportion(n['items_all_logits_equal'])} "
-                     f"| {_kl_text(n['kl_forward_median'])} | {_kl_text(n['kl_forward_max'])} | "
-                     f"{n['max_abs_logit_diff_median']:.3g} | {n['max_abs_logit_diff_max']:.3g} |")
+        lines.append(table_row(precision, f"{reference} vs {construction}", n["steps"],
+                               format_proportion(n["steps_logits_equal"]),
+                               format_proportion(n["items_all_logits_equal"]),
+                               _kl_text(n["kl_forward_median"]), _kl_text(n["kl_forward_max"]),
+                               f"{n['max_abs_logit_diff_median']:.3g}", f"{n['max_abs_logit_diff_max']:.3g}"))
     lines += ["", "The step-level Wilson intervals treat an item's steps as independent, which they are not; the "
               "item-level share beside them is the one whose interval holds.", ""]
     lines += _predictors_lines(cells, positions)
@@ -213,18 +215,16 @@ def _predictors_lines(cells, positions: int) -> list[str]:
              "Mann-Whitney U (0.5: no separation; 1: every split item has a smaller margin, or a larger difference, "
              "than every unsplit one) with a seeded percentile bootstrap 95% interval that resamples each class "
              "apart (figure 10, left).", "",
-             "| precision | pair | items split | AUC, smallest margin | AUC, largest logit difference |",
-             "| --- | --- | --- | --- | --- |"]
+             *table_head("precision", "pair", "items split", "AUC, smallest margin", "AUC, largest logit difference")]
     for precision, reference, construction, n in cells:
         p = n["split_predictors"]
-        lines.append(f"| {precision} | {reference} vs {construction} | {format_proportion(n['items_split'])} | "
-                     f"{_auc_text(p['min_margin_reference'])} | {_auc_text(p['max_logit_diff'])} |")
+        lines.append(table_row(precision, f"{reference} vs {construction}", format_proportion(n["items_split"]),
+                               _auc_text(p["min_margin_reference"]), _auc_text(p["max_logit_diff"])))
     if shown:
         lines += ["", f"Items split within the first k suffix tokens, of all compared items (Wilson 95%, pointwise; "
                   f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, right): what a shorter "
                   "budget would have shown.", "",
-                  "| precision | pair | " + " | ".join(f"k = {k}" for k in shown) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in shown) + " |"]
+                  *table_head("precision", "pair", *(f"k = {k}" for k in shown))]
         for precision, reference, construction, n in cells:
             curve = n["split_by_position"]
             values = []
@@ -233,5 +233,5 @@ def _predictors_lines(cells, positions: int) -> list[str]:
                 values.append(f"{curve['split'][i]} / {curve['n']}" + (
                     f" [{100 * curve['wilson_low'][i]:.1f}, {100 * curve['wilson_high'][i]:.1f}]%"
                     if curve["n"] else ""))
-            lines.append(f"| {precision} | {reference} vs {construction} | " + " | ".join(values) + " |")
+            lines.append(table_row(precision, f"{reference} vs {construction}", *values))
     return lines + [""]

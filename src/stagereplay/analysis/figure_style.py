@@ -4,10 +4,13 @@ A single column's width (:data:`WIDTH`, 3.4 in), 7-pt type (:data:`STYLE`, used 
 Okabe-Ito colours (one per precision, :data:`COLORS`) with a marker and line style per experiment
 (:data:`EXPERIMENT_STYLE`) or cache component (:data:`COMPONENT_STYLE`) so that series stay apart in greyscale and
 where they coincide, fonts embedded in the PDF as TrueType (``pdf.fonttype`` 42). The helpers order revisions and
-panels the same way in every figure and stack panels at the column's width. matplotlib runs on the Agg backend.
+panels the same way in every figure, stack panels at the column's width and break a long name into lines that fit
+the room it has. matplotlib runs on the Agg backend.
 """
 
 from __future__ import annotations
+
+import textwrap
 
 import matplotlib
 
@@ -15,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
 
 from stagereplay.analysis import tables as analysis  # noqa: E402
 
@@ -63,6 +67,28 @@ def stacked_axes(n: int, height: float, sharex: bool = False):
     """``n`` panels stacked in one column at the column's width; ``height`` is per panel."""
     fig, axes = plt.subplots(n, 1, figsize=(WIDTH, height * n), sharex=sharex, squeeze=False)
     return fig, [row[0] for row in axes]
+
+
+def text_width(fig, text: str, size: float) -> float:
+    """Inches that ``text`` (one line) takes in ``fig`` at ``size`` points, in the figures' font."""
+    prop = FontProperties(family=STYLE["font.family"], size=size)
+    return fig.canvas.get_renderer().get_text_width_height_descent(text, prop, ismath=False)[0] / fig.dpi
+
+
+def line_height(fig, size: float) -> float:
+    """Inches that one more line of text takes in ``fig`` at ``size`` points (matplotlib's line spacing, 1.2)."""
+    prop = FontProperties(family=STYLE["font.family"], size=size)
+    return 1.2 * fig.canvas.get_renderer().get_text_width_height_descent("lp", prop, ismath=False)[1] / fig.dpi
+
+
+def wrap_to_width(fig, text: str, inches: float, size: float) -> str:
+    """``text`` in as few lines as keep each within ``inches`` at ``size`` points: broken at spaces and hyphens,
+    and inside a word (a long revision name) only where a word alone is wider."""
+    for chars in range(len(text), 0, -1):
+        lines = textwrap.wrap(text, chars)
+        if all(text_width(fig, line, size) <= inches for line in lines):
+            return "\n".join(lines)
+    return "\n".join(lines)
 
 
 def panel_title(ax, text: str, many: bool) -> None:

@@ -41,8 +41,9 @@ from stagereplay.analysis.divergence_location import minimal_coverage, onset_ite
 from stagereplay.analysis.fidelity import KL as FIDELITY_KL, items_of_files  # noqa: E402
 from stagereplay.analysis.figure_style import (COLORS, COMPONENT_STYLE, EXPERIMENT_NAMES,  # noqa: E402
                                                EXPERIMENT_STYLE, STYLE, WIDTH, dodge, drop_coinciding,
-                                               error_lengths, label_coinciding, ordered_revisions, panel_keys,
-                                               panel_title, revision_key, stacked_axes, symlog_threshold)
+                                               error_lengths, label_coinciding, line_height, ordered_revisions,
+                                               panel_keys, panel_title, revision_key, stacked_axes,
+                                               symlog_threshold, text_width, wrap_to_width)
 from stagereplay.analysis.inputs import merge_inputs  # noqa: E402
 from stagereplay.analysis.stats import share_by_position  # noqa: E402
 from stagereplay.io.parquet import atomic_path, read_parquet  # noqa: E402
@@ -264,6 +265,15 @@ def plot_cache_differences(profile: pd.DataFrame, paths: dict[str, str], revisio
         save_figure(fig, paths)
 
 
+# Figure 5's heights (inches): a panel's title line, direction names and margins; each row of the matrix; the
+# colour bar below the panels with its ticks and label. Its side margin: the axis label left of the row names and
+# the pads either side.
+TRANSPLANT_PANEL_HEIGHT = 0.55
+TRANSPLANT_ROW_HEIGHT = 0.17
+TRANSPLANT_COLORBAR_HEIGHT = 0.45
+TRANSPLANT_SIDE_MARGIN = 0.45
+
+
 def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
     """Figure 5: share of transplanted continuations that follow their cache donor, per layer set / component /
     positions (rows) and direction (columns), one panel per revision and precision, with k/n in each cell."""
@@ -273,8 +283,8 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
     panels = panel_keys(matrix, revision_order)
     n_rows = max(matrix[(matrix["revision"] == r) & (matrix["precision"] == p)]["label"].nunique() for r, p in panels)
     with plt.rc_context(STYLE):
-        fig, axes = stacked_axes(len(panels), 0.55 + 0.17 * n_rows)
-        image = None
+        fig, axes = stacked_axes(len(panels), 1.0)  # the height is set below, from what the panels hold
+        image, height = None, TRANSPLANT_COLORBAR_HEIGHT
         for ax, (revision, precision) in zip(axes, panels):
             sub = matrix[(matrix["revision"] == revision) & (matrix["precision"] == precision)]
             order = sorted(sub[["label", "layer_set", "component", "positions"]].drop_duplicates()
@@ -297,9 +307,16 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
             ax.tick_params(axis="y", length=0)
             if labels and labels[0].startswith("layers all · KV") and len(labels) > 1:
                 ax.axhline(0.5, color="white", lw=2)
-            ax.set_title(f"revision {revision}, {precision}", loc="left", pad=3)
+            # the title starts above the image, right of the row names: a long revision name is broken to fit there
+            room = WIDTH - max(text_width(fig, n, STYLE["ytick.labelsize"]) for n in names) - TRANSPLANT_SIDE_MARGIN
+            title = wrap_to_width(fig, f"revision {revision}, {precision}", room, STYLE["axes.titlesize"])
+            ax.set_title(title, loc="left", pad=3)
             ax.spines[:].set_visible(False)
-        fig.supylabel("layers · component · positions", fontsize=7)
+            height += (TRANSPLANT_PANEL_HEIGHT + TRANSPLANT_ROW_HEIGHT * n_rows
+                       + title.count("\n") * line_height(fig, STYLE["axes.titlesize"]))
+        fig.set_figheight(height)
+        fig.supylabel(wrap_to_width(fig, "layers · component · positions", height - TRANSPLANT_COLORBAR_HEIGHT, 7),
+                      fontsize=7)
         # below the panels: a vertical bar's label is longer than one short panel is tall
         fig.colorbar(image, ax=axes, label="share following the donor", shrink=0.8, aspect=40,
                      pad=0.02, orientation="horizontal", location="bottom")

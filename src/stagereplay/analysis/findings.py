@@ -10,7 +10,8 @@ the results files: it reads the dict :func:`stagereplay.analysis.report.build_re
 from __future__ import annotations
 
 from stagereplay.analysis import study
-from stagereplay.analysis.report_format import format_percent
+from stagereplay.analysis.report_format import format_percent, table_head, table_row
+from stagereplay.analysis.truncation import budget_stop_caveat
 
 HOLDS, DOES_NOT_HOLD, NOT_MEASURED = "yes", "**no**", "not measured"
 
@@ -61,7 +62,8 @@ def revision_rows(revision: str, numbers: dict, named: bool) -> list[tuple[str, 
             includes_zero = acc["bootstrap_low"] <= 0 <= acc["bootstrap_high"]
             rows.append(("bf16: accuracy difference live − prefill, points" + where, study.accuracy_text("bf16"),
                          f"{_points(acc['difference'])}, paired bootstrap 95% CI [{_points(acc['bootstrap_low'])}, "
-                         f"{_points(acc['bootstrap_high'])}] (n {acc['n']})",
+                         f"{_points(acc['bootstrap_high'])}] (n {acc['n']})"
+                         + budget_stop_caveat(cell.get("suffixes_at_max_new_tokens")),
                          HOLDS + " (the interval includes 0: no accuracy difference shown)" if includes_zero
                          else DOES_NOT_HOLD + " (the interval excludes 0)"))
     fixed = numbers.get("fixed_prefix") or {}
@@ -110,8 +112,8 @@ def findings_section(revisions: dict[str, dict]) -> tuple[list[str], list[dict]]
              "Each claim of the reference study, this run's figure and whether the study's conclusion holds here (the "
              "sections below give every number; intervals are 95%). Counts are compared in kind, not in size: the "
              "study measured another model on other hardware.", "",
-             "| claim | reference study | this run | holds here |", "| --- | --- | --- | --- |"]
-    lines += [f"| {claim} | {reference} | {figure} | {holds} |" for claim, reference, figure, holds in rows]
+             *table_head("claim", "reference study", "this run", "holds here")]
+    lines += [table_row(*row) for row in rows]
     verdict = {HOLDS: "yes", DOES_NOT_HOLD: "no", NOT_MEASURED: "not measured"}
     record = [{"claim": claim, "reference_study": reference, "this_run": figure,
                "holds": next(v for k, v in verdict.items() if holds.startswith(k))}

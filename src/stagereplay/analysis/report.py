@@ -52,7 +52,9 @@ from stagereplay.analysis.report_format import NOT_RECORDED, join_words
 from stagereplay.analysis.report_html import render_report_html
 from stagereplay.analysis.revision_data import PRODUCERS, RevisionData
 from stagereplay.analysis.run_identity import identity
+from stagereplay.analysis.tables import EXPERIMENTS, sort_precisions
 from stagereplay.analysis.transplant_report import transplant_section
+from stagereplay.analysis.truncation import budget_stop_lines, budget_stops
 from stagereplay.io.parquet import write_text_atomic
 from stagereplay.io.provenance import git_commit
 
@@ -120,7 +122,8 @@ def item_browser_line(page: str | None, out_md: str) -> list[str]:
 
 
 def figure_notes(revision_data: list[RevisionData]) -> dict[str, list[str]]:
-    """Run-specific notes for the captions (what the figures merged), built from the data."""
+    """Run-specific notes for the captions, built from the data: what the figures merged, and beside the accuracies
+    how many suffixes stopped at max_new_tokens."""
     notes: dict[str, list[str]] = {}
     for data in revision_data:
         if not data.has("ledger"):
@@ -130,7 +133,26 @@ def figure_notes(revision_data: list[RevisionData]) -> dict[str, list[str]]:
                     "so they are drawn once, as matched.")
             for name in ("fig2_first_divergence", "fig3_margins"):
                 notes.setdefault(name, []).append(text)
+    stops = accuracy_budget_note(revision_data)
+    if stops:
+        notes["fig6_accuracy"] = stops
     return notes
+
+
+def accuracy_budget_note(revision_data: list[RevisionData]) -> list[str]:
+    """Figure 6's note: per cell it draws (revision, experiment, precision), the suffixes that stopped at
+    max_new_tokens, and the warning where they are many."""
+    cells, budgets = {}, set()
+    for data in revision_data:
+        if not data.has("ledger"):
+            continue
+        pairs = data.pairs
+        for experiment in EXPERIMENTS:
+            for precision in sort_precisions(pairs["precision"]):
+                cell = pairs[(pairs["experiment"] == experiment) & (pairs["precision"] == precision)]
+                cells[f"`{data.revision}` {experiment.replace('_', '-')} {precision}"] = budget_stops(cell)
+        budgets.add(data.max_new_tokens)
+    return budget_stop_lines(cells, budgets.pop() if len(budgets) == 1 else None)
 
 
 def regime_line(ledger: pd.DataFrame) -> tuple[str, dict]:

@@ -1,11 +1,16 @@
 """How the report writes its numbers: proportions with their Wilson interval, percentages, paired accuracy
-differences, item ids and word lists in the Markdown, and the seed every statistic carries in ``stats.json``.
+differences, item ids and word lists in the Markdown, and the seed every statistic carries in ``stats.json``; and
+the rows of its tables, each cell escaped so that no value (a boundary marker ``"\\n\\n"``, a ``|`` in a path) can
+end its row or add a cell.
 
 Shared by the report's section modules (:mod:`claims`, :mod:`audit_report`, :mod:`transplant_report`,
-:mod:`beyond_study`, :mod:`run_identity`) and :mod:`report`, so that one number reads the same everywhere.
+:mod:`beyond_study`, :mod:`divergence_location`, :mod:`fidelity`, :mod:`findings`, :mod:`run_identity`),
+:mod:`report` and :mod:`compare`, so that one number reads the same everywhere and every table stays a table.
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 import pandas as pd
 
@@ -52,3 +57,20 @@ def count_true(frame: pd.DataFrame, column: str) -> int:
 def join_words(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
+
+def table_cell(value) -> str:
+    """``value`` as the text of one Markdown table cell: a ``|`` escaped (``\\|``), and a line break, tab or other
+    control character written as its escape, so that a newline reads ``\\n`` (in a code span too) instead of ending
+    the row."""
+    return "".join("\\|" if ch == "|" else ch.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(ch) in ("Cc", "Zl", "Zp") else ch for ch in str(value))
+
+
+def table_row(*cells) -> str:
+    """One row of a Markdown table, every cell through :func:`table_cell`; an empty cell reads ``| |``."""
+    return "|" + "|".join(f" {text} " if text else " " for text in map(table_cell, cells)) + "|"
+
+
+def table_head(*columns) -> list[str]:
+    """A Markdown table's header row and the rule under it."""
+    return [table_row(*columns), table_row(*("---" for _ in columns))]

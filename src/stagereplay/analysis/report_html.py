@@ -1,9 +1,10 @@
 """report.md as one self-contained HTML page (``report.html``), for ``snakemake --report`` and a browser.
 
 It renders the Markdown that :mod:`stagereplay.analysis.report` writes, and only that: ATX headings, paragraphs,
-pipe tables, block quotes, images, links, ``**bold**``, ``_emphasis_`` and `` `code` ``. Everything else is text,
-escaped: a value in the report (a path, a dataset field) can never become markup. The report's figures are linked
-relative to the page, as in report.md; inside ``snakemake --report`` they are its own entries.
+pipe tables (a ``\\|`` in a cell is a ``|`` of its text), block quotes, images, links, ``**bold**``, ``_emphasis_``
+and `` `code` ``. Everything else is text, escaped: a value in the report (a path, a dataset field) can never become
+markup. The report's figures are linked relative to the page, as in report.md; inside ``snakemake --report`` they
+are its own entries.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 
 INLINE = re.compile(r"`([^`]+)`|\*\*(.+?)\*\*|(?<![\w*])_(.+?)_(?!\w)"  # code, bold, emphasis
                     r"|!\[([^\]]*)\]\(([^)\s]+)\)|\[([^\]]+)\]\(([^)\s]+)\)")  # image, link
+CELL_BORDER = re.compile(r"(?<!\\)\|")  # a ``|`` that a backslash does not escape
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1100px; padding: 12px 20px; color: #222; }
 table { border-collapse: collapse; margin: 8px 0 14px; font-size: 13px; }
@@ -46,7 +48,8 @@ def inline(text: str) -> str:
 
 
 def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split(" | ")]
+    """A table row's cells: split at each ``|`` but an escaped one (``\\|``, a ``|`` in a value), which reads ``|``."""
+    return [c.strip().replace("\\|", "|") for c in CELL_BORDER.split(line.strip())[1:-1]]
 
 
 def render_report_html(markdown: str, title: str) -> str:

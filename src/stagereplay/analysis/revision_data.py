@@ -61,6 +61,11 @@ class RevisionData:
         return (prov.get("parts") or [prov])[0]
 
     @property
+    def max_new_tokens(self) -> int | None:
+        """The suffix budget the ledger's generation jobs record (None where they record none)."""
+        return (self.job_record("ledger").get("config") or {}).get("max_new_tokens")
+
+    @property
     def ledger(self) -> pd.DataFrame:
         return self.frame("ledger")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stagereplay.analysis.report_format import NOT_RECORDED
+from stagereplay.analysis.report_format import NOT_RECORDED, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.io.parquet import CONTENT_KEY, read_provenance
 
@@ -200,6 +200,6 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     add("software", "software", "; ".join(f"{k} {show_values(v)}" for k, v in software.items()), software)
     lines = ["## What produced this run", "",
              "From the provenance the results files record (their own and their parts'); several values are listed "
-             "where the files differ.", "", "| | recorded |", "| --- | --- |"]
-    lines += [f"| {label} | {text} |" for label, text in rows]
+             "where the files differ.", "", *table_head("", "recorded")]
+    lines += [table_row(label, text) for label, text in rows]
     return lines + [""], record

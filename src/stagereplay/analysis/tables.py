@@ -34,7 +34,10 @@ PRECISION_ORDER = ("bf16", "fp16", "fp32")
 
 PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", "construction_a", "construction_b",
                 "disagree", "first_divergence", "margin_a", "margin_b", "correct_a", "correct_b", "label_differs",
-                "suffix_length_a", "suffix_length_b"]
+                "suffix_length_a", "suffix_length_b", "truncated_a", "truncated_b"]
+# The ledger's stop_reason of a suffix that reached max_new_tokens before EOS: its answer is read from a cut-off
+# continuation.
+STOP_AT_BUDGET = "max_new_tokens"
 
 # The key of one row of each results file: the ledger's is the results contract's; the others' follow their stage.
 LEDGER_KEY = ("item_index", "revision", "experiment", "precision", "construction", "replica")
@@ -120,7 +123,8 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
     """One row per (item, revision, precision) with ``status == ok`` on both sides: replica 1 of ``a`` against ``b``.
 
     ``margin_a``/``margin_b`` are each construction's top-2 logit margin at the first divergence (None when the
-    suffixes agree or the position lies past a suffix's end).
+    suffixes agree or the position lies past a suffix's end); ``truncated_a``/``truncated_b`` whether its suffix
+    stopped at max_new_tokens before EOS (None where the ledger records no stop reason).
     """
     if ledger is None or ledger.empty:
         return pd.DataFrame(columns=PAIR_COLUMNS)
@@ -130,6 +134,7 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
     left = sel[sel["construction"] == a]
     right = sel[sel["construction"] == b]
     merged = left.merge(right, on=keys, suffixes=("_a", "_b"))
+    stops = "stop_reason" in ledger.columns
     rows = []
     for r in merged.itertuples(index=False):
         if r.status_a != "ok" or r.status_b != "ok":
@@ -146,6 +151,8 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
             "correct_a": bool(r.correct_a), "correct_b": bool(r.correct_b),
             "label_differs": bool(r.correct_a) != bool(r.correct_b),
             "suffix_length_a": len(sa), "suffix_length_b": len(sb),
+            "truncated_a": r.stop_reason_a == STOP_AT_BUDGET if stops else None,
+            "truncated_b": r.stop_reason_b == STOP_AT_BUDGET if stops else None,
         })
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 

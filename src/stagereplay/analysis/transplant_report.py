@@ -7,7 +7,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.report_format import format_percent, join_words
+from stagereplay.analysis.report_format import format_percent, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 
 
@@ -60,13 +60,13 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
         lines += ["#### Localisation: which part of the cache carries the divergence (beyond the study)", "",
                   "Share of divergent continuations that follow the donor when only part of its boundary cache is "
                   "handed over.", "",
-                  "| precision | layers · component · positions | direction | follows donor | recipient | neither | "
-                  "Wilson 95% |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  *table_head("precision", "layers · component · positions", "direction", "follows donor",
+                              "recipient", "neither", "Wilson 95%")]
         ordered = sorted(rest.itertuples(index=False), key=lambda r: (r.precision, analysis.transplant_row_key(r),
                                                                       r.direction))
         for r in ordered:
-            lines.append(f"| {r.precision} | {r.label} | {r.direction} | {r.donor} / {r.n} | {r.recipient} | "
-                         f"{r.neither} | [{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]% |")
+            lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", r.recipient, r.neither,
+                                   f"[{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]%"))
             out["sweep"].append({"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
                                  "positions": r.positions, "direction": r.direction, "n": int(r.n),
                                  "donor": int(r.donor), "recipient": int(r.recipient), "neither": int(r.neither),
@@ -93,8 +93,8 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
               "construction guarantees. The all-layer transplant checks the construction and that the two caches "
               "are laid out alike; it is not a finding about the model.", "",
               f"Reference study (all {study.LAYERS} K/V layers): {study.transplant_text()}.", "",
-              "| precision | direction | this run: follows donor | recipient | neither | transplanted cache = donor's "
-              "cache (fingerprint) |", "| --- | --- | --- | --- | --- | --- |"]
+              *table_head("precision", "direction", "this run: follows donor", "recipient", "neither",
+                          "transplanted cache = donor's cache (fingerprint)")]
     for r in full.itertuples(index=False):
         sel = _divergent(_all_layer_rows(transplant[(transplant["precision"] == r.precision)
                                                     & (transplant["direction"] == r.direction)]))
@@ -105,9 +105,9 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
             equal = int((both["cache_fingerprint"] == both["donor_cache_fingerprint"]).sum())
             parity = f"{equal} / {len(both)}"
             out["all_layers"][r.precision][r.direction]["cache_equals_donor"] = {"k": equal, "n": len(both)}
-        lines.append(f"| {r.precision} | {r.direction} | {r.donor} / {r.n} | {r.recipient} | {r.neither} | {parity} |")
+        lines.append(table_row(r.precision, r.direction, f"{r.donor} / {r.n}", r.recipient, r.neither, parity))
     if full.empty:
-        lines.append("| — | — | no all-layer K/V transplant over all positions in this file | | | |")
+        lines.append(table_row("—", "—", "no all-layer K/V transplant over all positions in this file", "", "", ""))
     whole = _divergent(_all_layer_rows(transplant))
     whole = whole[whole["outcome"] != "donor"]
     out["all_layer_misses"] = [f"{r.item_id} {r.direction} ({r.outcome})" for r in whole.itertuples(index=False)]
