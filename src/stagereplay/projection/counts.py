@@ -183,7 +183,7 @@ class JobWork:
     shard: int = 0
     precision: str | None = None  # the job's own precision (a rule with one job per precision and shard)
     seconds: float | None = None  # projected (``projected_rules``)
-    lookahead: bool = True  # False: its loop observes or forces every step, so the lookahead is off (``price``)
+    lookahead: bool = True  # False: its loop observes or forces every step, so the lookahead is off (``pricing.price``)
     logits_GB: float = 0.0  # peak fp32 logits it keeps on the device (measure_fidelity)
 
 

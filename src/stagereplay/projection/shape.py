@@ -34,6 +34,9 @@ SCHEMA = Path(__file__).resolve().parents[3] / "workflow/schemas/config.schema.y
 # The package's greedy loop now, as a run records it (``greedy_loop``): its lookahead in the cuda_graph regime, and
 # built constructions skipping the steps before their batch's first boundary. A run not made is priced with it.
 GREEDY_LOOP = {"lookahead": "cuda_graph", "built_constructions_skip_before_first_boundary": True}
+# a built construction's schedule in a batch (``counts.cell``)
+SCHEDULES = ("lockstep", "suffix")
+SCHEDULE = "suffix"  # the decoder's schedule now (decode/greedy.py); lockstep kept to price runs made before it
 
 
 def with_schema_defaults(value: dict, schema: dict) -> dict:
@@ -76,8 +79,8 @@ class RunShape:
     divergent: dict
     recorded: dict
     skip: float = 0.0  # steps a built construction skips in lockstep: a batch's shortest stage less one (mean)
-    schedule: str = "suffix"  # a built construction's schedule in a batch: lockstep, or suffix (see ``cell``)
-    lookahead: bool = False  # the greedy loop overlapped the host's work with the device's (see ``price``)
+    schedule: str = "suffix"  # a built construction's schedule in a batch: lockstep, or suffix (see ``counts.cell``)
+    lookahead: bool = False  # the greedy loop overlapped the host's work with the device's (see ``pricing.price``)
     sources: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
 
@@ -165,10 +168,6 @@ def spread(total: float, like: dict, rows: int) -> dict:
     return {key: total * value / weight for key, value in like.items()}
 
 
-SCHEDULES = ("lockstep", "suffix")
-SCHEDULE = "suffix"  # the decoder's schedule now (decode/greedy.py); lockstep kept to price runs made before it
-
-
 def run_shape(run: dict) -> RunShape:
     if "config" not in run:
         raise ValueError("the run JSON holds no config: it was written before bench/pipeline_run.py stored it; "
@@ -204,7 +203,7 @@ def run_shape(run: dict) -> RunShape:
         shape.warnings.append("decode_regime eager: the measures are of the static decoder; eager steps are "
                               "launch-bound and slower, so the projection is short")
     # The whole buffer: what the masked attention reads at every step. A measure of the triton attention (its
-    # step_fit's bucket is 1) prices each step at its own position instead (``price``), up to this buffer.
+    # step_fit's bucket is 1) prices each step at its own position instead (``pricing.price``), up to this buffer.
     shape.span = buffer
     if config["shards"] > 1 and not shape.lockstep:
         shape.warnings.append("shards at batch 1: items split by item_index modulo shards, counted as equal shares")
@@ -239,7 +238,7 @@ def config_run(config: dict, prompt: float, stage: float, suffix: float, diverge
     stage and suffix taken equal to the means; its shortest stage ``shortest_stage``, else the mean too), the
     divergent shares and the model's layer count; no counts recorded, so every other count is derived from the
     config (the decode buffer as ``reconstruct_prefixes`` sets it: the longest prompt + max_stage_tokens +
-    max_new_tokens); ``schedule`` the built constructions' schedule in a batch (``cell``)."""
+    max_new_tokens); ``schedule`` the built constructions' schedule in a batch (``counts.cell``)."""
     ledger = {"mean_prompt": prompt, "mean_stage": stage, "mean_suffix": suffix, "batch_width": prompt,
               "batch_stage": stage, "batch_stage_shortest": stage if shortest_stage is None else shortest_stage,
               "batch_suffix": suffix, "divergent_share": dict(divergent)}
