@@ -4,7 +4,7 @@ The package's :class:`~stagereplay.decode.static.StaticDecoder` attends over the
 every step has the same shapes. Its ``span(end)`` is a hook: :class:`BucketedDecoder` attends over the next
 multiple of ``bucket`` positions instead, a function of the position alone (live and incremental steps at one
 position still share every kernel shape), so that short contexts do not pay for reading the whole buffer. The
-projection in ``bench/benchmark.py`` uses it to time steps by attended span; results made with it are not
+projection's rates (``bench/stage_rates.py``) use it to time steps by attended span; results made with it are not
 comparable with the package's static regime (``record()`` says ``decode_bucket``).
 """
 

@@ -44,7 +44,7 @@ from stagereplay.models.sources import ModelSource
 
 sys.path.insert(0, str(REPO / "bench"))
 from batch_invariance import StageOfLength, batch_invariance, live_rows  # noqa: E402
-from benchmark import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)
+from random_models import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

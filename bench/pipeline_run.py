@@ -37,9 +37,9 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the package is not installed
 
+# what a run records of the package's greedy loop and schedule now (the projection prices a run by them)
+from stagereplay.projection.shape import GREEDY_LOOP, SCHEDULE  # noqa: E402
 
-GREEDY_LOOP = {"lookahead": "cuda_graph", "built_constructions_skip_before_first_boundary": True}
-SCHEDULE = "suffix"  # a built construction decodes only its suffix steps in a batch (decode/greedy.py)
 
 def write_config(work: Path, args) -> Path:
     config = {

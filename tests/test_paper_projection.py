@@ -1,7 +1,7 @@
-"""bench/pipeline_projection.py --config: a run not made, projected rule by rule from its config; measures of the
-triton attention priced step by step at each step's position, those of the masked attention at the whole buffer as
-before; benchmark.project()'s count split by rule; the floor of the per-rule work; the suffix schedule; every model
-rule split into shards and the rule DAG's jobs placed on N GPUs."""
+"""The projection of a run not made (stagereplay.projection; bench/pipeline_projection.py --config), rule by rule
+from its config; measures of the triton attention priced step by step at each step's position, those of the masked
+attention at the whole buffer as before; paper.project()'s count split by rule; the floor of the per-rule work; the
+suffix schedule; every model rule split into shards and the rule DAG's jobs placed on N GPUs."""
 
 import json
 import re
@@ -12,9 +12,17 @@ import yaml
 
 from bench_scripts import load_bench
 
+from stagereplay.projection.counts import cell, model_jobs
+from stagereplay.projection.floor import run_floor
+from stagereplay.projection.paper import project, project_by_rule
+from stagereplay.projection.pricing import price, projected_rules, rates_for
+from stagereplay.projection.rates import Overhead, Rates
+from stagereplay.projection.report import compare, project_config
+from stagereplay.projection.schedule import LEDGER_RULES, job_dependencies, list_schedule, on_gpus
+from stagereplay.projection.shape import config_run, load_config, run_shape
+
 REPO = Path(__file__).resolve().parents[1]
-projection = load_bench("pipeline_projection")  # puts bench/ on sys.path
-import benchmark  # noqa: E402  bench/benchmark.py
+cli = load_bench("pipeline_projection")  # bench/pipeline_projection.py: the command line
 
 P, S, N = 10, 20, 8  # prompt, stage, suffix (mean = a batch's longest)
 STAGE_BUDGET = 24  # max_stage_tokens: the buffer is P + 24 + N, not P + S + N
@@ -56,7 +64,7 @@ RECORDED = {"batches": 2, "decode": {"decode_max_len": P + STAGE_BUDGET + N}, "n
 def _config_run(tmp_path, config=SMALL, overrides=()):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    return projection.config_run(projection.load_config(str(path), list(overrides)), P, S, N, DIVERGENT, 28)
+    return config_run(load_config(str(path), list(overrides)), P, S, N, DIVERGENT, 28)
 
 
 def _recorded_run():
@@ -71,33 +79,33 @@ def test_a_built_construction_skips_the_steps_before_the_batch_s_first_boundary(
     ``advance``); live and incremental decode the whole schedule. A run that did not record its shortest stages was
     made before the skip and is counted without it."""
     config = _config_run(tmp_path)["config"]
-    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+    shape = run_shape(config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
                                                        schedule="lockstep"))
     assert shape.skip == 11
-    assert projection.cell(shape, "incremental").segments == {(4, P, S - 1 + N): 1.0}
+    assert cell(shape, "incremental").segments == {(4, P, S - 1 + N): 1.0}
     for name in ("prefill", "chunked", "prefix_cached"):
-        assert (4, P + 11, S - 1 + N - 11) in projection.cell(shape, name).segments
-    assert projection.cell(shape, "prefill", suffix=False).segments == {(4, P + 11, S - 1 - 11): 1.0}
+        assert (4, P + 11, S - 1 + N - 11) in cell(shape, name).segments
+    assert cell(shape, "prefill", suffix=False).segments == {(4, P + 11, S - 1 - 11): 1.0}
     old = {**_recorded_run(), "schedule": "lockstep"}
     del old["ledger"]["batch_stage_shortest"]
-    before = projection.run_shape(old)
+    before = run_shape(old)
     assert before.skip == 0 and before.sources["batch_stage_shortest"] == "derived"
-    assert projection.cell(before, "prefill").segments == {(4, P, S - 1 + N): 1.0}
+    assert cell(before, "prefill").segments == {(4, P, S - 1 + N): 1.0}
 
 
 def test_the_lookahead_hides_host_work_behind_the_device_s_in_the_cuda_graph_regime(tmp_path):
     """The greedy loop's lookahead (cuda_graph) checks a step on the host while the device runs the next: only the
     host work beyond the device's is counted. The static regime, and a run made before the lookahead, count it all."""
-    overhead = projection.Overhead(0.0, {}, greedy_step_s={4: 0.004, 1: 0.004})  # below a 4-row step's 10 ms
+    overhead = Overhead(0.0, {}, greedy_step_s={4: 0.004, 1: 0.004})  # below a 4-row step's 10 ms
     graph = _config_run(tmp_path, overrides=["decode_regime=cuda_graph"])
     static = _config_run(tmp_path)
     old = {**graph}
     del old["greedy_loop"]
     parts = {}
     for name, run in (("graph", graph), ("static", static), ("old", old)):
-        shape = projection.run_shape(run)
-        work = projection.cell(shape, "incremental")
-        parts[name] = projection.price(work, "bf16", shape, projection.rates_for(shape, MASKED, overhead, None))
+        shape = run_shape(run)
+        work = cell(shape, "incremental")
+        parts[name] = price(work, "bf16", shape, rates_for(shape, MASKED, overhead, None))
     assert parts["graph"]["decode_s"] == parts["static"]["decode_s"] == parts["old"]["decode_s"] > 0
     assert parts["static"]["host_s"] == parts["old"]["host_s"] == (S - 1 + N) * 0.004
     assert parts["graph"]["host_s"] == 0.0
@@ -112,13 +120,13 @@ def _rounded(value):
 
 
 def _jobs(shape):
-    jobs = projection.model_jobs(shape, {"bf16": KV_GB_PER_POSITION, "fp32": 2 * KV_GB_PER_POSITION})
+    jobs = model_jobs(shape, {"bf16": KV_GB_PER_POSITION, "fp32": 2 * KV_GB_PER_POSITION})
     return [(j.rule, j.name, j.loads, {p: _rounded(vars(w)) for p, w in j.work.items()}) for j in jobs]
 
 
 def test_the_config_mode_derives_the_counts_a_run_records(tmp_path):
-    made = projection.run_shape(_config_run(tmp_path))
-    recorded = projection.run_shape(_recorded_run())
+    made = run_shape(_config_run(tmp_path))
+    recorded = run_shape(_recorded_run())
     assert made.config == recorded.config  # the schema's defaults filled alike (snakemake's validate, the schema walk)
     assert made.span == recorded.span == P + STAGE_BUDGET + N  # the buffer: longest prompt + both budgets
     made_jobs, recorded_jobs = _jobs(made), _jobs(recorded)
@@ -129,43 +137,43 @@ def test_the_config_mode_derives_the_counts_a_run_records(tmp_path):
     assert {name for name, s in made.sources.items() if s == "derived"} == counted - given
     assert made_jobs == recorded_jobs and len(made_jobs) == 12
     # and priced alike: the config mode's total is the run mode's projection
-    overhead = projection.Overhead.from_seconds(5.0, 1.0)
-    report = projection.project_config(_config_run(tmp_path), MASKED, overhead, non_model_s=7.0)
-    compared = projection.compare(_recorded_run(), MASKED, overhead)
+    overhead = Overhead.from_seconds(5.0, 1.0)
+    report = project_config(_config_run(tmp_path), MASKED, overhead, non_model_s=7.0)
+    compared = compare(_recorded_run(), MASKED, overhead)
     for rule, r in report["rules"].items():
         assert abs(r["projected_s"] - compared["rules"][rule]["projected_s"]) < 1e-9, rule
     assert abs(report["wall"]["predicted_s"] - report["model_jobs"]["projected_s"] - 7.0) < 1e-9
     # a derived count follows the config: a larger bridge sample of fewer items, no search at budget 0
-    no_search = projection.run_shape(_config_run(tmp_path, overrides=["transplant.minimal.budget=0"]))
-    minimal = [j for j in projection.model_jobs(no_search, {"bf16": 1e-6, "fp32": 2e-6})
+    no_search = run_shape(_config_run(tmp_path, overrides=["transplant.minimal.budget=0"]))
+    minimal = [j for j in model_jobs(no_search, {"bf16": 1e-6, "fp32": 2e-6})
                if j.rule == "find_minimal_transplants"]
     assert minimal[0].loads == [] and minimal[0].work == {}
 
 
 def test_a_partial_last_batch_is_its_own_kind_and_its_steps_are_priced_between_the_measured_rows():
-    shape = projection.run_shape(projection.config_run(
-        projection.load_config(str(REPO / "config/paper-scale-14b.yaml")), 256, 2048, 1024, {"bf16": 0.83}, 48))
+    shape = run_shape(config_run(
+        load_config(str(REPO / "config/paper-scale-14b.yaml")), 256, 2048, 1024, {"bf16": 0.83}, 48))
     assert shape.kinds() == {62: 3, 14: 1} and shape.span == 256 + 2048 + 1024
     held = shape.holding(166)  # 166 divergent items of 200: every batch holds one
     assert abs(held[62] - 3) < 1e-12 and abs(held[14] - 1) < 1e-9
-    rates = projection.Rates(TRITON, projection.Overhead.from_seconds(0.0), [])
+    rates = Rates(TRITON, Overhead.from_seconds(0.0), [])
     m = rates.step_measure("bf16", 2)  # between the 1- and 4-row measures
     assert m["rows"] == 2 and abs(m["step_fit"]["a_s"] - (0.008 + (0.01 - 0.008) / 3)) < 1e-15
 
 
 def test_a_triton_measure_prices_each_step_at_its_position_and_a_masked_one_at_the_whole_buffer(tmp_path):
-    shape = projection.run_shape(_recorded_run())
-    live = projection.cell(shape, "live")  # 4 rows in lockstep: S - 1 + N steps from the batch's prompt width P
-    overhead = projection.Overhead.from_seconds(0.0)
-    by_position = projection.price(live, "bf16", shape, projection.Rates(TRITON, overhead, []))["decode_s"]
-    whole = projection.price(live, "bf16", shape, projection.Rates(MASKED, overhead, []))["decode_s"]
+    shape = run_shape(_recorded_run())
+    live = cell(shape, "live")  # 4 rows in lockstep: S - 1 + N steps from the batch's prompt width P
+    overhead = Overhead.from_seconds(0.0)
+    by_position = price(live, "bf16", shape, Rates(TRITON, overhead, []))["decode_s"]
+    whole = price(live, "bf16", shape, Rates(MASKED, overhead, []))["decode_s"]
     a, b, buffer = 0.01, 1e-4, P + STAGE_BUDGET + N
     assert abs(by_position - sum(a + b * (p + 1) for p in range(P, P + S - 1 + N))) < 1e-12
     assert abs(whole - (S - 1 + N) * (a + b * buffer)) < 1e-12  # every step over the whole buffer, as before
     assert by_position < whole
     # a prefill cell alone (batch 1) decodes its suffix from the boundary: positions P + S - 1 on
-    alone = projection.cell(shape, "prefill", alone=True)
-    priced = projection.price(alone, "fp32", shape, projection.Rates(TRITON, overhead, []))["decode_s"]
+    alone = cell(shape, "prefill", alone=True)
+    priced = price(alone, "fp32", shape, Rates(TRITON, overhead, []))["decode_s"]
     assert abs(priced - sum(0.02 + 5e-5 * (p + 1) for p in range(P + S - 1, P + S - 1 + N))) < 1e-12
 
 
@@ -203,9 +211,9 @@ def test_the_measured_1_5b_run_is_priced_as_before():
               "find_minimal_transplants": 29.775843969680597, "measure_divergence_onset": 18.038928470574177,
               "dump_caches": 18.303169622574178}
     run = {**json.loads((folder / "run32.json").read_text()), "schedule": "lockstep"}  # made before the suffix one
-    report = projection.compare(run,
+    report = compare(run,
                                 _measures_from_log(folder / "meas16.log"),
-                                projection.Overhead.from_json(json.loads((folder / "overhead.json").read_text())),
+                                Overhead.from_json(json.loads((folder / "overhead.json").read_text())),
                                 _measures_from_log(folder / "meas1.log"))
     for rule, seconds in before.items():
         assert abs(report["rules"][rule]["projected_s"] - seconds) < 1e-9 * seconds, rule
@@ -215,12 +223,12 @@ def test_project_by_rule_splits_project_without_losing_any_of_it():
     measures = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())["projection"]
     for specs, budget in ((1, 0), (11, 0), (11, 24)):
         kwargs = {"transplant_specs": specs, "minimal_budget": budget, "model_jobs": 12, "job_overhead_s": 15.0}
-        split = projection.project_by_rule(measures, 200, 166 / 200, **kwargs)
-        whole = benchmark.project(measures, 200, 166 / 200, bucketed=True, **kwargs)["total_s"]
+        split = project_by_rule(measures, 200, 166 / 200, **kwargs)
+        whole = project(measures, 200, 166 / 200, bucketed=True, **kwargs)["total_s"]
         assert abs(sum(split.values()) - whole) < 1e-9 * whole
         assert ("find_minimal_transplants" in split) == bool(budget)
     # the numbers bench/RESULTS.md quotes: 1.81 h, 2.58 h, 4.49 h
-    assert round(sum(projection.project_by_rule(measures, 200, 166 / 200, 11, 24, 12, 15.0).values()) / 3600, 2) == 4.49
+    assert round(sum(project_by_rule(measures, 200, 166 / 200, 11, 24, 12, 15.0).values()) / 3600, 2) == 4.49
 
 
 def test_the_cli_projects_a_config_and_writes_its_json(tmp_path):
@@ -232,7 +240,7 @@ def test_the_cli_projects_a_config_and_writes_its_json(tmp_path):
     argv = ["--config", str(config), "--prompt", str(P), "--stage", str(S), "--suffix", str(N), "--divergent",
             "bf16=1,fp32=0", "--layers", "28", "--measures", str(measures), "--measures-batch1", str(batch1),
             "--overhead-s", "5", "--non-model-s", "30", "--compare-project", "--json", str(out)]
-    assert projection.main(argv + ["--set", "transplant.sweeps=[all]"]) == 0
+    assert cli.main(argv + ["--set", "transplant.sweeps=[all]"]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["transplant"]["sweeps"] == ["all"] and report["config"]["decode_attention"] == "triton"
     assert report["model_jobs"]["jobs"] == 12 and report["wall"]["non_model_s"] == 30.0
@@ -241,7 +249,7 @@ def test_the_cli_projects_a_config_and_writes_its_json(tmp_path):
     assert set(report["project_by_rule"]) == {"arguments", "m"}
     assert report["project_by_rule"]["arguments"]["transplant_specs"] == 1
     study = report["rules"]["transplant_caches"]["projected_s"]
-    assert projection.main(argv) == 0  # the default sweeps: 11 transplants a direction, not 1
+    assert cli.main(argv) == 0  # the default sweeps: 11 transplants a direction, not 1
     assert json.loads(out.read_text())["rules"]["transplant_caches"]["projected_s"] > study
 
 
@@ -251,16 +259,16 @@ def test_the_per_rule_work_of_the_paper_config_has_a_higher_floor_than_project_s
     run_floor of project()'s count, on the same 14B measures."""
     folder = REPO / "bench/runs/h200_run8_paper_rates"
     saved = json.loads((folder / "m14_rows62.json").read_text())
-    run = projection.config_run(projection.load_config(str(REPO / "config/paper-scale-14b.yaml"),
+    run = config_run(load_config(str(REPO / "config/paper-scale-14b.yaml"),
                                                        ["transplant.sweeps=[all]", "transplant.minimal.budget=0"]),
                                 256, 2048, 1024, {"bf16": 0.83, "fp32": 0.0}, 48)
     batch1 = json.loads((folder / "m14_rows1.json").read_text())["projection"]
-    report = projection.project_config(run, saved["projection"], projection.Overhead.from_seconds(15.0), batch1,
+    report = project_config(run, saved["projection"], Overhead.from_seconds(15.0), batch1,
                                        copy_TB_s=saved["meta"]["copy_TB_s"])
-    old = benchmark.run_floor(saved["projection"], 200, 0.83, saved["meta"]["copy_TB_s"])
+    old = run_floor(saved["projection"], 200, 0.83, saved["meta"]["copy_TB_s"])
     assert report["floor"]["floor_s"] > old["floor_s"]
     for precision in ("bf16", "fp32"):
-        assert report["arms"][precision]["row_steps"] > 200 * benchmark.project(
+        assert report["arms"][precision]["row_steps"] > 200 * project(
             saved["projection"], 200, 0.83, bucketed=True)["parts"][precision]["decode_steps_per_item"]
 
 
@@ -269,35 +277,35 @@ def test_the_suffix_schedule_decodes_only_a_built_construction_s_suffix_in_a_bat
     batch's N suffix steps from the rows' boundary (W + S - 1), without the prompt forward; live and incremental
     keep the live schedule's S + N - 1 steps; a row alone is the same in both schedules."""
     config = _config_run(tmp_path)["config"]
-    lockstep = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+    lockstep = run_shape(config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
                                                           schedule="lockstep"))
-    suffix = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
+    suffix = run_shape(config_run(config, P, S, N, DIVERGENT, 28, shortest_stage=12,
                                                         schedule="suffix"))
     assert suffix.schedule == "suffix" and lockstep.schedule == "lockstep"
-    prefill = projection.cell(suffix, "prefill")
+    prefill = cell(suffix, "prefill")
     assert prefill.segments == {(4, P + S - 1, N): 1.0} and prefill.steps == {4: N}
     assert prefill.prefill_tokens == 4 * (P + S - 1)  # the build only: no prompt forward
-    assert projection.cell(lockstep, "prefill").steps == {4: S - 1 + N - 11}  # the skip leaves 11 stage steps
-    assert projection.cell(lockstep, "prefill").prefill_tokens == 4 * P + 4 * (P + S - 1)
-    assert projection.cell(suffix, "prefill", suffix=False).steps == {4: 0.0}  # no suffix, no step
+    assert cell(lockstep, "prefill").steps == {4: S - 1 + N - 11}  # the skip leaves 11 stage steps
+    assert cell(lockstep, "prefill").prefill_tokens == 4 * P + 4 * (P + S - 1)
+    assert cell(suffix, "prefill", suffix=False).steps == {4: 0.0}  # no suffix, no step
     for name in ("chunked", "prefix_cached"):  # their per-row forwards (batch-1 steps) as before, then N at 4 rows
-        built, before = projection.cell(suffix, name), projection.cell(lockstep, name)
+        built, before = cell(suffix, name), cell(lockstep, name)
         assert built.steps[4] == N and built.steps[1] == before.steps[1]
     for name in ("live", "incremental"):
-        assert vars(projection.cell(suffix, name)) == vars(projection.cell(lockstep, name))
-        assert projection.cell(suffix, name).steps == {4: S - 1 + N}
-    alone = projection.cell(suffix, "prefill", alone=True)
-    assert vars(alone) == vars(projection.cell(lockstep, "prefill", alone=True)) and alone.steps == {1: N}
+        assert vars(cell(suffix, name)) == vars(cell(lockstep, name))
+        assert cell(suffix, name).steps == {4: S - 1 + N}
+    alone = cell(suffix, "prefill", alone=True)
+    assert vars(alone) == vars(cell(lockstep, "prefill", alone=True)) and alone.steps == {1: N}
     # with every stage of one length the lockstep skip leaves the same steps: only the prompt forward differs
-    equal = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28))
-    assert projection.cell(equal, "prefill").segments == prefill.segments
+    equal = run_shape(config_run(config, P, S, N, DIVERGENT, 28))
+    assert cell(equal, "prefill").segments == prefill.segments
     # the whole run: fewer steps, the live cells' as before
-    rates = projection.Rates(TRITON, projection.Overhead.from_seconds(0.0), [])
-    priced = {name: sum(j.seconds for j in projection.projected_rules(shape, rates)[1])
+    rates = Rates(TRITON, Overhead.from_seconds(0.0), [])
+    priced = {name: sum(j.seconds for j in projected_rules(shape, rates)[1])
               for name, shape in (("lockstep", lockstep), ("suffix", suffix))}
     assert priced["suffix"] < priced["lockstep"]
     try:
-        projection.run_shape({**_config_run(tmp_path), "schedule": "sideways"})
+        run_shape({**_config_run(tmp_path), "schedule": "sideways"})
     except ValueError as exc:
         assert "lockstep, suffix" in str(exc)
     else:
@@ -309,20 +317,20 @@ def test_the_list_scheduler_places_a_hand_made_dag_on_n_devices():
     end), d on b's device when b ends, c when a ends."""
     seconds = {"a": 3.0, "b": 2.0, "c": 2.0, "d": 1.0}
     after = {"a": set(), "b": set(), "c": {"a"}, "d": {"b"}}
-    one = projection.list_schedule(seconds, after, 1)
+    one = list_schedule(seconds, after, 1)
     assert one["makespan_s"] == 8.0 and one["work_s"] == 8.0 and one["critical_path_s"] == 5.0
     ends = sorted(end for _, end, _ in one["jobs"].values())
     assert ends == [3.0, 5.0, 7.0, 8.0]  # back to back: a, then c (path 5) before b (path 3)
-    two = projection.list_schedule(seconds, after, 2)
+    two = list_schedule(seconds, after, 2)
     assert two["jobs"] == {"a": (0.0, 3.0, 0), "b": (0.0, 2.0, 1), "d": (2.0, 3.0, 1), "c": (3.0, 5.0, 0)}
     assert two["makespan_s"] == 5.0 == two["critical_path_s"]
-    assert projection.list_schedule(seconds, after, 8)["makespan_s"] == 5.0  # no device helps past the chain
+    assert list_schedule(seconds, after, 8)["makespan_s"] == 5.0  # no device helps past the chain
     # a job waits for every job it needs, whatever the devices free: c after a and b
-    joined = projection.list_schedule(seconds, {**after, "c": {"a", "b"}}, 4)
+    joined = list_schedule(seconds, {**after, "c": {"a", "b"}}, 4)
     assert joined["jobs"]["c"][0] == 3.0
     for bad, match in (({**after, "a": {"c"}}, "cycle"), ({**after, "d": {"e"}}, "not in the DAG")):
         try:
-            projection.list_schedule(seconds, bad, 2)
+            list_schedule(seconds, bad, 2)
         except ValueError as exc:
             assert match in str(exc)
         else:
@@ -330,14 +338,14 @@ def test_the_list_scheduler_places_a_hand_made_dag_on_n_devices():
 
 
 def _shape_at(tmp_path, shards, **overrides):
-    return projection.run_shape(_config_run(tmp_path, config={**SMALL, "shards": shards, **overrides}))
+    return run_shape(_config_run(tmp_path, config={**SMALL, "shards": shards, **overrides}))
 
 
 def test_every_model_rule_splits_into_shards_of_whole_batches(tmp_path):
     """With shards: 2 (8 items, 2 batches of 4) every model rule runs 2 jobs, each loading what the one job loads
     and decoding its half of the batches: the shards' work adds up to the one job's."""
     one, two = _shape_at(tmp_path, 1), _shape_at(tmp_path, 2)
-    jobs1, jobs2 = projection.model_jobs(one, {"bf16": 1e-6, "fp32": 2e-6}), projection.model_jobs(
+    jobs1, jobs2 = model_jobs(one, {"bf16": 1e-6, "fp32": 2e-6}), model_jobs(
         two, {"bf16": 1e-6, "fp32": 2e-6})
     rules = {j.rule for j in jobs1}
     assert len(rules) == 9 and len(jobs2) == 2 * len(jobs1) == 24
@@ -356,19 +364,19 @@ def test_every_model_rule_splits_into_shards_of_whole_batches(tmp_path):
             whole = sum(j.work[p].steps.get(4, 0.0) for j in mine1 if p in j.work)
             assert abs(sum(j.work[p].steps.get(4, 0.0) for j in mine2 if p in j.work) - whole) < 1e-9 * max(1, whole)
     # 3 shards of 2 batches: the third has none and pays its overhead and loads only
-    three = projection.model_jobs(_shape_at(tmp_path, 3), {"bf16": 1e-6, "fp32": 2e-6})
+    three = model_jobs(_shape_at(tmp_path, 3), {"bf16": 1e-6, "fp32": 2e-6})
     empty = [j for j in three if j.shard == 2]
     assert empty and all(not any(w.steps.get(4) for w in j.work.values()) for j in empty)
     assert {j.rule: j.loads for j in empty if j.rule == "transplant_caches"} == {"transplant_caches": ["bf16"]}
 
 
 def test_the_jobs_wait_for_what_their_inputs_need():
-    shape = projection.run_shape(projection.config_run(
-        projection.load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2"]), 256, 2048, 1024,
+    shape = run_shape(config_run(
+        load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2"]), 256, 2048, 1024,
         {"bf16": 0.83}, 48))
-    jobs = projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
-    after = projection.job_dependencies(jobs, shape)
-    ledger = {f"{rule}_{p}_{k}" for rule in projection.LEDGER_RULES for p in ("bf16", "fp32") for k in (0, 1)}
+    jobs = model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
+    after = job_dependencies(jobs, shape)
+    ledger = {f"{rule}_{p}_{k}" for rule in LEDGER_RULES for p in ("bf16", "fp32") for k in (0, 1)}
     assert after["reconstruct_prefixes_fp32_1"] == set()
     # the 2x2 of a shard reads that shard's prefixes of the reference precision (bf16)
     assert after["generate_fixed_prefix_fp32_1"] == {"reconstruct_prefixes_bf16_1"}
@@ -379,9 +387,9 @@ def test_the_jobs_wait_for_what_their_inputs_need():
 
 def test_on_n_gpus_one_gpu_is_the_sum_and_more_gpus_shorten_the_wall(tmp_path):
     run = _config_run(tmp_path)
-    overhead = projection.Overhead.from_seconds(5.0, 1.0)
-    one = projection.project_config(run, TRITON[:2], overhead, TRITON[2:], non_model_s=7.0)
-    rows = projection.on_gpus(run, TRITON[:2], overhead, [1, 2, 4], TRITON[2:], non_model_s=7.0)
+    overhead = Overhead.from_seconds(5.0, 1.0)
+    one = project_config(run, TRITON[:2], overhead, TRITON[2:], non_model_s=7.0)
+    rows = on_gpus(run, TRITON[:2], overhead, [1, 2, 4], TRITON[2:], non_model_s=7.0)
     assert [r["shards"] for r in rows] == [1, 2, 4] and [r["jobs_at_once"] for r in rows] == [1, 2, 4]
     assert abs(rows[0]["wall_s"] - one["wall"]["predicted_s"]) < 1e-9  # one GPU: the jobs one after another
     for r in rows:
@@ -389,10 +397,10 @@ def test_on_n_gpus_one_gpu_is_the_sum_and_more_gpus_shorten_the_wall(tmp_path):
         assert abs(r["wall_s"] - r["model_jobs_s"] - 7.0) < 1e-9
     assert rows[1]["wall_s"] < rows[0]["wall_s"]
     # 4 shards of 2 batches: two of them empty, their jobs pay overhead; --shards 2 on 4 GPUs does not
-    fixed = projection.on_gpus(run, TRITON[:2], overhead, [4], TRITON[2:], shards=2, non_model_s=7.0)[0]
+    fixed = on_gpus(run, TRITON[:2], overhead, [4], TRITON[2:], shards=2, non_model_s=7.0)[0]
     assert fixed["shards"] == 2 and fixed["work_s"] < rows[2]["work_s"]
     try:
-        projection.on_gpus({**run, "config": {**run["config"], "gpus_per_job": 0}}, TRITON[:2], overhead, [2])
+        on_gpus({**run, "config": {**run["config"], "gpus_per_job": 0}}, TRITON[:2], overhead, [2])
     except ValueError as exc:
         assert "gpus_per_job" in str(exc)
     else:
@@ -420,8 +428,8 @@ def test_the_dag_of_the_model_jobs_is_the_workflow_s(tmp_path):
     config = tiny_config(tmp_path, shards=2, batch_size=2, decode_regime="static", precisions=["bf16", "fp32"],
                          reference_precision="bf16", gpus_per_job=1, transplant={"minimal": {"budget": 2}})
     needs = _rulegraph(tmp_path)
-    shape = projection.run_shape(projection.config_run(config, P, S, N, DIVERGENT, 28))
-    jobs = projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
+    shape = run_shape(config_run(config, P, S, N, DIVERGENT, 28))
+    jobs = model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
     model = {j.rule for j in jobs}
     assert model <= set(needs), sorted(model - set(needs))
 
@@ -433,7 +441,7 @@ def test_the_dag_of_the_model_jobs_is_the_workflow_s(tmp_path):
         return out
 
     by_job = {j.name: j.rule for j in jobs}
-    after = projection.job_dependencies(jobs, shape)
+    after = job_dependencies(jobs, shape)
     for rule in model:
         projected = {by_job[d] for j in jobs if j.rule == rule for d in after[j.name]}
         assert projected == upstream(rule, set()), rule

@@ -10,6 +10,13 @@ from snakemake.utils import validate
 
 from bench_scripts import load_bench
 
+from stagereplay.projection.counts import model_jobs
+from stagereplay.projection.floor import fp32_floor
+from stagereplay.projection.paper import project
+from stagereplay.projection.rates import Overhead, decode_seconds
+from stagereplay.projection.report import compare
+from stagereplay.projection.shape import batches_holding, run_shape
+
 REPO = Path(__file__).resolve().parents[1]
 pipeline_run = load_bench("pipeline_run")
 
@@ -47,21 +54,16 @@ def test_benchmark_files_are_summed_by_rule(tmp_path):
     assert json.dumps(pipeline_run.ledger_lengths(tmp_path)) == "{}"  # no ledger yet
 
 
-def _benchmark():
-    return load_bench("benchmark")
-
-
 def test_the_projection_counts_every_transplant_run_as_a_cell_of_the_batch():
     """Each transplant run (both directions) decodes the recipient's batch once: one more 2x2 cell per item, in
     every batch holding a divergent row; fp32 runs no transplants."""
-    bench = _benchmark()
     measures = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())["projection"]
     bf16 = next(m for m in measures if m["precision"] == "bf16")
-    cell = bench.decode_seconds(bf16, bf16["P"], bf16["S"] + bf16["N"], True) + bench.decode_seconds(
+    cell = decode_seconds(bf16, bf16["P"], bf16["S"] + bf16["N"], True) + decode_seconds(
         bf16, bf16["P"] + bf16["S"] - 1, bf16["N"], True)
-    one = bench.project(measures, 200, 0.5, bucketed=True)
-    sweeps = bench.project(measures, 200, 0.5, bucketed=True, transplant_specs=11)
-    searched = bench.project(measures, 200, 0.5, bucketed=True, transplant_specs=11, minimal_budget=24)
+    one = project(measures, 200, 0.5, bucketed=True)
+    sweeps = project(measures, 200, 0.5, bucketed=True, transplant_specs=11)
+    searched = project(measures, 200, 0.5, bucketed=True, transplant_specs=11, minimal_budget=24)
     share = 1 - 0.5 ** bf16["rows"]
     assert abs(sweeps["parts"]["bf16"]["decode_s"] - one["parts"]["bf16"]["decode_s"] - 200 * share * 10 * cell) < 1e-6
     # the minimal search's stage rebuilds its batches too: its budget plus one cell
@@ -71,9 +73,8 @@ def test_the_projection_counts_every_transplant_run_as_a_cell_of_the_batch():
 
 
 def test_the_fp32_floor_counts_the_projected_work_at_the_datasheet_rate():
-    bench = _benchmark()
     saved = json.loads((REPO / "bench/runs/h200_run7_projection_shared_rows.json").read_text())
-    floor = bench.fp32_floor(saved["projection"], 200, 166 / 200, saved["meta"]["copy_TB_s"])
+    floor = fp32_floor(saved["projection"], 200, 166 / 200, saved["meta"]["copy_TB_s"])
     assert set(floor) == {"fp32"}
     arm = floor["fp32"]
     assert arm["floor_s"] == arm["linear_at_peak_s"] + arm["attention_at_copy_rate_s"]
@@ -82,8 +83,8 @@ def test_the_fp32_floor_counts_the_projected_work_at_the_datasheet_rate():
     assert 0 < arm["share_of_floor"] < 1 and arm["projected_s"] > arm["floor_s"]
 
 
-# ---- bench/pipeline_projection.py: each rule of a workflow run projected from measured rates ----------------------
-projection = load_bench("pipeline_projection")
+# ---- stagereplay.projection: each rule of a workflow run projected from measured rates -----------------------------
+cli = load_bench("pipeline_projection")  # bench/pipeline_projection.py: the command line
 P, S, N = 10, 20, 8  # the ledger's mean prompt, stage and suffix
 
 
@@ -114,8 +115,8 @@ def _run(n_items=8, batch_size=4, sample=2, bridge_rows=0, counts=None, rules=No
 
 
 def _jobs(run, rule):
-    shape = projection.run_shape(run)
-    return [j for j in projection.model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6}) if j.rule == rule]
+    shape = run_shape(run)
+    return [j for j in model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6}) if j.rule == rule]
 
 
 def _steps(jobs, rows):
@@ -159,7 +160,7 @@ def test_transplants_count_a_rebuild_and_one_recipient_cell_per_spec_and_directi
     cell = S + N - 1
     divergent = _jobs(_run(n_items=8), "transplant_caches")  # divergent share 0.5: 4 items, derived
     assert divergent[0].loads == ["bf16"]
-    held = projection.batches_holding(4, 8, 4)
+    held = batches_holding(4, 8, 4)
     assert 1 < held < 2
     assert abs(_steps(divergent, 4) - held * (1 + 11) * 2 * cell) < 1e-9
     recorded = _run(counts={"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7}})
@@ -174,7 +175,7 @@ def test_a_rule_absent_from_the_run_is_reported_absent_and_the_cli_writes_its_js
     paths["run"].write_text(json.dumps(_run()))
     paths["measures"].write_text(json.dumps({"projection": MEASURES}))
     paths["batch1"].write_text(json.dumps({"projection": MEASURES_BATCH1}))
-    assert projection.main(["--run", str(paths["run"]), "--measures", str(paths["measures"]), "--measures-batch1",
+    assert cli.main(["--run", str(paths["run"]), "--measures", str(paths["measures"]), "--measures-batch1",
                             str(paths["batch1"]), "--overhead-s", "5", "--json", str(paths["out"])]) == 0
     report = json.loads(paths["out"].read_text())
     rules = report["rules"]
@@ -194,11 +195,11 @@ def test_a_rule_absent_from_the_run_is_reported_absent_and_the_cli_writes_its_js
 
 
 def test_the_overhead_counts_the_start_once_and_each_model_loaded():
-    overhead = projection.Overhead.from_json({"start_s": 10.0, "load_s": {"bf16": 1.0, "fp32": 2.0},
+    overhead = Overhead.from_json({"start_s": 10.0, "load_s": {"bf16": 1.0, "fp32": 2.0},
                                               "first_load_extra_s": 3.0})
     assert overhead.of_job([]) == 10.0 and overhead.of_job(["fp32"]) == 15.0
     assert overhead.of_job(["bf16", "fp32"]) == 16.0
-    assert projection.Overhead.from_seconds(12.0, 2.0).of_job(["bf16", "fp32"]) == 14.0
+    assert Overhead.from_seconds(12.0, 2.0).of_job(["bf16", "fp32"]) == 14.0
 
 
 def test_recorded_minimal_rounds_are_each_batchs_longest_search(tmp_path):
@@ -218,14 +219,14 @@ def test_the_wall_adds_the_time_the_log_shows_without_a_model_job():
                        {"rule": "reconstruct_prefixes", "start_s": 9.0, "end_s": 12.0},  # overlaps: counted once
                        {"rule": "gather_ledger", "start_s": 12.0, "end_s": 14.0},
                        {"rule": "audit_ledger", "start_s": 14.0, "end_s": 20.0}]
-    report = projection.compare(run, MEASURES, projection.Overhead.from_seconds(5.0), MEASURES_BATCH1)
+    report = compare(run, MEASURES, Overhead.from_seconds(5.0), MEASURES_BATCH1)
     wall = report["wall"]
     assert wall["non_model_s"] == 30.0 - 16.0 and wall["from"] == "the Snakemake log"
     projected = sum(r["projected_s"] for r in report["rules"].values() if r["projected_s"] is not None)
     assert abs(wall["predicted_s"] - (projected + 14.0)) < 1e-9
     assert abs(wall["relative_error"] - (wall["predicted_s"] / 30.0 - 1)) < 1e-12
     run["gpu_slots"] = 2  # model jobs may share the device: no sum of them is the wall
-    assert projection.compare(run, MEASURES, projection.Overhead.from_seconds(5.0))["wall"]["relative_error"] is None
+    assert compare(run, MEASURES, Overhead.from_seconds(5.0))["wall"]["relative_error"] is None
 
 
 def test_the_snakemake_log_gives_every_jobs_start_and_end(tmp_path):
@@ -243,7 +244,7 @@ def test_fidelity_counts_live_and_each_construction_per_batch_and_defaults_to_su
     (S + N - 1 steps) and both constructions from their boundaries (N steps each, the suffix schedule by default);
     every row's logits kept at N steps on 3 sides, every row compared on 2; none with no constructions."""
     run = _run(n_items=8, schedule=None, fidelity={"constructions": ["prefill", "chunked"], "items": "all", "seed": 0})
-    shape = projection.run_shape(run)
+    shape = run_shape(run)
     assert shape.schedule == "suffix"
     jobs = _jobs(run, "measure_fidelity")
     assert [j.name for j in jobs] == ["measure_fidelity_bf16_0", "measure_fidelity_fp32_0"]
@@ -254,5 +255,5 @@ def test_fidelity_counts_live_and_each_construction_per_batch_and_defaults_to_su
         assert work.observed_row_steps == 2 * 4 * N * 3
         assert work.compared_row_steps == 2 * 4 * N * 2
     assert _jobs(_run(n_items=8, fidelity={"constructions": [], "items": "all", "seed": 0}), "measure_fidelity") == []
-    lockstep = projection.run_shape({**run, "schedule": "lockstep"})
+    lockstep = run_shape({**run, "schedule": "lockstep"})
     assert lockstep.schedule == "lockstep"

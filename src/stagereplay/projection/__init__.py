@@ -1,0 +1,17 @@
+"""The workflow's time, projected rule by rule from measured rates: every model job's work counted as the stage code
+does it, priced at rates measured apart from the run, and the jobs placed on one GPU or N.
+
+- :mod:`.shape`: a run's shape (its config, items, batches, lengths and the counts its results recorded), from a
+  run's JSON or, for a run not made, from a workflow config;
+- :mod:`.counts`: what a cell, a job and each model rule decode (the rule DAG's jobs and their work);
+- :mod:`.rates`: the measured rates (a decode step's fit, the prefill and dump rates) and a model job's overhead;
+- :mod:`.pricing`: a job's work in seconds at those rates;
+- :mod:`.schedule`: the jobs' dependencies, and a list scheduler placing them on N GPUs;
+- :mod:`.report`: a measured run against its projection, a run not made projected, and their tables;
+- :mod:`.paper`: the per-item count of the paper-scale run (``project``), and its split by rule;
+- :mod:`.floor`: the floor of a count of work at the datasheet rates.
+
+Knows nothing of devices, models or Snakemake: it reads what the benchmarks measured (``bench/benchmark.py``'s
+rates, ``bench/pipeline_run.py``'s run, ``bench/pipeline_projection.py --measure-overhead``'s job overhead) as plain
+values, and the workflow's config schema. ``bench/pipeline_projection.py`` is its command line.
+"""
