@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline_run import STAMP, GpuSampler, log_job_times, rule_times, write_config  # noqa: E402
+from pipeline_run import STAMP, GpuSampler, add_run_options, log_job_times, rule_times, write_config  # noqa: E402
 from stagereplay.testing.gguf import CHAT_TEMPLATE, CONTROL, USER_DEFINED, Vocabulary, write_gguf  # noqa: E402
 from stagereplay.testing.shapes import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
 
@@ -318,22 +318,8 @@ def device_name(requested: str) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="a fresh folder for the model, store, configs and runs")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
-                    help="a shape of stagereplay/testing/shapes.py (tiny: to try it on a CPU)")
+    add_run_options(ap)
     ap.add_argument("--quant", default="Q8_0", choices=QUANTS, help="the 2-D weights' GGUF type")
-    ap.add_argument("--items", type=int, default=4)
-    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
-    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
-    ap.add_argument("--regime", default="eager", help="decode_regime")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--numerics", default="default")
-    ap.add_argument("--shards", type=int, default=1)
-    ap.add_argument("--cores", type=int, default=os.cpu_count())
-    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
-    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
-    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
     ap.add_argument("--job-server", action="store_true",
                     help="job_server: true (model jobs fork from a warm server) in the timed runs")
     ap.add_argument("--fresh-run", action="store_true",
@@ -343,7 +329,6 @@ def parse_args(argv=None):
                     help="prepare the store first (untimed), then time one warm run")
     ap.add_argument("--skip-check", action="store_true", help="do not load the GGUF file before the runs")
     ap.add_argument("--limit-s", type=float, default=None, help="stop each run after this many seconds")
-    ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
 
