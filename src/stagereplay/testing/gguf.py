@@ -4,8 +4,9 @@ its tensor names, 2-D weights in a ggml type, norms and biases F32, and a byte-l
 
 The weights come from one of two places. ``from_model``: a transformers model of the shape built on the CPU
 (seeded by torch, biases and norms randomised so that they are exercised), which is returned so that a test can
-compare what loads from the file against it. Otherwise numpy's seeded generator, with no model in memory (a real
-shape in seconds): 2-D weights normal with std 0.02, norms one, biases zero, as transformers initialises a Qwen2.
+compare what loads from the file against it. Otherwise numpy's seeded generator, with no model in memory (the
+tensors' names and shapes come from one on torch's meta device): 2-D weights normal with std 0.02, norms one, biases
+zero, as transformers initialises a Qwen2.
 Either way the outputs mean nothing.
 
 gguf-py is imported inside the functions that need it: it is the optional extra ``gguf``.
