@@ -1,6 +1,6 @@
 """Preparing a GGUF source's snapshots: today's path against the direct converter, in one run.
 
-Writes a random-weight GGUF file of a real shape with ``prepared_load.write_gguf`` (Qwen2-0.5B by default; its
+Writes a random-weight GGUF file of a real shape with ``prepared_load.write_q4_mix`` (Qwen2-0.5B by default; its
 quant mix: Q4_K for matrices whose rows are a multiple of 256 values, Q4_0 for the others, norms and biases F32,
 the embedding tied, no output.weight; at 0.5B, hidden 896 is not a multiple of 256, so only ffn_down is Q4_K, at
 7B and 14B every matrix is Q4_K), then measures, each in a fresh process, CPU seconds (user + system, of the process
@@ -15,8 +15,8 @@ and prints the ratios. ``--only-convert`` skips today's path (for the 7B and 14B
 dequantised model, 15 GB at 7B bf16, more than the 2-core VM's 23 GB can spare).
 
     python bench/gguf_convert.py --work /tmp/gguf_convert_bench
-    python bench/gguf_convert.py --work /tmp/gguf_convert_bench --shape 7B --only-convert
-    python bench/gguf_convert.py --work /tmp/gguf_convert_bench --shape 14B --only-convert --precisions bf16
+    python bench/gguf_convert.py --work /tmp/gguf_convert_bench --shape qwen2.5-7b --only-convert
+    python bench/gguf_convert.py --work /tmp/gguf_convert_bench --shape qwen2.5-14b --only-convert --precisions bf16
 """
 
 from __future__ import annotations
@@ -36,14 +36,9 @@ import prepared_load  # noqa: E402  (bench/ scripts import one another)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from stagereplay.io.file_hashes import sha256_of_file  # noqa: E402
+from stagereplay.testing.shapes import SHAPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {
-    **prepared_load.SHAPES,
-    "7B": dict(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064, regular=151643),
-    "14B": dict(layers=48, hidden=5120, heads=40, kv_heads=8, intermediate=13824, vocab=152064, regular=151643),
-}
-
 CHILD = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -101,7 +96,7 @@ def _run(what: str, gguf: Path, outs: dict[str, Path], threads: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the GGUF file and the snapshots")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5B")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each process (a job's)")
     parser.add_argument("--only-convert", action="store_true", help="skip today's path; convert all precisions once")
@@ -112,11 +107,11 @@ def main() -> int:
     import transformers
 
     args.work.mkdir(parents=True, exist_ok=True)
-    path = args.work / f"random-qwen2-{args.shape}-q4mix.gguf"
+    path = args.work / f"random-{args.shape}-q4mix.gguf"
     if not path.exists():
         started = time.perf_counter()  # in a process of its own: the writer holds the whole file in memory
-        writer = multiprocessing.get_context("spawn").Process(target=prepared_load.write_gguf,
-                                                              args=(path, SHAPES[args.shape]))
+        writer = multiprocessing.get_context("spawn").Process(target=prepared_load.write_q4_mix,
+                                                              args=(path, args.shape))
         writer.start()
         writer.join()
         if writer.exitcode != 0:
@@ -149,7 +144,7 @@ def main() -> int:
             for what in ("today", "convert"):
                 if not args.keep:
                     shutil.rmtree(snap(what, p), ignore_errors=True)
-        if not args.keep and args.shape != "0.5B":
+        if not args.keep and args.shape != "qwen2.5-0.5b":
             path.unlink(missing_ok=True)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -3,7 +3,7 @@ and two versions of the code against each other on the same file, in one run.
 
 Writes (once, into ``--work``) a random-weight GGUF with the real Qwen2 vocabulary (151,936 tokens: 151,643
 byte-level BPE tokens with their merges, the specials, padding) and a small model (2 layers of hidden 256; 31 MB,
-``write_gguf`` of bench/prepared_load.py), then runs ``stagereplay.stages.preflight.check_model`` on it, each call
+``write_q4_mix`` of bench/prepared_load.py), then runs ``stagereplay.stages.preflight.check_model`` on it, each call
 in a fresh process (the imports of torch, transformers and stagereplay timed apart, as the workflow has them before
 its preflight), for every source tree of ``--src``, the trees' processes interleaved, so that old and new code are
 compared under the same load. Each process also reports a digest of what the check built (the model config's values
@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=151936, regular=151643)
+# a small model with the vocabulary (and the rest of the configuration) of Qwen2.5-0.5B
+SMALL = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512)
 
 # One check in a fresh process: the imports, then the timed check_model; prints one JSON line.
 CHILD = r"""
@@ -145,10 +146,10 @@ def main() -> int:
     gguf_file = "random-qwen2-vocab-2x256.gguf"
     if not (args.work / gguf_file).exists():
         sys.path.insert(0, str(REPO / "bench"))
-        from prepared_load import write_gguf
+        from prepared_load import SHAPES, write_q4_mix
 
         t = time.perf_counter()
-        write_gguf(args.work / gguf_file, SHAPE)
+        write_q4_mix(args.work / gguf_file, dict(SHAPES["qwen2.5-0.5b"], **SMALL))
         print(f"wrote {args.work / gguf_file} ({(args.work / gguf_file).stat().st_size / 1e6:.0f} MB) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
 

@@ -68,6 +68,29 @@ def write_config(work: Path, args) -> Path:
     return path
 
 
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the run this script and bench/turnaround.py time: the model's shape, what
+    :func:`write_config` writes, the Snakemake resources, and where the JSON goes."""
+    from stagereplay.testing.shapes import SHAPES
+
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
+                    help="a shape of stagereplay/testing/shapes.py (tiny: to try it on a CPU)")
+    ap.add_argument("--items", type=int, default=4)
+    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
+    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--regime", default="eager", help="decode_regime")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--numerics", default="default")
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
+    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
+    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
+    ap.add_argument("--json", default=None, help="where the JSON goes (default: a file in --work)")
+
+
 class GpuSampler:
     """``nvidia-smi`` utilization every 200 ms while the run lasts (nothing where there is no nvidia-smi)."""
 
@@ -270,23 +293,9 @@ def summary_or_error(summary, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="a fresh folder for the model, config and run")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a shape of scripts/make_random_qwen.py")
-    ap.add_argument("--items", type=int, default=4)
-    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
-    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
-    ap.add_argument("--regime", default="eager", help="decode_regime")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--numerics", default="default")
-    ap.add_argument("--shards", type=int, default=1)
-    ap.add_argument("--cores", type=int, default=os.cpu_count())
-    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
-    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
-    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
+    add_run_options(ap)
     ap.add_argument("--limit-s", type=float, default=None,
                     help="stop Snakemake after this many seconds and report the jobs finished by then")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     work = Path(args.work).resolve()

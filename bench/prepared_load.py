@@ -1,7 +1,7 @@
 """Per-job model load: the run's GGUF source against its prepared snapshot, in one run.
 
-Writes a random-weight GGUF file of a real shape (Qwen2-0.5B by default: 24 layers, hidden 896, 14 heads, 2 KV
-heads, vocabulary 151,936, tied embeddings) quantised as a Q4 mix (Q4_K blocks where a row is a multiple of 256
+Writes a random-weight GGUF file of a real shape (stagereplay.testing's writer and shapes; Qwen2-0.5B by default: 24
+layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936, tied embeddings) quantised as a Q4 mix (Q4_K blocks where a row is a multiple of 256
 values, Q4_0 elsewhere, norms and biases F32) with a byte-level BPE tokenizer of the real size (151,643 tokens,
 merges included), then times, each in a fresh process as a job is:
 
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import subprocess
@@ -43,101 +42,17 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {  # the real Qwen2 shapes
-    "0.5B": dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936, regular=151643),
-    "tiny": dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096, regular=4000),
-}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+sys.path.insert(0, str(REPO / "src"))
+from stagereplay.testing.gguf import byte_level_vocabulary, write_gguf  # noqa: E402
+from stagereplay.testing.shapes import SHAPES  # noqa: E402
 
 
-def byte_level_tokens(regular: int, vocab: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """256 byte tokens, merged pairs up to ``regular`` tokens (each with its merge), the specials, then padding."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    rng = random.Random(seed)
-    tokens = [bytes_to_unicode()[b] for b in range(256)]
-    seen, merges = set(tokens), []
-    while len(tokens) < regular:
-        a, b = rng.choice(tokens), rng.choice(tokens[:4096])
-        if len(a) + len(b) > 12 or a + b in seen:
-            continue
-        seen.add(a + b)
-        tokens.append(a + b)
-        merges.append(f"{a} {b}")
-    tokens += SPECIALS
-    tokens += [f"[PAD{i}]" for i in range(vocab - len(tokens))]
-    return tokens, merges
-
-
-def q4_k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K data: 144-byte blocks of 256 values, each block's two fp16 scales set to small finite values."""
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    scales = np.full((rows, cols // 256, 2), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
-    blocks[:, :, :4] = scales
-    return blocks.reshape(rows, cols // 256 * 144)
-
-
-def write_gguf(path: Path, shape: dict, seed: int = 0) -> None:
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    tokens, merges = byte_level_tokens(shape["regular"], shape["vocab"], seed)
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name("random-qwen2-shape")
-    writer.add_context_length(32768)
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_block_count(shape["layers"])
-    writer.add_feed_forward_length(shape["intermediate"])
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_freq_base(1000000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    types = [gguf.TokenType.NORMAL] * shape["regular"] + [gguf.TokenType.CONTROL] * 3
-    types += [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.UNUSED] * (len(tokens) - shape["regular"] - 5)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    h, kv = shape["hidden"], shape["kv_heads"] * shape["hidden"] // shape["heads"]
-
-    def matrix(name: str, rows: int, cols: int) -> None:
-        if cols % 256 == 0:
-            writer.add_tensor(name, q4_k_blocks(rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        else:  # packed bytes: gguf-py derives the element shape from their shape and the type
-            data = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-
-    def vector(name: str, n: int, base: float) -> None:
-        writer.add_tensor(name, (base + 0.01 * rng.standard_normal(n)).astype(np.float32))
-
-    matrix("token_embd.weight", shape["vocab"], h)
-    vector("output_norm.weight", h, 1.0)
-    for i in range(shape["layers"]):
-        vector(f"blk.{i}.attn_norm.weight", h, 1.0)
-        vector(f"blk.{i}.ffn_norm.weight", h, 1.0)
-        for part, rows in (("q", h), ("k", kv), ("v", kv)):
-            matrix(f"blk.{i}.attn_{part}.weight", rows, h)
-            vector(f"blk.{i}.attn_{part}.bias", rows, 0.0)
-        matrix(f"blk.{i}.attn_output.weight", h, h)
-        matrix(f"blk.{i}.ffn_gate.weight", shape["intermediate"], h)
-        matrix(f"blk.{i}.ffn_up.weight", shape["intermediate"], h)
-        matrix(f"blk.{i}.ffn_down.weight", h, shape["intermediate"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def write_q4_mix(path: Path, shape: str | dict) -> None:
+    """A random-weight GGUF of ``shape`` (a name in SHAPES, or such a dict) as this script describes it: a Q4 mix,
+    tied embeddings, a byte-level BPE vocabulary of the shape's size (Qwen2's 151,643 regular tokens where it fits)."""
+    size = (SHAPES[shape] if isinstance(shape, str) else shape)["vocab_size"]
+    write_gguf(path, shape, vocabulary=byte_level_vocabulary(size), tied=True, quant="Q4_K", fallback="Q4_0")
 
 
 # One measurement in a fresh process, as a job: the imports, then the timed call; prints one JSON line.
@@ -315,7 +230,7 @@ def folder_bytes(folder: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the GGUF file and the snapshots")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5B")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--precision", choices=["bf16", "fp32", "fp16"], default="bf16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each job (config threads)")
@@ -329,11 +244,11 @@ def main() -> int:
     import torch
 
     args.work.mkdir(parents=True, exist_ok=True)
-    gguf_name = f"random-qwen2-{args.shape}-q4mix.gguf"
+    gguf_name = f"random-{args.shape}-q4mix.gguf"
     gguf_path = args.work / gguf_name
     if not gguf_path.exists():
         started = time.perf_counter()
-        write_gguf(gguf_path, SHAPES[args.shape])
+        write_q4_mix(gguf_path, args.shape)
         print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")
     snap = args.work / f"snapshot-{args.shape}-{args.precision}"
     if args.parts:

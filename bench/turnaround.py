@@ -15,7 +15,7 @@ warm/cold ratios.
 ``--warm-only`` prepares the store first with the workflow's own ``prepare_model`` job (run ``prime``, recorded but
 not timed as a run), then times one warm run: a run's turnaround once its model is prepared.
 
-The source is a RANDOM-WEIGHT GGUF file of a real Qwen2.5 shape (a shape of scripts/make_random_qwen.py; ``tiny``
+The source is a RANDOM-WEIGHT GGUF file of a real Qwen2.5 shape (a shape of stagereplay/testing/shapes.py; ``tiny``
 for trying it on a CPU) written with gguf-py as llama.cpp lays out a Qwen2 file: its tensor names, every 2-D weight
 quantised (``--quant``, default Q8_0), norms and biases F32, untied embeddings (``output.weight``: a random model
 with tied embeddings echoes its last input token), and a byte-level BPE tokenizer (``gpt2``, pre ``qwen2``, one
@@ -43,25 +43,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from make_random_qwen import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
-from pipeline_run import GpuSampler, write_config  # noqa: E402
+from pipeline_run import GpuSampler, add_run_options, write_config  # noqa: E402
 from run_summary import compare, device_name, run_summary, store_entries, versions  # noqa: E402
+from stagereplay.testing.gguf import CHAT_TEMPLATE, CONTROL, USER_DEFINED, Vocabulary, write_gguf  # noqa: E402
+from stagereplay.testing.shapes import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
 
 REVISION = "local"  # the config's revisions: a GGUF file named by model needs no revision; its slug names folders
-# Qwen2's chat format (the special tokens of a Qwen2 GGUF, with <think>/</think> as user-defined tokens)
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-USER_DEFINED = ["<think>", "</think>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 QUANTS = ("Q8_0", "Q4_0")
 # Two merges (runs of two and four spaces, which no prompt holds): a file without merges reads back as having none to
 # give, and transformers then derives them from scores this file does not have; one merge alone reads back in
@@ -100,74 +91,17 @@ def vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def hf_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(Hugging Face name, shape) of every tensor of a Qwen2ForCausalLM of ``shape`` with untied embeddings."""
-    h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    kv, ff, vocab = kv_heads * (h // heads), shape["intermediate_size"], shape["vocab_size"]
-    out = [("model.embed_tokens.weight", (vocab, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
-                (f"{p}.self_attn.q_proj.weight", (h, h)), (f"{p}.self_attn.q_proj.bias", (h,)),
-                (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.k_proj.bias", (kv,)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.bias", (kv,)),
-                (f"{p}.self_attn.o_proj.weight", (h, h)), (f"{p}.mlp.gate_proj.weight", (ff, h)),
-                (f"{p}.mlp.up_proj.weight", (ff, h)), (f"{p}.mlp.down_proj.weight", (h, ff))]
-    return out
-
-
 def write_random_gguf(path: Path, shape_name: str, quant: str = "Q8_0", seed: int = 0) -> dict:
-    """Write a random-weight Qwen2 GGUF of ``shape_name``: weights drawn as transformers initialises a Qwen2
-    (normal, std 0.02; norms one, biases zero), every 2-D weight quantised as ``quant``, norms and biases F32."""
-    import gguf
-
-    shape = SHAPES[shape_name]
-    qtype = getattr(gguf.GGMLQuantizationType, quant)
-    tokens, types = vocabulary(shape["vocab_size"])
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name(f"random-{shape_name}")
-    writer.add_context_length(shape["max_position_embeddings"])
-    writer.add_embedding_length(shape["hidden_size"])
-    writer.add_block_count(shape["num_hidden_layers"])
-    writer.add_feed_forward_length(shape["intermediate_size"])
-    writer.add_head_count(shape["num_attention_heads"])
-    writer.add_head_count_kv(shape["num_key_value_heads"])
-    writer.add_rope_freq_base(shape["rope_theta"])
-    writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
-    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant}"))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, shape["num_hidden_layers"])
-    rng = np.random.default_rng(seed)
-    n_params, kinds = 0, {}
-    for hf_name, dims in hf_tensors(shape):
-        base, suffix = hf_name.rsplit(".", 1)
-        name = f"{names.get_name(base)}.{suffix}"
-        n_params += int(np.prod(dims))
-        if len(dims) == 2:
-            data = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-            kinds[quant] = kinds.get(quant, 0) + 1
-        else:
-            value = 1.0 if "norm" in hf_name else 0.0
-            writer.add_tensor(name, np.full(dims, value, dtype=np.float32))
-            kinds["F32"] = kinds.get("F32", 0) + 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return {"file": path.name, "bytes": path.stat().st_size, "shape": shape_name, "parameters": n_params,
+    """Write a random-weight Qwen2 GGUF of ``shape_name`` (stagereplay.testing.gguf: weights drawn as transformers
+    initialises a Qwen2, normal with std 0.02, norms one, biases zero; every 2-D weight quantised as ``quant``, norms
+    and biases F32) with :func:`vocabulary`; return what the report says of it."""
+    tokens, types = vocabulary(SHAPES[shape_name]["vocab_size"])
+    written = write_gguf(path, shape_name, vocabulary=Vocabulary(tokens, MERGES, types), tied=False, quant=quant,
+                         seed=seed)
+    return {"file": path.name, "bytes": path.stat().st_size, "shape": shape_name, "parameters": written.parameters,
             "seed": seed, "vocab_size": len(tokens), "characters": "".join(prompt_characters()),
             "fillers": sum(t.startswith("~") for t in tokens),
-            "tensor_types": {"2-D weights": quant, "norms and biases": "F32", "counts": kinds},
+            "tensor_types": {"2-D weights": quant, "norms and biases": "F32", "counts": written.tensor_types},
             "tied_embeddings": False, "tokenizer": "byte-level BPE (gpt2, pre qwen2), two merges (runs of spaces)",
             "weights": "random (normal, std 0.02; norms 1, biases 0): outputs mean nothing"}
 
@@ -253,22 +187,8 @@ def snakemake(work: Path, config: Path, run: str, args, env: dict, targets: list
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="a fresh folder for the model, store, configs and runs")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
-                    help="a shape of scripts/make_random_qwen.py (tiny: to try it on a CPU)")
+    add_run_options(ap)
     ap.add_argument("--quant", default="Q8_0", choices=QUANTS, help="the 2-D weights' GGUF type")
-    ap.add_argument("--items", type=int, default=4)
-    ap.add_argument("--stage", type=int, default=64, help="stage tokens (the boundary is the N-th filler)")
-    ap.add_argument("--suffix", type=int, default=32, help="max_new_tokens after the boundary")
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
-    ap.add_argument("--regime", default="eager", help="decode_regime")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--numerics", default="default")
-    ap.add_argument("--shards", type=int, default=1)
-    ap.add_argument("--cores", type=int, default=os.cpu_count())
-    ap.add_argument("--gpu-slots", type=int, default=1, help="model jobs allowed on the GPU at once")
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
-    ap.add_argument("--transplant-select", default=None, help="transplant.select (default: the schema's, divergent)")
-    ap.add_argument("--minimal-budget", type=int, default=None, help="transplant.minimal.budget")
     ap.add_argument("--job-server", action="store_true",
                     help="job_server: true (model jobs fork from a warm server) in the timed runs")
     ap.add_argument("--fresh-run", action="store_true",
@@ -278,7 +198,6 @@ def parse_args(argv=None):
                     help="prepare the store first (untimed), then time one warm run")
     ap.add_argument("--skip-check", action="store_true", help="do not load the GGUF file before the runs")
     ap.add_argument("--limit-s", type=float, default=None, help="stop each run after this many seconds")
-    ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
 

@@ -5,7 +5,7 @@ at hand: its outputs mean nothing. The tokenizer is the toy's character vocabula
 ``~0``, ``~1``, ... to the real vocabulary size, so the random model's greedy ids (almost all fillers) decode to
 text and a boundary such as ``{marker: "~", occurrence: 16}`` is reached after 16 generated tokens.
 
-    python scripts/make_random_qwen.py OUT_DIR [--shape qwen2.5-0.5b|qwen2.5-1.5b|tiny] [--device cuda:0]
+    python scripts/make_random_qwen.py OUT_DIR [--shape qwen2.5-0.5b|qwen2.5-1.5b|qwen2.5-7b|qwen2.5-14b|tiny] [--device cuda:0]
 """
 
 from __future__ import annotations
@@ -16,19 +16,7 @@ from pathlib import Path
 
 import torch
 
-# The shape of Qwen2.5-1.5B as DeepSeek-R1-Distill-Qwen-1.5B has it (its config.json: untied embeddings). Untied
-# matters here: a random model with tied embeddings echoes its last input token forever.
-SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
-                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
-                 tie_word_embeddings=False),
-}
+from stagereplay.testing.shapes import SHAPES  # the real Qwen2.5 shapes (untied embeddings)
 
 
 def build_tokenizer(vocab_size: int):

@@ -10,8 +10,6 @@ import json
 import socket
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -21,6 +19,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from conftest import make_tiny_model
+from gguf_fixture import write_tiny_gguf
 from stagereplay.analysis.report import build_report
 from stagereplay.data.datasets import DatasetError
 from stagereplay.data.prompts import PromptTooLongError
@@ -182,28 +181,10 @@ def test_boundary_token_id_outside_the_vocabulary():
         check_run(valid_config(boundary={"token_id": 5000}, n_items=2))
 
 
-def write_gguf(path, architecture):
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_layer_norm_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["a", "b", "c"])
-    writer.add_token_merges([])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("architecture", ["gpt2", "bert"])
 def test_gguf_of_an_unsupported_architecture(tmp_path, architecture):
-    path = write_gguf(tmp_path / f"tiny-{architecture}.gguf", architecture)
+    path = tmp_path / f"tiny-{architecture}.gguf"
+    write_tiny_gguf(path, architecture=architecture, layers=1)
     match = (f"GGUF file .*tiny-{architecture}.gguf holds a '{architecture}' model; the cache code supports "
              ".*point model at one of those")
     source = resolve_source(str(path), None)

@@ -7,126 +7,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from gguf_fixture import CHAT_TEMPLATE, SPECIALS, byte_level_vocab, write_tiny_gguf
+from gguf_fixture import write_tiny_gguf
 from stagereplay.models import gguf_convert, signatures, snapshot
 from stagereplay.io.fingerprints import tensor_digest
 from stagereplay.models.gguf_convert import GGUFConvertError, convert_gguf
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
+from stagereplay.testing.gguf import character_vocabulary, write_gguf
+from stagereplay.testing.shapes import SHAPES
 
 PRECISIONS = ("bf16", "fp32")
-# fp16 scale fields of the K-quant blocks gguf-py cannot quantise to (offset in the block), set to small finite
-# values in otherwise random blocks so that every value dequantises to a finite float
-K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# The character vocabulary with a second merge: transformers 5.17 reads a GGUF array of one merge as that merge's
+# string (load_gguf_checkpoint unwraps one-element values) and fails to build the tokenizer.
+MERGES = ("1 2", "3 4")
 
 
-def quantised(values: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
-    import gguf
-
-    kind = gguf.GGMLQuantizationType[qtype]
-    if qtype == "F32":
-        return values.astype(np.float32), None
-    if qtype not in K_SCALES:
-        return gguf.quants.quantize(values.astype(np.float32), kind), kind
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    rows, cols = values.shape
-    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset in K_SCALES[qtype]:
-        scale = rng.uniform(0.001, 0.01, size=(rows, cols // block, 1)).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = scale.view(np.uint8)
-    return blocks.reshape(rows, -1), kind
-
-
-def vocabulary() -> tuple[list[str], list[str]]:
-    """gguf_fixture's byte-level vocabulary with a second merge: transformers 5.17 reads a GGUF array of one merge as
-    that merge's string (load_gguf_checkpoint unwraps one-element values) and fails to build the tokenizer."""
-    tokens, merges = byte_level_vocab()
-    at = tokens.index("12") + 1
-    return tokens[:at] + ["34"] + tokens[at:], merges + ["3 4"]
-
-
-def tiny_model(architecture: str, tied: bool, seed: int):
-    import transformers
-
-    tokens = vocabulary()[0]
-    common = dict(vocab_size=len(tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, tie_word_embeddings=tied)
-    if architecture == "qwen3":  # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's 128 it is
-        common["head_dim"] = 128
-    name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[architecture]
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**common)).eval()
-    with torch.no_grad():  # biases start at zero and norms at one: randomise them so they are exercised
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("bias") or "norm" in param_name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's Q/K permutation for llama, which transformers' LlamaTensorProcessor undoes."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(path: Path, architecture: str = "qwen2", types=None, tied: bool = True, seed: int = 0,
+def write_case(path: Path, architecture: str = "qwen2", types=None, tied: bool = True, seed: int = 0,
                skip: tuple[str, ...] = (), label: str | None = None) -> Path:
     """A 2-layer random model (hidden 256, so that K-quant rows fit) as a GGUF file: matrices in ``types[gguf name]``
     (default Q8_0), norms and biases F32, a byte-level BPE tokenizer; no output.weight when ``tied``; GGUF tensors
     named in ``skip`` left out; ``label`` written as general.architecture (default: ``architecture``)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    model = tiny_model(architecture, tied, seed)
-    cfg = model.config
-    tokens, merges = vocabulary()
-    writer = gguf.GGUFWriter(str(path), label or architecture)
-    writer.add_name(f"tiny-random-{architecture}")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    normal = len(tokens) - len(SPECIALS)
-    writer.add_token_types([gguf.TokenType.NORMAL] * normal + [gguf.TokenType.CONTROL] * 3
-                           + [gguf.TokenType.USER_DEFINED] * 2)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "llama": gguf.MODEL_ARCH.LLAMA}
-    names = gguf.get_tensor_name_map(arch[architecture], cfg.num_hidden_layers)
-    for tensor_name, tensor in model.state_dict().items():
-        base, suffix = tensor_name.rsplit(".", 1)
-        name = f"{names.get_name(base)}.{suffix}"
-        if name in skip or (tied and name == "output.weight"):
-            continue
-        values = tensor.float().numpy()
-        if architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
-            values = llama_cpp_permute(values, heads)
-        if values.ndim == 1:
-            writer.add_tensor(name, values.astype(np.float32))
-            continue
-        data, kind = quantised(values, (types or {}).get(name, "Q8_0"), rng)
-        writer.add_tensor(name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    shape = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=512, max_position_embeddings=256)
+    if architecture == "qwen3":  # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's 128 it is
+        shape["head_dim"] = 128
+    write_gguf(path, shape, vocabulary=character_vocabulary(MERGES), architecture=architecture, label=label,
+               name=f"tiny-random-{architecture}", tied=tied, quant="Q8_0", types=types, skip=skip, seed=seed,
+               from_model=True)
     return path
 
 
@@ -148,7 +57,7 @@ CASES = {  # name: (architecture, types, tied)
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ggufs")
-    return {case: write_gguf(folder / f"{case}.gguf", architecture, types, tied)
+    return {case: write_case(folder / f"{case}.gguf", architecture, types, tied)
             for case, (architecture, types, tied) in CASES.items()}
 
 
@@ -250,7 +159,7 @@ def test_tensors_the_model_has_no_place_for_fail_the_conversion(tmp_path):
 
 
 def test_a_parameter_the_file_lacks_fails_the_conversion(tmp_path):
-    path = write_gguf(tmp_path / "short.gguf", skip=("blk.1.ffn_down.weight", "blk.0.attn_norm.weight"))
+    path = write_case(tmp_path / "short.gguf", skip=("blk.1.ffn_down.weight", "blk.0.attn_norm.weight"))
     with pytest.raises(GGUFConvertError, match="2 parameters the config needs are not in the file") as error:
         convert_gguf(path, {"fp32": tmp_path / "out"})
     assert "model.layers.0.input_layernorm.weight" in str(error.value)

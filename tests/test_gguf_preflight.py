@@ -15,12 +15,13 @@ import gguf.gguf_reader
 import pytest
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-from gguf_fixture import write_tiny_gguf, write_vocab_gguf
+from gguf_fixture import TINY, write_tiny_gguf, write_vocab_gguf
 from stagereplay.models import gguf_files
 from stagereplay.models.loading import checked_config, checked_tokenizer
 from stagereplay.models.sources import ModelLoadError, ModelSource
 from stagereplay.models.signatures import IGNORED_CONFIG_KEYS, tokenizer_signature
 from stagereplay.stages.preflight import check_model
+from stagereplay.testing.gguf import write_gguf
 
 # Beyond the snapshot signature's probes: specials alone and inside words, a long digit run, bytes outside ASCII.
 MORE_PROBES = ["<think>3+4=7</think><|im_end|>", "x<|im_start|>y", "1234567890" * 20, "naïve café — ≈ 3½ €",
@@ -105,24 +106,6 @@ def test_a_gguf_cut_short_is_refused_by_the_preflight(tiny_gguf_bytes, tmp_path,
 
 
 def test_a_gguf_without_a_tokenizer_is_refused_by_the_preflight(tmp_path):
-    from gguf_fixture import tiny_qwen2_model
-
-    model = tiny_qwen2_model(64, layers=1)
-    writer = gguf.GGUFWriter(str(tmp_path / "untokenized.gguf"), "qwen2")
-    writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-6)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 1)
-    for name, tensor in model.state_dict().items():
-        base, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(tmp_path / "untokenized.gguf", dict(TINY, num_hidden_layers=1), vocabulary=None, from_model=True)
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer of .*untokenized.gguf"):
         check_model(ModelSource("gguf", str(tmp_path), gguf_file="untokenized.gguf"))

@@ -13,9 +13,10 @@ from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import count_true, format_ids, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.io.keys import LEDGER_KEY, within_revision
 
 
-AUDIT_KEY = ["item_index", "experiment", "precision", "construction", "replica"]
+AUDIT_KEY = within_revision(LEDGER_KEY)  # an audit row's key in its revision's file
 
 
 def audit_verdict(data: RevisionData) -> dict:

@@ -24,6 +24,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.io.ids import first_divergence
+from stagereplay.io.keys import ITEM_KEY, LEDGER_KEY
 
 # The experiments whose two constructions are compared item by item, in the report's order.
 EXPERIMENTS = ("matched", "fixed_prefix")
@@ -40,18 +41,16 @@ PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", 
 STOP_AT_BUDGET = "max_new_tokens"
 
 # The key of one row of each results file: the ledger's is the results contract's; the others' follow their stage.
-LEDGER_KEY = ("item_index", "revision", "experiment", "precision", "construction", "replica")
 KEYS = {
     "ledger": LEDGER_KEY,
     "audit": LEDGER_KEY,
-    "bridge": ("item_index", "revision", "precision"),
-    "batch_invariance": ("item_index", "revision", "precision", "construction"),
-    "transplant": ("item_index", "revision", "precision", "direction", "layer_set", "component", "positions"),
-    "cache_differences": ("item_index", "revision", "precision", "construction_a", "construction_b", "layer",
-                          "component"),
-    "minimal_transplant": ("item_index", "revision", "precision", "direction"),
-    "divergence_onset": ("item_index", "revision", "precision", "layer", "component"),
-    "fidelity": ("item_index", "revision", "precision", "reference", "construction", "step"),
+    "bridge": ITEM_KEY,
+    "batch_invariance": (*ITEM_KEY, "construction"),
+    "transplant": (*ITEM_KEY, "direction", "layer_set", "component", "positions"),
+    "cache_differences": (*ITEM_KEY, "construction_a", "construction_b", "layer", "component"),
+    "minimal_transplant": (*ITEM_KEY, "direction"),
+    "divergence_onset": (*ITEM_KEY, "layer", "component"),
+    "fidelity": (*ITEM_KEY, "reference", "construction", "step"),
 }
 
 
@@ -130,7 +129,7 @@ def pair_table(ledger: pd.DataFrame, experiment: str, a: str, b: str) -> pd.Data
         return pd.DataFrame(columns=PAIR_COLUMNS)
     check_unique(ledger, "ledger")
     sel = ledger[(ledger["experiment"] == experiment) & (ledger["replica"] == 1)]
-    keys = ["item_index", "revision", "precision"]
+    keys = list(ITEM_KEY)
     left = sel[sel["construction"] == a]
     right = sel[sel["construction"] == b]
     merged = left.merge(right, on=keys, suffixes=("_a", "_b"))

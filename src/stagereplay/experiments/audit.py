@@ -21,22 +21,16 @@ import pyarrow as pa
 
 from stagereplay.io.ids import first_divergence
 from stagereplay.experiments.rows import LAYOUT_COLUMNS, LEDGER_SCHEMA
+from stagereplay.io.keys import LEDGER_FIELDS, LEDGER_KEY
 
 AUDIT_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("experiment", pa.string()),
-    ("precision", pa.string()),
-    ("construction", pa.string()),
-    ("replica", pa.int8()),
+    *LEDGER_FIELDS,
     ("reproduced", pa.bool_()),
     ("differed", pa.list_(pa.string())),  # ledger columns that did not reproduce ("missing_row", "error", ...)
     ("detail", pa.string()),  # the first difference of each, in words
 ])
 
 REPLICAS = (1, 2)  # every experiment's replica set
-KEY = ("item_index", "revision", "experiment", "precision", "construction", "replica")
 
 
 class AuditFailedError(RuntimeError):
@@ -108,14 +102,14 @@ def audit_batch(stored: list[dict], recomputed: list[dict] | Exception) -> list[
     """One audit record per stored row of one batch and precision, plus one per row that the recomputed
     experiments produce and the ledger lacks. ``recomputed``: the experiments' rows with one replica, or the
     exception that the recomputation raised (a finding about every row, not a crash)."""
-    counts = Counter(tuple(_norm(k, r[k]) for k in KEY) for r in stored)
+    counts = Counter(tuple(_norm(k, r[k]) for k in LEDGER_KEY) for r in stored)
     parity = layout_parity(stored)
     expected = {} if isinstance(recomputed, Exception) else {
         (int(r["item_index"]), r["experiment"], r["construction"]): r for r in recomputed}
     out = []
     for i, row in enumerate(stored):
         key = (int(row["item_index"]), row["experiment"], row["construction"])
-        if counts[tuple(_norm(k, row[k]) for k in KEY)] > 1:
+        if counts[tuple(_norm(k, row[k]) for k in LEDGER_KEY)] > 1:
             out.append(record(row, False, ["duplicate_row"], "the ledger holds this (item, revision, experiment, "
                               "precision, construction, replica) more than once"))
         elif int(row["replica"]) not in REPLICAS:

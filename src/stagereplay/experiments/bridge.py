@@ -20,12 +20,10 @@ from stagereplay.experiments.matched import Matched
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.fingerprints import fingerprint_ids
+from stagereplay.io.keys import ITEM_FIELDS
 
 BRIDGE_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("status", pa.string()),  # ok | boundary_missing | nonfinite (no boundary: nothing to compare)
     ("bit_exact", pa.bool_()),  # incremental cache == live cache, every layer's K and V bytes
     ("n_layers_differ", pa.int32()),

@@ -26,6 +26,7 @@ from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings, ReplicaMismatchError
 from stagereplay.io.fingerprints import fingerprint_ids
+from stagereplay.io.keys import ITEM_FIELDS
 
 if TYPE_CHECKING:
     import torch
@@ -34,10 +35,7 @@ REFERENCE = "live"
 FIDELITY_CONSTRUCTIONS = ("prefill", "chunked", "prefix_cached")
 
 FIDELITY_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("reference", pa.string()),  # the construction whose greedy suffix both sides read (live)
     ("construction", pa.string()),  # the construction teacher-forced through that suffix
     ("step", pa.int32()),  # 0-based suffix position

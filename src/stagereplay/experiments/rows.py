@@ -15,15 +15,10 @@ from stagereplay.data.answers import extract_answer, is_correct
 from stagereplay.decode.greedy import RowResult
 from stagereplay.decode.plans import Batch
 from stagereplay.io.fingerprints import fingerprint_ids
+from stagereplay.io.keys import LEDGER_FIELDS
 
 LEDGER_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("experiment", pa.string()),
-    ("precision", pa.string()),
-    ("construction", pa.string()),
-    ("replica", pa.int8()),
+    *LEDGER_FIELDS,
     ("status", pa.string()),  # ok | boundary_missing | nonfinite
     ("prompt_ids", pa.list_(pa.int32())),
     ("stage_ids", pa.list_(pa.int32())),  # generated ids up to and including the boundary token

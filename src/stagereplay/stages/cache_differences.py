@@ -13,6 +13,7 @@ from stagereplay.experiments.cache_differences import layer_differences, sample_
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.experiments.transplant import rebuilt_as
+from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
@@ -22,10 +23,7 @@ from stagereplay.stages.settings import CacheDifferenceSettings
 log = logging.getLogger("stagereplay")
 
 CACHE_DIFFERENCE_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("construction_a", pa.string()),
     ("construction_b", pa.string()),
     ("layer", pa.int32()),

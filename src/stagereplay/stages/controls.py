@@ -19,6 +19,7 @@ from stagereplay.experiments.matched import fixed_prefix, matched
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import LEDGER_SCHEMA, ledger_row
 from stagereplay.io.fingerprints import check_fingerprint_scheme
+from stagereplay.io.keys import ITEM_FIELDS, KEY_FIELDS
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
@@ -82,8 +83,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
     records = []
     for item_id in sorted(set(by_item) - known):  # rows of items the selection does not hold
         for row in by_item.pop(item_id):
-            records.append({**{k: row[k] for k in ("item_index", "item_id", "revision", "experiment", "precision",
-                                                   "construction", "replica")},
+            records.append({**{k: row[k] for k in KEY_FIELDS.names},
                             "reproduced": False, "differed": ["item_index"],
                             "detail": f"item {item_id!r} is not in the selection {items_path}"})
     job = load_as_recorded(s, s.precision, ledger_path)
@@ -110,10 +110,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
 
 
 BATCH_INVARIANCE_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("construction", pa.string()),  # live | prefill (the matched experiment's)
     ("batch_index", pa.int32()),  # the item's place in the recorded plan
     ("batch_row", pa.int16()),

@@ -19,6 +19,7 @@ import pyarrow as pa
 from stagereplay.experiments.cache_differences import layer_differences
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.ids import first_divergence
+from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
@@ -30,10 +31,7 @@ from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 log = logging.getLogger("stagereplay")
 
 ONSET_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("construction_a", pa.string()),  # the pair as the rows name it (live only where bit-exact with the ledger's)
     ("construction_b", pa.string()),
     ("layer", pa.int32()),

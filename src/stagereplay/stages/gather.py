@@ -23,21 +23,19 @@ import pyarrow.parquet as pq
 
 from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, failures_message
 from stagereplay.experiments.rows import LEDGER_SCHEMA
+from stagereplay.io.keys import ITEM_FIELDS, ITEM_KEY, LEDGER_KEY, within_revision
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet, write_text_atomic
 from stagereplay.io.provenance import recorded_batch_plan
 
 PREFIX_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("status", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())),
     ("stage_ids", pa.list_(pa.int32())),
     ("prefix_fingerprint", pa.string()),
     ("gold_answer", pa.string()),
 ])
-SORT_KEYS = ["item_index", "experiment", "precision", "construction", "replica"]  # a ledger row's key, in order
+SORT_KEYS = within_revision(LEDGER_KEY)  # a ledger row's key in its revision's file, in order
 
 
 SHARD_KEYS = ("shard", "n_shards")  # the config keys that say which part a job wrote, not what it computed
@@ -169,7 +167,7 @@ def gather_ledger(parts: list[str], out_path: str) -> None:
 
 
 def gather_prefixes(parts: list[str], out_path: str) -> None:
-    gather(parts, out_path, PREFIX_SCHEMA, ["item_index", "precision"])
+    gather(parts, out_path, PREFIX_SCHEMA, within_revision(ITEM_KEY))
 
 
 def gather_audit(parts: list[str], out_path: str) -> None:
@@ -181,7 +179,7 @@ def gather_bridge(parts: list[str], out_path: str) -> None:
     # this job pays for it.
     from stagereplay.experiments.bridge import BRIDGE_SCHEMA
 
-    gather(parts, out_path, BRIDGE_SCHEMA, ["item_index", "precision"])
+    gather(parts, out_path, BRIDGE_SCHEMA, within_revision(ITEM_KEY))
 
 
 def check_audit(audit_path: str, ledger_path: str, out_path: str) -> dict:

@@ -18,6 +18,7 @@ import pyarrow as pa
 from stagereplay.experiments.minimal_transplant import search_together, span_shares
 from stagereplay.experiments.transplant import directions, layer_set_name, transplant_rows
 from stagereplay.io.fingerprints import check_fingerprint_scheme
+from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
@@ -29,10 +30,7 @@ from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 log = logging.getLogger("stagereplay")
 
 MINIMAL_TRANSPLANT_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("donor", pa.string()),
     ("recipient", pa.string()),
     ("direction", pa.string()),  # "<donor>-><recipient>"

@@ -29,6 +29,7 @@ from stagereplay.experiments.rows import LEDGER_SCHEMA, ReplicaMismatchError
 from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, transplant_batch
 from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
+from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions
 from stagereplay.stages.gather import unsharded
@@ -40,10 +41,7 @@ from stagereplay.stages.transplant_selection import BASELINE_EXPERIMENT, baselin
 log = logging.getLogger("stagereplay")
 
 DUMP_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("construction", pa.string()),
     ("path", pa.string()),  # relative to the manifest's folder
     ("bytes", pa.int64()),
@@ -53,10 +51,7 @@ DUMP_SCHEMA = pa.schema([
 ])
 
 TRANSPLANT_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("donor", pa.string()),
     ("recipient", pa.string()),
     ("direction", pa.string()),  # "<donor>-><recipient>"

@@ -14,6 +14,7 @@ import pandas as pd
 import pyarrow as pa
 
 from stagereplay.experiments.transplant import choose_transplant_items, rebuilt_as
+from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_stages, software_versions
 
@@ -22,10 +23,7 @@ log = logging.getLogger("stagereplay")
 BASELINE_EXPERIMENT = "transplant_baseline"
 
 SELECTION_SCHEMA = pa.schema([
-    ("item_index", pa.int32()),
-    ("item_id", pa.string()),
-    ("revision", pa.string()),
-    ("precision", pa.string()),
+    *ITEM_FIELDS,
     ("divergent", pa.bool_()),  # the two constructions' own suffix ids differ
     ("first_divergence", pa.int32()),
 ])
