@@ -19,7 +19,7 @@ from stagereplay.data.prompts import check_template
 from stagereplay.analysis.captions import CAPTIONS
 from stagereplay.models.sources import revision_slug
 from stagereplay.models.sources import ModelLoadError, resolve_source
-from stagereplay.models.store import ModelStore, planned_keys, resolve_root
+from stagereplay.models.store import ModelStore, planned_keys, read_record, resolve_root
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
@@ -359,10 +359,11 @@ def revision_name(wildcards):
 # ---- Prepared models: each revision's model source kept prepared in the model store, shared by runs
 # (stagereplay.models.store); rule prepare_model writes the run's record of the entries it uses
 # (results/<run>/models/<revision>.json), which a model-loading job takes as input and finds under its
-# params.kwargs.prepared_models. An entry removed from the store plans nothing (the first job that needs it prepares it
-# again, byte for byte the recorded snapshot); a new record (another source, converter or set of precisions) reruns
-# what loaded the old one. The record is not ancient(): Snakemake masks a job whose input is produced by a job that
-# reruns, so an ancient record would hide the job's own changed params (the entries' keys) and keep stale results.
+# params.kwargs.prepared_models. An entry removed from the store plans nothing (the run prepares it again before its
+# first job, byte for byte the recorded snapshot: prepare.smk); a new record (another source, converter or set of
+# precisions) reruns what loaded the old one. The record is not ancient(): Snakemake masks a job whose input is
+# produced by a job that reruns, so an ancient record would hide the job's own changed params (the entries' keys) and
+# keep stale results.
 STORE_ROOT = resolve_root(config.get("model_store"))
 
 
