@@ -157,6 +157,35 @@ def test_a_rebuilt_entry_that_is_not_the_recorded_snapshot_is_refused(tiny_model
         prepare_again(record_path, s)
 
 
+@pytest.mark.slow
+def test_a_removed_entry_plans_no_job_and_the_next_run_prepares_it_again_before_its_first_job(tmp_path):
+    """The workflow's side of the test above: an entry removed from the store plans nothing (a rerun of
+    prepare_model would rerun every job that loads the model); the run prepares it again before its first job, and
+    the job that loads it computes the same bytes."""
+    from workflow_runner import snakemake, tiny_config
+
+    store = tmp_path / "store"
+    tiny_config(tmp_path, n_items=2, max_new_tokens=4, precisions=["fp32"], reference_precision="fp32",
+                bridge={"n_rows": 1, "seed": 0}, model_store=str(store))
+    target = "results/tiny/primary/parts/matched_fp32_0.parquet"
+    part = tmp_path / target
+    snakemake(tmp_path, "--cores", "1", target)
+    written = part.read_bytes()
+    record = json.loads((tmp_path / "results/tiny/models/primary.json").read_text())
+    key = record["snapshots"]["fp32"]["key"]
+    assert store_module.main(["--store", str(store), "remove", key]) == 0
+    part.unlink()  # the one job that loads the entry has to run again
+    dry = snakemake(tmp_path, "-n", "--cores", "1", target)
+    out = dry.stdout + dry.stderr
+    assert "is gone in the model store" in out and "prepares it again before its first job" in out, out[-3000:]
+    assert "reconstruct_prefixes" in dry.stdout and "prepare_model" not in dry.stdout
+    assert not ModelStore(store).path(key).exists()  # a dry run prepares nothing
+    run = snakemake(tmp_path, "--cores", "1", target)
+    assert "Store entries of primary at fp32 prepared again" in run.stdout + run.stderr
+    assert ModelStore(store).problems(key, record["source_sha256"]) == []
+    assert part.read_bytes() == written
+
+
 def test_the_command_lists_and_removes_entries(tiny_model_dir, tmp_path, capsys):
     store = tmp_path / "store"
     record = prepare_model(str(tmp_path / "r.json"), settings(tiny_model_dir, store))
