@@ -1,9 +1,3 @@
-from types import SimpleNamespace
-
-from stagereplay.stages.prepare import prepare_again
-from stagereplay.stages.settings import PrepareSettings, from_params
-
-
 # Each revision's model source, prepared once in the model store at every precision the run loads it at, from one
 # read of the source (stagereplay.stages.prepare): safetensors snapshots that every model-loading job memory-maps,
 # shared with every other run on the same files. The output is the run's record of the store entries; their keys
@@ -29,22 +23,3 @@ rule prepare_model:
         snapshots=prepare_keys,
     script:
         "../scripts/prepare_model.py"
-
-
-def prepare_entries_again():
-    """Before the first job (onstart): the store entries of the run's records that are gone or damaged, prepared
-    again by the prepare stage and refused unless each is the recorded snapshot. No job is planned for them: a rerun
-    of prepare_model would rerun every job that loads the model. A record whose keys are not the planned ones is
-    left to prepare_model, which reruns for it (its params changed)."""
-    for revision in ALL_REVISIONS:
-        record = prepared_folder(revision)
-        if not os.path.isfile(record):
-            continue
-        wildcards = SimpleNamespace(revision=revision)
-        recorded = {precision: entry["key"] for precision, entry in read_record(record).get("snapshots", {}).items()}
-        if recorded != prepare_keys(wildcards):
-            continue
-        settings = from_params(PrepareSettings, dict(prepare_kwargs(wildcards), model_store=config.get("model_store")))
-        again = prepare_again(record, settings, FILE_HASHES)
-        if again:
-            logger.info(f"Store entries of {revision} at {', '.join(again)} prepared again, each the recorded snapshot")
