@@ -73,7 +73,7 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     import torch
 
     from stagereplay.io.parquet import read_provenance
-    from stagereplay.stages import jobs
+    from stagereplay.models import opening
     from stagereplay.stages.reconstruct import reconstruct_prefixes
     from stagereplay.stages.select import select_items
     from stagereplay.stages.settings import ReconstructSettings, from_params
@@ -85,13 +85,13 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     other_job = claim_gpu("auto", lock_dir=tmp_path / "locks")
     assert other_job.device == "cuda:0"
     asked = []
-    real_load = jobs.load_model
+    real_load = opening.load_model
 
     def load_on_cpu(source, precision, device, *args, **kwargs):
         asked.append(device)
         return real_load(source, precision, "cpu", *args, **kwargs)
 
-    monkeypatch.setattr(jobs, "load_model", load_on_cpu)
+    monkeypatch.setattr(opening, "load_model", load_on_cpu)
     select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(tmp_path / "items.parquet"))
     settings = from_params(ReconstructSettings, dict(
         model=str(tiny_model_dir), revision="local", precision="fp32", boundary={"marker": ";"}, max_stage_tokens=4,

@@ -11,9 +11,9 @@ import pytest
 from stagereplay.io import file_hashes
 from stagereplay.io.file_hashes import HashCache, files_fingerprint
 from stagereplay.io.parquet import read_provenance
+from stagereplay.models.opening import open_model
+from stagereplay.models.sources import PlannedSource, SourceChangedError, check_source_unchanged, resolve_source
 from stagereplay.stages.input_fingerprints import (
-    InputChangedError,
-    check_model_unchanged,
     dataset_file_fingerprint,
     model_fingerprint,
     rows_fingerprint,
@@ -51,10 +51,11 @@ def test_model_fingerprint_covers_every_file_and_a_changed_weight_is_refused(tmp
     shutil.copytree(REPO / "data/toy/primary", model / "primary")
     recorded = model_fingerprint(str(model), "primary")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(recorded["files"])
-    check_model_unchanged(recorded, str(model), "primary")  # unchanged: no error
+    check_source_unchanged(resolve_source(str(model), "primary"), recorded)  # unchanged: no error
     shutil.copyfile(REPO / "data/toy/later/model.safetensors", model / "primary/model.safetensors")
-    with pytest.raises(InputChangedError, match=r"toy/primary changed after this run was planned \(model.safetensors\)"):
-        check_model_unchanged(recorded, str(model), "primary")
+    changed = r"toy/primary changed after this run was planned \(model.safetensors\)"
+    with pytest.raises(SourceChangedError, match=changed):  # the job's open refuses it before loading anything
+        open_model(PlannedSource(str(model), "primary", fingerprint=recorded), "fp32", None, device="cpu")
     assert model_fingerprint(str(model), "missing") is None  # the preflight names a bad revision
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from stagereplay.models import store as store_module
+from stagereplay.models.opening import recorded_entry
 from stagereplay.models.store import ModelStore, StoreError, converter_versions, ensure, entry_key
 from stagereplay.stages.input_fingerprints import model_fingerprint
 from stagereplay.stages.integrity import store_entries
-from stagereplay.stages.prepare import entry_for, prepare_model, snapshots_for
-from stagereplay.stages.settings import PrepareSettings, ReconstructSettings
+from stagereplay.stages.prepare import prepare_again, prepare_model, snapshots_for
+from stagereplay.stages.settings import PrepareSettings
 
 
 def settings(model_dir, store, **extra) -> PrepareSettings:
@@ -97,46 +98,92 @@ def test_two_runs_preparing_one_key_at_once_prepare_it_once(tiny_model_dir, tmp_
 
 
 def test_an_entry_with_a_missing_or_changed_file_is_caught_and_prepared_again(tiny_model_dir, tmp_path):
+    """A job refuses an entry that is gone or damaged, naming it and the fix, and prepares nothing; what the
+    workflow runs before its first job (prepare_again) prepares it again, byte for byte the recorded snapshot."""
     store = tmp_path / "store"
     record_path = str(tmp_path / "models" / "local.json")
-    record = prepare_model(record_path, settings(tiny_model_dir, store))
+    s = settings(tiny_model_dir, store)
+    record = prepare_model(record_path, s)
     key = record["snapshots"]["bf16"]["key"]
     entry = ModelStore(store).path(key)
-    assert store_entries(tmp_path) == []  # the run's check: every entry whole
+    assert store_entries(tmp_path) == [] and prepare_again(record_path, s) == []  # the run's check: every entry whole
+    assert recorded_entry(record_path, "bf16")[0] == entry
     (entry / "tokenizer_config.json").unlink()
     assert "tokenizer_config.json missing" in ModelStore(store).problems(key)[0]
     lines = store_entries(tmp_path)
     assert len(lines) == 1 and "bf16 snapshot" in lines[0] and "damaged" in lines[0]
-    weights = entry / "model.safetensors"
-    job = ReconstructSettings(model=str(tiny_model_dir), revision="local", device="cpu", precision="bf16",
-                              prepared_models=record_path, boundary={"marker": ";"}, max_stage_tokens=4,
-                              max_new_tokens=4, model_fingerprint=model_fingerprint(str(tiny_model_dir), "local"))
-    assert entry_for(job, "bf16") == entry  # the job prepares it again, byte for byte the recorded snapshot
+    assert "prepares it again before its first job" in lines[0]
+    stamps = entry_files(store)
+    with pytest.raises(StoreError, match=rf"store entry {key} .* is gone or damaged .*tokenizer_config.json missing.*"
+                                         "a job prepares nothing: rerun the workflow, which prepares it again"):
+        recorded_entry(record_path, "bf16")
+    assert entry_files(store) == stamps  # the job wrote nothing
+    assert prepare_again(record_path, s) == ["bf16"]
+    assert recorded_entry(record_path, "bf16")[0] == entry
     assert ModelStore(store).problems(key) == [] and store_entries(tmp_path) == []
     # bytes changed in place (same size, new mtime): caught by content
+    weights = entry / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     assert "model.safetensors changed since it was prepared" in ModelStore(store).problems(key)[0]
-    # gone: a job prepares it again
+    with pytest.raises(StoreError, match="model.safetensors changed since it was prepared"):
+        recorded_entry(record_path, "bf16")
+    assert prepare_again(record_path, s) == ["bf16"] and ModelStore(store).problems(key) == []
+    # gone: refused by the job, prepared again by the workflow
     assert store_module.main(["--store", str(store), "remove", key]) == 0 and not entry.exists()
     assert "is gone" in store_entries(tmp_path)[0]
-    assert entry_for(job, "bf16") == entry and ModelStore(store).problems(key) == []
+    with pytest.raises(StoreError, match=rf"store entry {key} .* is gone or damaged .*does not exist"):
+        recorded_entry(record_path, "bf16")
+    assert not entry.exists()
+    assert prepare_again(record_path, s) == ["bf16"]
+    assert recorded_entry(record_path, "bf16")[0] == entry and ModelStore(store).problems(key) == []
 
 
-def test_a_rebuilt_entry_that_is_not_the_recorded_snapshot_is_refused(tiny_model_dir, tmp_path, monkeypatch):
-    """The control of the test above: an entry prepared again with other bytes than the run recorded fails the job,
-    naming both snapshots."""
+def test_a_rebuilt_entry_that_is_not_the_recorded_snapshot_is_refused(tiny_model_dir, tmp_path):
+    """The control of the test above: an entry that is not the snapshot the run recorded is refused by the job, and
+    one prepared again with other bytes than the run recorded stops the workflow, naming both snapshots."""
     store = tmp_path / "store"
     record_path = str(tmp_path / "local.json")
-    record = prepare_model(record_path, settings(tiny_model_dir, store))
+    s = settings(tiny_model_dir, store)
+    record = prepare_model(record_path, s)
     record["snapshots"]["bf16"]["snapshot_sha256"] = "f" * 64
     Path(record_path).write_text(json.dumps(record))
-    job = ReconstructSettings(model=str(tiny_model_dir), revision="local", device="cpu", precision="bf16",
-                              prepared_models=record_path, boundary={"marker": ";"}, max_stage_tokens=4,
-                              max_new_tokens=4)
+    with pytest.raises(StoreError, match=r"holds the snapshot \w{16} at 'bf16', not ffffffffffffffff at 'bf16' as "
+                                         r".*local\.json records"):
+        recorded_entry(record_path, "bf16")
+    ModelStore(store).discard(record["snapshots"]["bf16"]["key"])
     with pytest.raises(StoreError, match=r"not .* \(ffffffffffffffff\) as .*local\.json records"):
-        entry_for(job, "bf16")
+        prepare_again(record_path, s)
+
+
+@pytest.mark.slow
+def test_a_removed_entry_plans_no_job_and_the_next_run_prepares_it_again_before_its_first_job(tmp_path):
+    """The workflow's side of the test above: an entry removed from the store plans nothing (a rerun of
+    prepare_model would rerun every job that loads the model); the run prepares it again before its first job, and
+    the job that loads it computes the same bytes."""
+    from workflow_runner import snakemake, tiny_config
+
+    store = tmp_path / "store"
+    tiny_config(tmp_path, n_items=2, max_new_tokens=4, precisions=["fp32"], reference_precision="fp32",
+                bridge={"n_rows": 1, "seed": 0}, model_store=str(store))
+    target = "results/tiny/primary/parts/matched_fp32_0.parquet"
+    part = tmp_path / target
+    snakemake(tmp_path, "--cores", "1", target)
+    written = part.read_bytes()
+    record = json.loads((tmp_path / "results/tiny/models/primary.json").read_text())
+    key = record["snapshots"]["fp32"]["key"]
+    assert store_module.main(["--store", str(store), "remove", key]) == 0
+    part.unlink()  # the one job that loads the entry has to run again
+    dry = snakemake(tmp_path, "-n", "--cores", "1", target)
+    out = dry.stdout + dry.stderr
+    assert "is gone in the model store" in out and "prepares it again before its first job" in out, out[-3000:]
+    assert "reconstruct_prefixes" in dry.stdout and "prepare_model" not in dry.stdout
+    assert not ModelStore(store).path(key).exists()  # a dry run prepares nothing
+    run = snakemake(tmp_path, "--cores", "1", target)
+    assert "Store entries of primary at fp32 prepared again" in run.stdout + run.stderr
+    assert ModelStore(store).problems(key, record["source_sha256"]) == []
+    assert part.read_bytes() == written
 
 
 def test_the_command_lists_and_removes_entries(tiny_model_dir, tmp_path, capsys):
@@ -177,29 +224,24 @@ def test_snapshots_for_refuses_a_source_it_cannot_fingerprint(tmp_path):
 
 def test_a_job_checks_its_entry_by_the_entrys_record_and_reads_no_weights_to_hash(tiny_model_dir, tmp_path,
                                                                                   monkeypatch):
-    """A job's load of a store entry stats its files against the entry's own record (the weights are not read
+    """A job's open of a store entry stats its files against the entry's own record (the weights are not read
     a second time to hash them: 1.7 s of a 0.5B job's start on the GPU host); a file changed in place since is
     still read, and refused."""
     from stagereplay.io import file_hashes
-    from stagereplay.io.file_hashes import HashCache
-    from stagereplay.models import snapshot
-    from stagereplay.models.sources import resolve_source
 
     store = tmp_path / "store"
-    record = prepare_model(str(tmp_path / "local.json"), settings(tiny_model_dir, store))
+    record_path = str(tmp_path / "local.json")
+    record = prepare_model(record_path, settings(tiny_model_dir, store))
     entry = ModelStore(store).path(record["snapshots"]["bf16"]["key"])
-    source = resolve_source(str(tiny_model_dir), "local")
     fingerprint = model_fingerprint(str(tiny_model_dir), "local")
     hashed = []
     real = file_hashes.sha256_of_file
     monkeypatch.setattr(file_hashes, "sha256_of_file", lambda path: hashed.append(Path(path).name) or real(path))
-    manifest = snapshot.read_manifest(entry)
-    job_cache = HashCache(tmp_path / "job_hashes.json")  # the workflow's cache, which has never seen the entry
-    snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, job_cache)
+    assert recorded_entry(record_path, "bf16", fingerprint["sha256"])[0] == entry
     assert hashed == []
     # the control: without the entry's record the same check reads and hashes every file
     (entry / store_module.HASHES).rename(tmp_path / "record.json")
-    snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, HashCache(None))
+    recorded_entry(record_path, "bf16", fingerprint["sha256"])
     assert "model.safetensors" in hashed
     (tmp_path / "record.json").rename(entry / store_module.HASHES)
     hashed.clear()
@@ -207,6 +249,6 @@ def test_a_job_checks_its_entry_by_the_entrys_record_and_reads_no_weights_to_has
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))  # same size, new mtime: read again, and refused by content
-    with pytest.raises(snapshot.SnapshotError, match="model.safetensors"):
-        snapshot.check_snapshot(entry, manifest, source, "bf16", fingerprint, job_cache)
+    with pytest.raises(StoreError, match="model.safetensors"):
+        recorded_entry(record_path, "bf16", fingerprint["sha256"])
     assert hashed == ["model.safetensors"]

@@ -104,7 +104,7 @@ def test_an_intact_run_passes_and_each_damaged_file_is_named_with_its_fix(tmp_pa
 def test_a_damaged_record_of_prepared_models_gets_advice_that_works(tmp_path):
     """A prepared snapshot lives in the model store, not in results: the run keeps only its record of the entries
     (models/<revision>.json), which every model-loading job takes as input. A missing or damaged store entry is
-    named before any job by store_entries and prepared again by the job that loads it (tests/test_model_store.py)."""
+    named before any job by store_entries and prepared again before the first job (tests/test_model_store.py)."""
     root = tmp_path / "results" / "tiny"
     record = root / "models" / "primary.json"
     write_text_atomic(record, '{"format": 1}\n')

@@ -110,8 +110,8 @@ def test_transplant_stage_reruns_alone_and_at_a_later_revision(shared_tiny_run, 
     assert not (res / "later/ledger.parquet").exists()  # no generation at the later revision
 
     # a store entry gone (removed to free disk, or damaged): the check says so before any job, and a transplant-only
-    # edit plans the transplants alone, never prepare_model or the generation (the job that loads the entry prepares
-    # it again, byte for byte the recorded snapshot: tests/test_model_store.py). The run's records point at a store
+    # edit plans the transplants alone, never prepare_model or the generation (the run prepares the entry again
+    # before its first job, byte for byte the recorded snapshot: tests/test_model_store.py). The run's records point at a store
     # of their own here, so that the shared one keeps its entries.
     store = tmp_path / "store"
     record_path = res / "models/primary.json"

@@ -3,6 +3,7 @@
 import copy
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 from snakemake.utils import update_config, validate
@@ -19,8 +20,10 @@ from stagereplay.data.prompts import check_template
 from stagereplay.analysis.captions import CAPTIONS
 from stagereplay.models.sources import revision_slug
 from stagereplay.models.sources import ModelLoadError, resolve_source
-from stagereplay.models.store import ModelStore, planned_keys, resolve_root
+from stagereplay.models.store import ModelStore, planned_keys, read_record, resolve_root
 from stagereplay.stages.preflight import check_decode_settings, check_prefix_precision
+from stagereplay.stages.prepare import prepare_again
+from stagereplay.stages.settings import PrepareSettings, from_params
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.stages.input_fingerprints import dataset_file_fingerprint, model_fingerprint
 from stagereplay.analysis.compare import FIGURES as COMPARE_FIGURES
@@ -359,10 +362,11 @@ def revision_name(wildcards):
 # ---- Prepared models: each revision's model source kept prepared in the model store, shared by runs
 # (stagereplay.models.store); rule prepare_model writes the run's record of the entries it uses
 # (results/<run>/models/<revision>.json), which a model-loading job takes as input and finds under its
-# params.kwargs.prepared_models. An entry removed from the store plans nothing (the first job that needs it prepares it
-# again, byte for byte the recorded snapshot); a new record (another source, converter or set of precisions) reruns
-# what loaded the old one. The record is not ancient(): Snakemake masks a job whose input is produced by a job that
-# reruns, so an ancient record would hide the job's own changed params (the entries' keys) and keep stale results.
+# params.kwargs.prepared_models. An entry removed from the store plans nothing (the run prepares it again before its
+# first job, byte for byte the recorded snapshot: prepare.smk); a new record (another source, converter or set of
+# precisions) reruns what loaded the old one. The record is not ancient(): Snakemake masks a job whose input is
+# produced by a job that reruns, so an ancient record would hide the job's own changed params (the entries' keys) and
+# keep stale results.
 STORE_ROOT = resolve_root(config.get("model_store"))
 
 
@@ -412,6 +416,25 @@ def prepare_kwargs(wildcards):
 
 def prepare_keys(wildcards):
     return canonical(snapshot_keys(wildcards.revision, revision_precisions(wildcards.revision)))
+
+
+def prepare_entries_again():
+    """Before the first job (onstart): the store entries of the run's records that are gone or damaged, prepared
+    again by the prepare stage and refused unless each is the recorded snapshot. No job is planned for them: a rerun
+    of prepare_model would rerun every job that loads the model. A record whose keys are not the planned ones is
+    left to prepare_model, which reruns for it (its params changed)."""
+    for revision in ALL_REVISIONS:
+        record = prepared_folder(revision)
+        if not os.path.isfile(record):
+            continue
+        wildcards = SimpleNamespace(revision=revision)
+        recorded = {precision: entry["key"] for precision, entry in read_record(record).get("snapshots", {}).items()}
+        if recorded != prepare_keys(wildcards):
+            continue
+        settings = from_params(PrepareSettings, dict(prepare_kwargs(wildcards), model_store=config.get("model_store")))
+        again = prepare_again(record, settings, FILE_HASHES)
+        if again:
+            logger.info(f"Store entries of {revision} at {', '.join(again)} prepared again, each the recorded snapshot")
 
 
 def job_precision(wildcards):

@@ -56,3 +56,4 @@ onstart:
     if not only_comparisons():
         check_results()
         preflight()
+        prepare_entries_again()

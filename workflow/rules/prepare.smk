@@ -3,8 +3,8 @@
 # shared with every other run on the same files. The output is the run's record of the store entries; their keys
 # (the source's content, the precision, the converting packages' versions) are in the params, so another source
 # or converter prepares again and reruns what loaded it. A key already in the store prepares nothing; an entry
-# removed from the store plans nothing (the job that needs it prepares it again). The store's folder (config
-# model_store) is not a param: where the store is changes no result.
+# removed from the store plans nothing: the run prepares it again before its first job (prepare_entries_again), and a
+# job prepares nothing. The store's folder (config model_store) is not a param: where the store is changes no result.
 rule prepare_model:
     output:
         record=f"{RESULTS}/models/{{revision}}.json",

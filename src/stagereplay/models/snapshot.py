@@ -356,10 +356,20 @@ def load_prepared(folder: str | Path, source: ModelSource, precision: str, devic
                   attn_implementation: str = "eager", numerics: str = "default",
                   source_fingerprint: dict | None = None, trust_remote_code: bool = False,
                   cache: HashCache | None = None) -> LoadedModel:
-    """``load_model`` of the prepared snapshot in ``folder``, checked to be ``source``'s at ``precision``; the
-    result names the source (as loading it directly would) and records the snapshot."""
+    """``load_model`` of the prepared snapshot in ``folder``, checked to be ``source``'s at ``precision``, outside
+    the model store (benchmarks, tests); a job opens its store entry with
+    :func:`stagereplay.models.opening.open_model`."""
     manifest = read_manifest(folder)
     check_snapshot(folder, manifest, source, precision, source_fingerprint, cache)
+    return load_snapshot(folder, manifest, source, precision, device, attn_implementation, numerics,
+                         trust_remote_code)
+
+
+def load_snapshot(folder: str | Path, manifest: dict, source: ModelSource, precision: str, device: str = "auto",
+                  attn_implementation: str = "eager", numerics: str = "default",
+                  trust_remote_code: bool = False) -> LoadedModel:
+    """``load_model`` of a snapshot already checked (its ``manifest`` read); the result names the source (as loading
+    it directly would) and records the snapshot."""
     loaded = load_model(ModelSource("local", str(folder)), precision, device, attn_implementation,
                         trust_remote_code, allow_pickle=False, offline=True, numerics=numerics,
                         load_tokenizer=_tokenizer_loader(manifest))

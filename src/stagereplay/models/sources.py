@@ -1,9 +1,9 @@
 """Where a revision's model comes from: a local folder, a Hugging Face hub snapshot or a GGUF file, and the checks
 on its files that need no weights loaded (safetensors headers, pickles refused, shard indexes whole).
 
-Imports no torch and no transformers: the workflow resolves sources and fingerprints them when it plans, and jobs that
-load no model read them too. The path from a config's ``model`` to loaded weights: :func:`resolve_source` here, then
-:mod:`stagereplay.models.store` (the prepared snapshot shared by runs), then :mod:`stagereplay.models.loading`.
+Imports no torch and no transformers: the workflow resolves sources and fingerprints them when it plans
+(:func:`source_fingerprint`), and jobs that load no model read them too. A job goes from the config's ``model`` to
+loaded weights through :func:`stagereplay.models.opening.open_model` alone.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
+
 # Architectures whose every layer keeps a plain full-attention DynamicCache layer: the engine's cache code
 # (fingerprints, dumps, transplants) is only correct for those.
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -22,6 +24,10 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 class ModelLoadError(ValueError):
     """A model source that cannot be loaded, with what to do about it."""
+
+
+class SourceChangedError(RuntimeError):
+    """A model source whose files are not the ones the workflow planned the job with."""
 
 
 # Files a hub snapshot needs: config, tokenizer, chat template, safetensors weights (pickles only when allowed).
@@ -53,6 +59,24 @@ class ModelSource:
         if self.kind == "gguf":
             return str(Path(self.path) / self.gguf_file)
         return self.path
+
+
+@dataclass(frozen=True)
+class PlannedSource:
+    """A revision's model source as the workflow planned a job with it: the config's ``model`` and revision, the
+    fingerprint of its files taken when the workflow planned (None outside the workflow, or for a hub model not
+    cached yet), and how its files may be read."""
+
+    model: str
+    revision: str | None
+    base_dir: str = "."
+    fingerprint: dict | None = None  # {"source", "sha256", "files"}
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    offline: bool = True
+
+    def resolve(self) -> ModelSource:
+        return resolve_source(self.model, self.revision, self.base_dir)
 
 
 def resolve_source(model: str, revision: str | None, base_dir: str | Path = ".") -> ModelSource:
@@ -202,3 +226,40 @@ def check_safetensors_file(path: str | Path) -> None:
             f"its header describes {expected} ({len(ends)} tensors); {fix}"
         )
 
+
+# ---- The source's files by content -----------------------------------------------------------------------------------
+def source_files(source: ModelSource) -> dict[str, Path] | None:
+    """The files a model source is loaded from, by name; None for a hub model not in the local cache."""
+    if source.kind == "gguf":
+        return {source.gguf_file: Path(source.path) / source.gguf_file}
+    if source.kind == "hub":
+        try:
+            source, _ = fetch_hub_snapshot(source, offline=True)
+        except ModelLoadError:
+            return None
+    return folder_files(source.path)
+
+
+def source_fingerprint(source: ModelSource, cache: HashCache | None = None) -> dict | None:
+    """``{"source", "sha256", "files"}`` over the files of a source; None for a hub model not in the local cache."""
+    files = source_files(source)
+    if files is None:
+        return None
+    return {"source": source.describe(), **files_fingerprint(files, cache)}
+
+
+def check_source_unchanged(source: ModelSource, recorded: dict | None, cache: HashCache | None = None) -> None:
+    """Refuse a source whose files are no longer the ones ``recorded`` (:func:`source_fingerprint` when the
+    workflow planned the job) describes; nothing to check where nothing was recorded."""
+    if not recorded or not recorded.get("sha256"):
+        return
+    try:
+        now = source_fingerprint(source, cache) or {}
+    except OSError:
+        now = {}
+    if now.get("sha256") != recorded["sha256"]:
+        changed = sorted(name for name in set(recorded["files"]) | set(now.get("files", {}))
+                         if recorded["files"].get(name) != now.get("files", {}).get(name))
+        raise SourceChangedError(
+            f"the model files of {recorded['source']} changed after this run was planned ({', '.join(changed)}); "
+            "rerun the workflow so that every result comes from one set of weights")

@@ -223,7 +223,19 @@ class ModelStore:
         return rows
 
 
-# ---- Preparing: what every run does before it loads a model ----------------------------------------------------------
+# ---- The run's record of the entries it uses -------------------------------------------------------------------------
+def read_record(path: str | Path) -> dict:
+    """A run's record of the store entries it uses (``results/<run>/models/<revision>.json``, written by the
+    prepare_model stage): the store's folder, the source's sha256, and per precision the entry's key and the
+    sha256 of its snapshot."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{path} is not a readable record of prepared models ({exc}); delete it and rerun the "
+                         "workflow (rule prepare_model writes it)") from exc
+
+
+# ---- Preparing: what the prepare_model stage does before any job loads a model ---------------------------------------
 def ensure(store: ModelStore, keys: dict[str, str], source_sha256: str | None, prepare) -> dict[str, dict]:
     """Make sure ``store`` holds a valid entry for every ``{precision: key}``, preparing the missing ones with
     one call ``prepare({precision: folder}) -> {precision: digests or None}`` (every precision the run needs from

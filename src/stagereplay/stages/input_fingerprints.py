@@ -5,7 +5,7 @@ a file has been hashed) and hands them to the stages in their settings. A change
 params of every job that reads it, and Snakemake reruns those jobs and what depends on them; a file that is only
 touched changes nothing. The stages record the fingerprints in the provenance of every file they write, where
 the report's identity table reads them, and a model-loading job refuses model files that changed after the
-workflow planned it.
+workflow planned it (:func:`stagereplay.models.sources.check_source_unchanged`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from stagereplay.io.file_hashes import HashCache, files_fingerprint, folder_files
-from stagereplay.models.sources import ModelLoadError, ModelSource, fetch_hub_snapshot, resolve_source
+from stagereplay.io.file_hashes import HashCache, files_fingerprint
+from stagereplay.models.sources import ModelLoadError, resolve_source, source_fingerprint
 
 FILE_SOURCES = ("jsonl", "csv", "parquet")
-
-
-class InputChangedError(RuntimeError):
-    """An input file's content is not the one the workflow planned the job with."""
 
 
 def dataset_file_fingerprint(dataset: dict, base_dir: str | Path = ".", cache: HashCache | None = None) -> dict | None:
@@ -47,42 +43,12 @@ def rows_fingerprint(rows: list[dict]) -> str:
     return digest.hexdigest()
 
 
-def source_files(source: ModelSource) -> dict[str, Path] | None:
-    """The files a model source is loaded from, by name; None for a hub model not in the local cache."""
-    if source.kind == "gguf":
-        return {source.gguf_file: Path(source.path) / source.gguf_file}
-    if source.kind == "hub":
-        try:
-            source, _ = fetch_hub_snapshot(source, offline=True)
-        except ModelLoadError:
-            return None
-    return folder_files(source.path)
-
-
 def model_fingerprint(model: str, revision: str | None, base_dir: str | Path = ".",
                       cache: HashCache | None = None) -> dict | None:
     """``{"source", "sha256", "files"}`` over the files of one revision's model source; None where the source
     cannot be resolved (the preflight names why) or is a hub model not yet in the local cache (its job records
     the hub commit it resolved instead)."""
     try:
-        source = resolve_source(model, revision, base_dir)
-        files = source_files(source)
+        return source_fingerprint(resolve_source(model, revision, base_dir), cache)
     except (ModelLoadError, OSError):
         return None
-    if files is None:
-        return None
-    return {"source": source.describe(), **files_fingerprint(files, cache)}
-
-
-def check_model_unchanged(recorded: dict | None, model: str, revision: str | None, base_dir: str | Path = ".",
-                          cache: HashCache | None = None) -> None:
-    """Refuse model files whose content is no longer the one recorded when the workflow planned the job."""
-    if not recorded or not recorded.get("sha256"):
-        return
-    now = model_fingerprint(model, revision, base_dir, cache)
-    if now is None or now["sha256"] != recorded["sha256"]:
-        changed = sorted(name for name in set(recorded["files"]) | set((now or {}).get("files", {}))
-                         if recorded["files"].get(name) != (now or {}).get("files", {}).get(name))
-        raise InputChangedError(
-            f"the model files of {recorded['source']} changed after this run was planned ({', '.join(changed)}); "
-            "rerun the workflow so that every result comes from one set of weights")

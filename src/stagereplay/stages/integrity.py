@@ -128,10 +128,10 @@ def verify_results(root: str | Path, refresh: bool = True) -> Checked:
 def store_entries(root: str | Path) -> list[str]:
     """One line per prepared snapshot the run's records (``results/<run>/models/<revision>.json``) name that is not
     whole in the model store: gone (removed to free disk) or damaged (a file changed, missing or added). Neither
-    stops the run: the first job that loads it prepares it again, and refuses the result unless it is the recorded
-    snapshot byte for byte (:func:`stagereplay.stages.prepare.entry_for`); a damaged entry is never loaded."""
-    from stagereplay.models.store import ModelStore
-    from stagereplay.stages.prepare import read_record
+    stops the run: the workflow prepares it again before its first job, and refuses the result unless it is the
+    recorded snapshot byte for byte (:func:`stagereplay.stages.prepare.prepare_again`); a job never loads a damaged
+    entry, nor prepares one."""
+    from stagereplay.models.store import ModelStore, read_record
 
     lines = []
     for record_path in sorted(Path(root, "models").glob("*.json")):
@@ -146,8 +146,8 @@ def store_entries(root: str | Path) -> list[str]:
             if problems:
                 state = "gone" if not store.path(snapshot["key"]).exists() else "damaged"
                 lines.append(f"the {precision} snapshot of {record.get('source')} ({record_path.name}) is {state} "
-                             f"in the model store ({'; '.join(problems)}): the first job that loads it prepares it "
-                             "again")
+                             f"in the model store ({'; '.join(problems)}): the run prepares it again before its first "
+                             "job")
     return lines
 
 

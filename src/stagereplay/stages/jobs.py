@@ -1,5 +1,6 @@
-"""What every model-loading stage does first and last: load the model and its decoder, record provenance (the
-per-shard parts are joined by :mod:`stagereplay.stages.gather`, which loads no model)."""
+"""What every model-loading stage does first and last: claim a GPU, open the model on it
+(:func:`stagereplay.models.opening.open_model`), build its decoder, record provenance (the per-shard parts are
+joined by :mod:`stagereplay.stages.gather`, which loads no model)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ from dataclasses import asdict, dataclass
 from stagereplay.decode.protocol import Decoder
 from stagereplay.decode.regimes import decoder_from_record
 from stagereplay.experiments.rows import RunSettings
-from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu, start_device
-from stagereplay.models.loading import eos_token_ids, load_model, set_determinism
-from stagereplay.models.sources import resolve_source
-from stagereplay.models.snapshot import load_prepared
-from stagereplay.stages.input_fingerprints import check_model_unchanged
+from stagereplay.models.loading import eos_token_ids, set_determinism
+from stagereplay.models.opening import open_model
 from stagereplay.runtime.job_server import process_start
-from stagereplay.stages.prepare import entry_for
 from stagereplay.stages.settings import ModelSettings
 
 log = logging.getLogger("stagereplay")
@@ -53,24 +50,13 @@ def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder
     one. The job's log says what each part of the start took."""
     log.info("job started %s: loading the model", process_start())
     took = StartTimes()
-    hashes = HashCache()
-    check_model_unchanged(settings.model_fingerprint, settings.model, settings.revision, settings.base_dir, hashes)
-    took("model files check")
     flags = set_determinism(settings.threads)
     took("numerics flags")
     gpu = claim_gpu(settings.device)  # held until the job ends
     device_start = start_device(gpu.device)
     took("GPU claim")
-    source = resolve_source(settings.model, settings.revision, settings.base_dir)
-    if settings.prepared_models:
-        folder = entry_for(settings, precision, hashes)
-        took("store entry")
-        loaded = load_prepared(folder, source, precision, gpu.device, settings.attn_implementation, numerics,
-                               settings.model_fingerprint, settings.trust_remote_code, hashes)
-        hashes.save()
-    else:
-        loaded = load_model(source, precision, gpu.device, settings.attn_implementation, settings.trust_remote_code,
-                            settings.allow_pickle, settings.offline, numerics=numerics)
+    loaded = open_model(settings.planned_source, precision, settings.prepared_models, device=gpu.device,
+                        attn_implementation=settings.attn_implementation, numerics=numerics, took=took)
     took("weights and tokenizer")
     if device_start is not None:
         device_start.join()

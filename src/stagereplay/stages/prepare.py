@@ -3,9 +3,10 @@ the model store, one per precision the run needs, all from one read of the sourc
 says how entries are keyed and shared; :mod:`stagereplay.models.snapshot` what one holds and how it is proven).
 
 The stage's output is the run's record of the entries it uses, ``results/<run>/models/<revision>.json``: the store's
-folder, and per precision the entry's key, its snapshot and weights sha256. Every model-loading job reads the entry
-through it (:func:`entry_for`) and, where the entry has gone since (removed from the store to free disk), prepares it
-again and refuses it unless its weights are the recorded ones."""
+folder, and per precision the entry's key, its snapshot and weights sha256. Every model-loading job opens the entry
+through it (:func:`stagereplay.models.opening.open_model`) and prepares nothing: an entry that has gone since (removed
+from the store to free disk) or is damaged is prepared again here, by :func:`prepare_again`, which the workflow runs
+before its first job, and refused unless it is the recorded snapshot byte for byte."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from pathlib import Path
 
 from stagereplay.io.file_hashes import HashCache
 from stagereplay.io.parquet import write_text_atomic
-from stagereplay.models.sources import ModelSource, resolve_source
-from stagereplay.models.store import ModelStore, StoreError, ensure, entry_key
-from stagereplay.stages.input_fingerprints import check_model_unchanged, model_fingerprint
+from stagereplay.models.sources import ModelSource, check_source_unchanged, fetch_hub_snapshot, source_fingerprint
+from stagereplay.models.store import ModelStore, StoreError, ensure, entry_key, read_record
 from stagereplay.stages.settings import PrepareSettings
 
 log = logging.getLogger(__name__)
@@ -44,15 +44,13 @@ def snapshots_for(s, precisions, hashes: HashCache | None = None) -> dict[str, d
     """{precision: {"key", "path", "manifest", "prepared_now"}}: the store's entries of ``s``'s revision at
     ``precisions``, prepared where missing."""
     hashes = hashes or HashCache()
-    check_model_unchanged(s.model_fingerprint, s.model, s.revision, s.base_dir, hashes)
-    source = resolve_source(s.model, s.revision, s.base_dir)
+    source = s.planned_source.resolve()
+    check_source_unchanged(source, s.model_fingerprint, hashes)
     fingerprint = s.model_fingerprint
     if not (fingerprint or {}).get("sha256"):  # a hub model downloaded by this job: fingerprinted now
-        from stagereplay.models.sources import fetch_hub_snapshot
-
         if source.kind == "hub":
             fetch_hub_snapshot(source, s.offline, s.allow_pickle)
-        fingerprint = model_fingerprint(s.model, s.revision, s.base_dir, hashes)
+        fingerprint = source_fingerprint(source, hashes)
     if not (fingerprint or {}).get("sha256"):
         raise StoreError(f"cannot fingerprint the files of {source.describe()}, so its store entry has no key")
     keys = {p: entry_key(fingerprint["sha256"], source.kind, p) for p in precisions}
@@ -80,31 +78,28 @@ def prepare_model(out_record: str, s: PrepareSettings) -> dict:
     return record
 
 
-def read_record(path: str | Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"{path} is not a readable record of prepared models ({exc}); delete it and rerun the "
-                         "workflow (rule prepare_model writes it)") from exc
-
-
-def entry_for(s, precision: str, hashes: HashCache | None = None) -> Path:
-    """The store entry a job of settings ``s`` loads at ``precision``: the one its run's record names, prepared
-    again where it has gone from the store (and refused unless it is the recorded snapshot)."""
-    record = read_record(s.prepared_models)
-    planned = record.get("snapshots", {}).get(precision)
-    if planned is None:
-        raise StoreError(f"{s.prepared_models} records no snapshot at {precision} (it has "
-                         f"{sorted(record.get('snapshots', {}))}); delete it and rerun the workflow")
-    if ModelStore(record["store"]).problems(planned["key"], record.get("source_sha256")):
-        log.warning("store entry %s is not in %s (removed or damaged): preparing it again", planned["key"],
-                    record["store"])
-    # the store the run's record names (where the entry was prepared), whatever the job's settings say
-    entry = snapshots_for(dataclasses.replace(s, model_store=record["store"]), [precision], hashes)[precision]
-    if entry["key"] != planned["key"] or entry["manifest"]["snapshot"]["sha256"] != planned["snapshot_sha256"]:
-        raise StoreError(
-            f"the store entry of {record.get('source')} at {precision} is {entry['key']} (snapshot sha256 "
-            f"{entry['manifest']['snapshot']['sha256'][:16]}), not {planned['key']} ({planned['snapshot_sha256'][:16]}) "
-            f"as {s.prepared_models} records: the source or the converting packages changed since this run prepared "
-            "it. Rerun the workflow, which prepares it again and reruns what loaded it")
-    return Path(entry["path"])
+def prepare_again(record_path: str | Path, s: PrepareSettings, hashes: HashCache | None = None) -> list[str]:
+    """Prepare again, in the store that the run's record ``record_path`` names, every entry of it that is gone or
+    damaged; return their precisions. An entry that comes out another snapshot than the record names is refused:
+    the jobs that loaded the recorded one would disagree with those that load it."""
+    record = read_record(record_path)
+    store = ModelStore(record["store"])
+    snapshots = record.get("snapshots", {})
+    again = sorted(p for p, planned in snapshots.items() if store.problems(planned["key"], record.get("source_sha256")))
+    if not again:
+        return []
+    for precision in again:
+        log.warning("store entry %s (%s at %s) is not whole in %s (removed or damaged): preparing it again",
+                    snapshots[precision]["key"], record.get("source"), precision, store.root)
+    # the store the run's record names (where the entry was prepared), whatever the settings say
+    entries = snapshots_for(dataclasses.replace(s, model_store=record["store"]), again, hashes)
+    for precision in again:
+        planned, entry = snapshots[precision], entries[precision]
+        made = entry["manifest"]["snapshot"]["sha256"]
+        if entry["key"] != planned["key"] or made != planned["snapshot_sha256"]:
+            raise StoreError(
+                f"the store entry of {record.get('source')} at {precision} is {entry['key']} (snapshot sha256 "
+                f"{made[:16]}), not {planned['key']} ({planned['snapshot_sha256'][:16]}) as {record_path} records: "
+                "the source or the converting packages changed since this run prepared it. Delete the record and "
+                "rerun the workflow, which records the entry anew and reruns every job that loads it")
+    return again

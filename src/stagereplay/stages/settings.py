@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from stagereplay.models.sources import PlannedSource
+
 
 def from_params(cls, params: dict):
     """``cls(**params)``, refusing unknown keys by name (dataclasses would say only 'unexpected keyword')."""
@@ -42,6 +44,11 @@ class ModelSettings:
     # The model store's folder (stagereplay.models.store); None: the default. Where a run's record names one, the
     # jobs load from that.
     model_store: str | None = None
+
+    @property
+    def planned_source(self) -> PlannedSource:
+        return PlannedSource(self.model, self.revision, self.base_dir, self.model_fingerprint, self.trust_remote_code,
+                             self.allow_pickle, self.offline)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,7 @@ from stagereplay.io.parquet import read_provenance
 from stagereplay.models.loading import checked_config, checked_tokenizer
 from stagereplay.models.snapshot import checked_stand_in
 from stagereplay.models.sources import ModelLoadError, resolve_source
-from stagereplay.models.store import ModelStore
-from stagereplay.stages.prepare import read_record
+from stagereplay.models.store import ModelStore, read_record
 
 
 def load_tokenizer(model: str, revision: str, trust_remote_code: bool = False, allow_pickle: bool = False,
