@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = """
 import json, os, sys, time
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
-hand_over({"job_server": True})
+hand_over({"job_server": True}, tuple(os.environ.get("JOB_PRELOAD", "json").split(",")))
 print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
                   "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
                   "umask": os.umask(0o22)}), flush=True)
@@ -49,9 +49,11 @@ def tree(tmp_path):
     return tmp_path, env
 
 
-def key_of(env) -> str:
+def key_of(env, preload="json") -> str:
+    """The key of a server that imports ``preload`` (comma-separated), for a job of ``env``."""
     return subprocess.run([sys.executable, "-c", "from stagereplay.runtime.job_server import server_key; "
-                           "print(server_key())"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+                           f"print(server_key(preload=tuple({preload!r}.split(','))))"], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
 def start_server(env, key, preload="json", idle_s=60) -> subprocess.Popen:
@@ -114,11 +116,15 @@ def test_a_forked_job_is_the_job(tree):
                     time.sleep(0.1)
             assert gone(seen["pid"]), f"the forked child outlived its job killed by {signal.Signals(signum).name}"
 
-        # The control: a job whose package files changed, or whose import-time environment differs, is another key:
-        # it runs in its own process and never forks from this server.
+        # The control: a job whose package files changed, whose import-time environment differs, or that asks for
+        # a server importing other modules, is another key: it runs in its own process and never forks from this
+        # server.
         other = dict(env, TOKENIZERS_PARALLELISM="false")
         with hold_lock(other, key_of(other)):
             proc, seen = run_job(tmp, other)
+        assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
+        with hold_lock(env, key_of(env, "json,csv")):
+            proc, seen = run_job(tmp, env, JOB_PRELOAD="json,csv")
         assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
         (tmp / "src/stagereplay/io/ids.py").write_text((tmp / "src/stagereplay/io/ids.py").read_text() + "\n")
         with hold_lock(env, key_of(env)):
@@ -133,12 +139,12 @@ def test_a_server_whose_imports_start_a_thread_refuses_and_jobs_run_in_their_own
     tmp, env = tree
     (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
                                                 "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
-    key = key_of(env)
+    key = key_of(env, "starts_a_thread")
     server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
                              "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
     assert server.returncode == 1 and "refusing to serve" in server.stdout and "2 Python threads" in server.stdout
     assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
-    proc, seen = run_job(tmp, env)  # no server answers, and none is started again for this key
+    proc, seen = run_job(tmp, env, JOB_PRELOAD="starts_a_thread")  # no server answers, none is started again
     assert not seen["child"] and proc.returncode == 0
     assert not (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.log").exists()
 
@@ -161,7 +167,7 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
     assert (servers / f"{key}.lock").exists() and (servers / f"{key}.log").exists()
     from stagereplay.runtime.job_server import stop_servers
 
-    for _ in range(600):  # the server it started imports the model stack, then answers: stop it
+    for _ in range(600):  # the server it started imports its preload, then answers: stop it
         if stop_servers(servers):
             break
         time.sleep(0.1)

@@ -4,10 +4,11 @@ model stages, and the report, figures and item browser, which import the analysi
 
 A model job's fresh process spends most of its start importing (torch, torch's deterministic switch and the
 ``torch._dynamo`` chain transformers pulls in, the model's transformers code, the stage modules; bench/RESULTS.md,
-"Job start"). With ``job_server: true`` in the config each model job's rule script calls :func:`hand_over` first:
+"Job start"). With ``job_server: true`` in the config each warm job calls :func:`hand_over` first, naming the
+modules its server imports (the caller's preload):
 
-- it connects to the server of its key (the Python executable, ``sys.path``, the package's source files as stat
-  records, the environment variables read at import time), sends its script, arguments, working folder, umask,
+- it connects to the server of its key (the preload, the Python executable, ``sys.path``, the package's source
+  files as stat records, the environment variables read at import time), sends its script, arguments, working folder, umask,
   environment and standard streams (the descriptors themselves), and waits. The server forks; the child takes the
   job's streams, folder and environment and runs the same script from its top (:func:`hand_over` returns at once in
   a child), then reports its exit status; the job exits with it. A signal the job receives (Snakemake cancelling
@@ -52,17 +53,6 @@ FOLDER_ENV = "STAGEREPLAY_JOB_SERVER_DIR"
 # not be what a fresh process of this job imports): a job whose values differ gets a server of its own.
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "CUBLAS_", "NVIDIA_", "OMP_",
                    "MKL_", "OPENBLAS_", "TOKENIZERS_", "TRITON_", "LD_", "KMP_", "SAFETENSORS_", "STAGEREPLAY_")
-# What the server imports before it serves: the model stages, the loader and the transformers code the supported
-# model types run (their modeling and tokenizer modules), the report's, figures' and item browser's stacks, and
-# Snakemake's script support (the preamble unpickles with it).
-PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.stages.controls",
-           "stagereplay.stages.transplant", "stagereplay.stages.minimal_transplant",
-           "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "stagereplay.stages.fidelity",
-           "torch._inductor.config",
-           "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
-           "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_tokenizers",
-           "stagereplay.stages.token_texts", "stagereplay.analysis.report", "stagereplay.analysis.figures",
-           "scipy.stats", "statsmodels.stats.proportion")
 # The packages whose code the server imports: a job that would find another copy gets a server of its own.
 FOUND = ("stagereplay", "torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake",
          "huggingface_hub", "scipy")
@@ -79,11 +69,11 @@ def folder() -> Path:
     return Path(tempfile.gettempdir()) / f"stagereplay-jobs-{os.getuid()}"
 
 
-def server_key(env: dict | None = None) -> str:
-    """What a server's imports depend on, as a short digest: the interpreter, where the packages it imports are
-    found (and the stat record of each one's entry file), the stat records of this package's source files, and
-    the import-time environment. (Not ``sys.path`` itself: its first entry is the script's folder, another for
-    the server than for a job.)"""
+def server_key(env: dict | None = None, preload: tuple[str, ...] = ()) -> str:
+    """What a server's imports depend on, as a short digest: the modules it imports (``preload``), the
+    interpreter, where the packages it imports are found (and the stat record of each one's entry file), the stat
+    records of this package's source files, and the import-time environment. (Not ``sys.path`` itself: its first
+    entry is the script's folder, another for the server than for a job.)"""
     import importlib.util
 
     env = os.environ if env is None else env
@@ -94,8 +84,9 @@ def server_key(env: dict | None = None) -> str:
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec is not None and spec.origin else None
         found.append((name, origin, os.stat(origin).st_mtime_ns if origin and os.path.exists(origin) else None))
-    parts = {"python": sys.executable, "version": sys.version, "found": found, "files": files,
-             "env": sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV)}
+    imported_with = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV)
+    parts = {"preload": list(preload), "python": sys.executable, "version": sys.version, "found": found,
+             "files": files, "env": imported_with}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -149,9 +140,10 @@ def private_folder(where: Path) -> bool:
 # --- the job's side ---------------------------------------------------------------------------------------------
 
 
-def hand_over(config: dict | None) -> None:
-    """Run this job in a warm server's child when the config asks for it and one answers; else return and let the
-    caller run the job in this process (starting a server for the jobs after it). In a child: return at once.
+def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
+    """Run this job in the child of a warm server that imported ``preload`` (module names: what the caller's jobs
+    import) when the config asks for it and one answers; else return and let the caller run the job in this
+    process (starting a server for the jobs after it). In a child: return at once.
 
     The child runs the file this interpreter was started on (``sys.argv[0]``: for a rule script, the file Snakemake
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
@@ -159,13 +151,13 @@ def hand_over(config: dict | None) -> None:
         return
     if not (private_folder(folder()) and private_folder(socket_folder())):
         return
-    key = server_key()
+    key = server_key(preload=preload)
     path = socket_path(key)
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(path))
     except OSError:
-        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)))
+        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload)
         return
     code = run_in_child(conn, os.path.abspath(sys.argv[0]))
     if code is None:  # refused (stale, or idling out as this job came): run here
@@ -228,8 +220,8 @@ def current_umask() -> int:
     return mask
 
 
-def start_server(key: str, idle_s: float) -> None:
-    """Start this key's server in the background unless another job is starting it."""
+def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None:
+    """Start this key's server (importing ``preload``) in the background unless another job is starting it."""
     where = folder()
     try:
         lock = open(where / f"{key}.lock", "a+")  # noqa: SIM115 (held until the job ends; the server inherits it)
@@ -239,7 +231,8 @@ def start_server(key: str, idle_s: float) -> None:
     if (where / f"{key}.refused").exists():
         return  # this key's server refused to serve (its log says why): jobs run in their own processes
     logfile = open(where / f"{key}.log", "a")  # noqa: SIM115 (the server writes it)
-    subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s)],
+    subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s),
+                      "--preload", ",".join(preload)],
                      stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
                      pass_fds=(lock.fileno(),), env={**os.environ, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
@@ -249,7 +242,7 @@ def start_server(key: str, idle_s: float) -> None:
 # --- the server's side ------------------------------------------------------------------------------------------
 
 
-def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
+def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
     if not all(private_folder(where) for where in (folder(), socket_folder())):
@@ -302,7 +295,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 conn.close()
                 why = "asked to stop"
                 break
-            if server_key(environment) != key:  # a source file changed since the imports: this server is stale
+            if server_key(environment, preload) != key:  # a source file changed since the imports: it is stale
                 conn.sendall(b"0\nits source files changed since it started\n")
                 conn.close()
                 for fd in fds:
@@ -418,10 +411,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--key", required=True)
     parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
-    parser.add_argument("--preload", help="modules to import, comma-separated (default: the model stack)")
+    parser.add_argument("--preload", default="", help="modules to import, comma-separated (part of the key)")
     args = parser.parse_args(argv)
     lock_fd = os.environ.pop(LOCK_FD_ENV, None)  # the key's lock, held by this descriptor while the server lives
-    preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else PRELOAD
+    preload = tuple(filter(None, args.preload.split(",")))
     return serve(args.key, args.idle_s, preload, lock_fd=int(lock_fd) if lock_fd else None)
 
 
