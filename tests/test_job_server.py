@@ -1,6 +1,6 @@
 """The job server: a job forked from it is the job (its streams, folder, environment, arguments, exit status and
-signals), a job whose code or import-time environment differs never forks from it, and a server whose imports left
-it unlike a fresh process refuses to serve. (That a forked model job computes the bytes of a fresh one is shown by
+signals, temp folder and thread counts), a job whose code or import-time environment differs never forks from it,
+and a server whose imports left it unlike a fresh process refuses to serve. (That a forked model job computes the bytes of a fresh one is shown by
 tests/test_cluster_executor.py, whose local run forks its model jobs and whose submitted jobs are fresh.)"""
 
 from __future__ import annotations
@@ -20,12 +20,30 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
-import json, os, sys, time
+import importlib, json, logging, os, resource, sys, tempfile, time
+logging.basicConfig(level=logging.INFO)  # the hand-over's lines: why a job runs in its own process
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
-hand_over({"job_server": True}, tuple(os.environ.get("JOB_PRELOAD", "json").split(",")))
-print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
-                  "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
-                  "umask": os.umask(0o22)}), flush=True)
+preload = tuple(os.environ.get("JOB_PRELOAD", "json").split(","))
+hand_over({"job_server": not os.environ.get("JOB_FRESH")}, preload)
+for name in preload:  # a fresh process imports what a forked one finds imported
+    importlib.import_module(name)
+seen = {"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
+        "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"), "umask": os.umask(0o22),
+        "affinity": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "scheduler": os.sched_getscheduler(0), "tempdir": tempfile.gettempdir(),
+        "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+                    if name.startswith("RLIMIT_")}}
+if "torch" in sys.modules:  # every thread count the loaded libraries hold
+    import ctypes, pyarrow, torch
+    seen["threads"] = {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+                       "pyarrow": pyarrow.cpu_count(), "omp and mkl": [line.strip() for line in
+                       torch.__config__.parallel_info().splitlines() if "max_threads" in line]}
+    for line in open("/proc/self/maps"):
+        path = line.split()[-1]
+        for name in ("openblas_get_num_threads", "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_"):
+            if "openblas" in path and hasattr(ctypes.CDLL(path), name):
+                seen["threads"][os.path.basename(path)] = getattr(ctypes.CDLL(path), name)()
+print(json.dumps(seen), flush=True)
 print("a line to stderr", file=sys.stderr)
 if os.environ.get("MODE") == "sleep":
     time.sleep(120)
@@ -35,18 +53,22 @@ sys.exit(int(os.environ.get("CODE", "0")))
 """
 
 
-@pytest.fixture
-def tree(tmp_path):
+def make_tree(tmp_path, servers=None):
     """A copy of the package (its files can change under a running server) and a job script, with the
     environment that runs them."""
     shutil.copytree(REPO / "src/stagereplay", tmp_path / "src/stagereplay",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "work").mkdir()
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"), STAGEREPLAY_JOB_SERVER_DIR=str(tmp_path / "servers"),
-               JOB_VAR="from the job")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"), JOB_VAR="from the job",
+               STAGEREPLAY_JOB_SERVER_DIR=str(servers or tmp_path / "servers"))
     env.pop("STAGEREPLAY_JOB_SERVER_CHILD", None)
     return tmp_path, env
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path)
 
 
 def key_of(env, preload="json") -> str:
@@ -56,9 +78,10 @@ def key_of(env, preload="json") -> str:
                           text=True, check=True).stdout.strip()
 
 
-def start_server(env, key, preload="json", idle_s=60) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s",
-                               str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE, text=True)
+def start_server(env, key, preload="json", idle_s=60, prefix=()) -> subprocess.Popen:
+    server = subprocess.Popen([*prefix, sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key,
+                               "--idle-s", str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE,
+                              text=True)
     line = server.stdout.readline()
     assert "serving on" in line, line + server.stdout.read()
     return server
@@ -81,10 +104,18 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_job(tmp, env, *args, **extra):
-    proc = subprocess.run([sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra), cwd=tmp / "work",
-                          capture_output=True, text=True, timeout=120)
+def run_job(tmp, env, *args, prefix=(), **extra):
+    """Run the job (under the command ``prefix``, e.g. taskset): its process and what it saw."""
+    proc = subprocess.run([*prefix, sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra),
+                          cwd=tmp / "work", capture_output=True, text=True, timeout=120)
     return proc, (json.loads(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None)
+
+
+def forked_and_fresh(tmp, env, prefix=(), **extra):
+    """What the job saw forked from the server, and what the same job saw in a fresh process."""
+    proc, forked = run_job(tmp, env, prefix=prefix, **extra)
+    assert proc.returncode == 0, proc.stderr
+    return forked, run_job(tmp, env, prefix=prefix, JOB_FRESH="1", **extra)[1]
 
 
 def test_a_forked_job_is_the_job(tree):
@@ -171,3 +202,49 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
         if stop_servers(servers):
             break
         time.sleep(0.1)
+
+
+# What Snakemake sets to a job's `threads` (its shell and script jobs): the thread counts of the job.
+SNAKEMAKE_THREAD_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                         "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+# A server that loaded the libraries with thread pools: torch's OpenMP and MKL, numpy's and scipy's OpenBLAS,
+# pyarrow's CPU pool (torch's import also caches the temp folder).
+STACK = "torch,numpy,scipy.linalg,pyarrow"
+
+
+@pytest.fixture(scope="module")
+def stack_server(tmp_path_factory):
+    """One server of STACK, started by a two-thread job, for the tests of what its children take from their jobs.
+    Its folder is short (under the system temp folder), so that a job of another $TMPDIR finds its socket there."""
+    import tempfile
+
+    servers = Path(tempfile.mkdtemp(prefix="sr-jobs-"))
+    tmp, env = make_tree(tmp_path_factory.mktemp("stack"), servers)
+    env = dict(env, JOB_PRELOAD=STACK, **{name: "2" for name in SNAKEMAKE_THREAD_VARS})
+    server = start_server(env, key_of(env, STACK), STACK)
+    yield tmp, env, server
+    server.terminate()
+    server.wait(timeout=30)
+    shutil.rmtree(servers, ignore_errors=True)
+
+
+@pytest.mark.parametrize("threads", [{name: "1" for name in SNAKEMAKE_THREAD_VARS},
+                                     {name: "2" for name in SNAKEMAKE_THREAD_VARS}, {"OMP_NUM_THREADS": "1"}],
+                         ids=["one-thread job", "two-thread job", "OMP_NUM_THREADS=1 alone"])
+def test_jobs_of_any_thread_count_fork_from_one_server_with_a_fresh_process_s_counts(stack_server, threads):
+    """The thread counts are no part of the server's key: the one-thread jobs (browser, figures, report) fork from
+    the server the model jobs started. Each child's libraries hold the counts a fresh process of its environment
+    takes as they load."""
+    tmp, env, server = stack_server
+    job = {key: value for key, value in env.items() if key not in SNAKEMAKE_THREAD_VARS} | threads
+    forked, fresh = forked_and_fresh(tmp, job)
+    assert forked["child"] and forked["ppid"] == server.pid
+    assert forked["threads"] == fresh["threads"] and fresh["threads"]["torch"] == int(threads["OMP_NUM_THREADS"])
+
+
+def test_a_forked_job_s_temp_folder_is_its_job_s(stack_server):
+    """The server's imports cached its temp folder (tempfile.tempdir): a job of another $TMPDIR finds its own."""
+    tmp, env, server = stack_server
+    (tmp / "job-tmp").mkdir()
+    forked, fresh = forked_and_fresh(tmp, env, TMPDIR=str(tmp / "job-tmp"))
+    assert forked["child"] and forked["tempdir"] == fresh["tempdir"] == str(tmp / "job-tmp")

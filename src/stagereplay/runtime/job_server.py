@@ -45,12 +45,16 @@ import time
 import traceback
 from pathlib import Path
 
+from stagereplay.runtime.import_state import THREAD_COUNTS, keyed, take_job_state
+
 log = logging.getLogger("stagereplay")
 
 CHILD_ENV = "STAGEREPLAY_JOB_SERVER_CHILD"  # set in a forked child: hand_over returns at once
 FOLDER_ENV = "STAGEREPLAY_JOB_SERVER_DIR"
 # Environment variables that packages read while they are imported (a server imported under other values would
-# not be what a fresh process of this job imports): a job whose values differ gets a server of its own.
+# not be what a fresh process of this job imports): a job whose values differ gets a server of its own. Not the
+# thread counts (import_state.THREAD_COUNTS): a child sets its libraries' counts from its job's (one server serves
+# jobs of any thread count).
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "CUBLAS_", "NVIDIA_", "OMP_",
                    "MKL_", "OPENBLAS_", "TOKENIZERS_", "TRITON_", "LD_", "KMP_", "SAFETENSORS_", "STAGEREPLAY_")
 # The packages whose code the server imports: a job that would find another copy gets a server of its own.
@@ -84,9 +88,10 @@ def server_key(env: dict | None = None, preload: tuple[str, ...] = ()) -> str:
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec is not None and spec.origin else None
         found.append((name, origin, os.stat(origin).st_mtime_ns if origin and os.path.exists(origin) else None))
-    imported_with = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV)
+    imported_with = sorted((k, v) for k, v in env.items()
+                           if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV and k not in THREAD_COUNTS)
     parts = {"preload": list(preload), "python": sys.executable, "version": sys.version, "found": found,
-             "files": files, "env": imported_with}
+             "files": files, "env": imported_with, "thread_env": keyed(env)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -354,7 +359,6 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     """In the forked child: become the job (its streams, folder, environment, arguments) and run its script."""
     import runpy
-
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
@@ -370,6 +374,7 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
+    take_job_state()  # what the preloaded libraries read as they loaded: thread counts, the temp folder
     conn.sendall(f"{os.getpid()}\n".encode())
     # The job dies with its process: a job killed outright (SIGKILL: no signal to pass on) closes its end of the
     # connection, and this child must not write on into outputs that a rerun writes too.
