@@ -1,7 +1,9 @@
 """The job server: a job forked from it is the job (its streams, folder, environment, arguments, exit status and
-signals, temp folder and thread counts), a job whose code or import-time environment differs never forks from it,
-and a server whose imports left it unlike a fresh process refuses to serve. (That a forked model job computes the bytes of a fresh one is shown by
-tests/test_cluster_executor.py, whose local run forks its model jobs and whose submitted jobs are fresh.)"""
+signals, CPU affinity, niceness, resource limits, temp folder and thread counts), a job whose code or import-time
+environment differs never forks from it, a job whose process attributes its child cannot take runs in its own
+process, and a server whose imports left it unlike a fresh process refuses to serve. (That a forked model job
+computes the bytes of a fresh one is shown by tests/test_cluster_executor.py, whose local run forks its model jobs
+and whose submitted jobs are fresh.)"""
 
 from __future__ import annotations
 
@@ -242,9 +244,70 @@ def test_jobs_of_any_thread_count_fork_from_one_server_with_a_fresh_process_s_co
     assert forked["threads"] == fresh["threads"] and fresh["threads"]["torch"] == int(threads["OMP_NUM_THREADS"])
 
 
+def test_a_forked_job_runs_on_its_job_s_cpus(stack_server):
+    """``taskset -c N`` holds for a forked job, and so do the thread counts that follow from it (OpenBLAS takes at
+    most one thread per CPU the process may run on)."""
+    tmp, env, server = stack_server
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, "needs two CPUs: the job's one and another"
+    forked, fresh = forked_and_fresh(tmp, env, prefix=["taskset", "-c", str(cpus[-1])])
+    assert forked["child"] and forked["affinity"] == fresh["affinity"] == cpus[-1:]
+    assert forked["threads"] == fresh["threads"]
+
+
 def test_a_forked_job_s_temp_folder_is_its_job_s(stack_server):
     """The server's imports cached its temp folder (tempfile.tempdir): a job of another $TMPDIR finds its own."""
     tmp, env, server = stack_server
     (tmp / "job-tmp").mkdir()
     forked, fresh = forked_and_fresh(tmp, env, TMPDIR=str(tmp / "job-tmp"))
     assert forked["child"] and forked["tempdir"] == fresh["tempdir"] == str(tmp / "job-tmp")
+
+
+def test_a_forked_job_keeps_its_job_s_niceness_and_scheduling_policy(tree):
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        forked, fresh = forked_and_fresh(tmp, env, prefix=["nice", "-n", "5", "chrt", "--batch", "0"])
+        assert forked["child"] and forked["ppid"] == server.pid
+        assert (forked["nice"], forked["scheduler"]) == (fresh["nice"], fresh["scheduler"]) == (5, os.SCHED_BATCH)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_forked_job_keeps_its_job_s_resource_limits(tree):
+    tmp, env = tree
+    import resource
+
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 512  # the server's, which the job's is below
+    server = start_server(env, key_of(env))
+    try:
+        forked, fresh = forked_and_fresh(tmp, env, prefix=["prlimit", "--nofile=512:512", "--core=0:0"])
+        assert forked["child"] and forked["rlimits"] == fresh["rlimits"]
+        assert forked["rlimits"]["RLIMIT_NOFILE"] == [512, 512] and forked["rlimits"]["RLIMIT_CORE"] == [0, 0]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_job_whose_process_its_child_cannot_take_runs_in_its_own_process(tree):
+    """A server that may not lower its niceness or raise a hard limit (an unprivileged one; as root, one without
+    CAP_SYS_NICE and CAP_SYS_RESOURCE) at nice 5 with 256 open files: a job at nice 0, or with more files, or
+    with another stack limit (which the C library read at the server's start) is not forked; it runs in its own
+    process and its log says why. The control: a job of the server's attributes forks."""
+    tmp, env = tree
+    unprivileged = ["setpriv", "--bounding-set", "-sys_nice,-sys_resource"] if os.geteuid() == 0 else []
+    server = start_server(env, key_of(env), prefix=["nice", "-n", "5", "prlimit", "--nofile=256:256", *unprivileged])
+    like_the_server = ["nice", "-n", "5", "prlimit", "--nofile=256:256"]
+    try:
+        proc, seen = run_job(tmp, env, prefix=like_the_server)
+        assert seen["child"] and seen["ppid"] == server.pid
+        for prefix, why in ((["prlimit", "--nofile=256:256"], "niceness 0"),
+                            (["nice", "-n", "5"], "RLIMIT_NOFILE"),
+                            ([*like_the_server, "--stack=1048576:1048576"], "RLIMIT_STACK")):
+            proc, seen = run_job(tmp, env, prefix=prefix)
+            assert not seen["child"] and proc.returncode == 0, (prefix, seen)
+            assert "the job server did not take this job" in proc.stderr and why in proc.stderr, proc.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -46,6 +46,7 @@ import traceback
 from pathlib import Path
 
 from stagereplay.runtime.import_state import THREAD_COUNTS, keyed, take_job_state
+from stagereplay.runtime.job_process import job_process, take_job_process
 
 log = logging.getLogger("stagereplay")
 
@@ -176,7 +177,7 @@ def run_in_child(conn: socket.socket, script: str) -> int | None:
     """Send the job to the server connected on ``conn``, pass signals on to its child, return its exit status;
     None when the server forked no child (the job then runs in its own process)."""
     header = json.dumps({"script": script, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                         "umask": current_umask(), "sent": time.time()}).encode()
+                         "umask": current_umask(), "process": job_process(), "sent": time.time()}).encode()
     with conn:
         socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], [0, 1, 2])
         reader = conn.makefile("rb")
@@ -357,8 +358,15 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
-    """In the forked child: become the job (its streams, folder, environment, arguments) and run its script."""
+    """In the forked child: become the job (its process attributes, streams, folder, environment, arguments) and
+    run its script; where it cannot take the job's process attributes, answer why and leave the job to itself."""
     import runpy
+
+    refused = take_job_process(request.get("process"), request["env"])
+    if refused:
+        print(f"did not fork a job: {refused}", flush=True)  # into the server's log, before the job's streams
+        conn.sendall(f"0\n{refused}\n".encode())
+        return 0
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
