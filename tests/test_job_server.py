@@ -27,14 +27,18 @@ logging.basicConfig(level=logging.INFO)  # the hand-over's lines: why a job runs
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
 preload = tuple(os.environ.get("JOB_PRELOAD", "json").split(","))
 hand_over({"job_server": not os.environ.get("JOB_FRESH")}, preload)
-for name in preload:  # a fresh process imports what a forked one finds imported
-    importlib.import_module(name)
+for name in filter(None, os.environ.get("JOB_IMPORTS", ",".join(preload)).split(",")):
+    importlib.import_module(name)  # by default its preload: a fresh process imports what a forked one finds
 seen = {"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
         "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"), "umask": os.umask(0o22),
         "affinity": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "scheduler": os.sched_getscheduler(0), "tempdir": tempfile.gettempdir(),
         "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource)
                     if name.startswith("RLIMIT_")}}
+seen["modules"] = {name: name in sys.modules for name in filter(None, os.environ.get("JOB_ASK", "").split(","))}
+if "matplotlib" in sys.modules:
+    import matplotlib
+    seen["rc"] = {key: repr(value) for key, value in matplotlib.rcParams.items()}
 if "torch" in sys.modules:  # every thread count the loaded libraries hold
     import ctypes, pyarrow, torch
     seen["threads"] = {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
@@ -80,12 +84,14 @@ def key_of(env, preload="json") -> str:
                           text=True, check=True).stdout.strip()
 
 
-def start_server(env, key, preload="json", idle_s=60, prefix=()) -> subprocess.Popen:
+def start_server(env, key, preload="json", idle_s=60, prefix=(), cwd=None) -> subprocess.Popen:
     server = subprocess.Popen([*prefix, sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key,
                                "--idle-s", str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE,
-                              text=True)
-    line = server.stdout.readline()
-    assert "serving on" in line, line + server.stdout.read()
+                              text=True, cwd=cwd)
+    lines = [server.stdout.readline()]
+    while lines[-1] and "serving on" not in lines[-1]:  # after what it did not preload
+        lines.append(server.stdout.readline())
+    assert "serving on" in lines[-1], "".join(lines) + server.stdout.read()
     return server
 
 
@@ -311,3 +317,54 @@ def test_a_job_whose_process_its_child_cannot_take_runs_in_its_own_process(tree)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_server_imports_nothing_of_the_folder_it_was_started_in(tree):
+    """``python -m`` puts the folder a process starts in first on sys.path: a module beside the job that started
+    the server is not imported by it (a job's own process does not see it either)."""
+    tmp, env = tree
+    (tmp / "started_in").mkdir()
+    (tmp / "started_in/beside_the_job.py").write_text("")
+    preload = "json,beside_the_job"
+    server = start_server(env, key_of(env, preload), preload, cwd=tmp / "started_in")
+    try:
+        proc, seen = run_job(tmp, env, JOB_PRELOAD=preload, JOB_IMPORTS="json", JOB_ASK="beside_the_job")
+        assert seen["child"] and seen["ppid"] == server.pid and seen["modules"] == {"beside_the_job": False}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("job_rc", [None, "figure.dpi: 33\n"], ids=["no matplotlibrc", "a matplotlibrc"])
+def test_a_figures_job_reads_matplotlib_s_rc_file_in_its_own_folder(tree, job_rc):
+    """matplotlib reads ./matplotlibrc as it is imported: the server of the rule scripts' preload, started in a
+    folder whose matplotlibrc sets figure.dpi 17, leaves matplotlib to its jobs, so a figures job forked from it
+    has the rcParams of a fresh process in its own folder, with or without a matplotlibrc there."""
+    from stagereplay.stages.rule_job import PRELOAD
+
+    tmp, env = tree
+    (tmp / "started_in").mkdir()
+    (tmp / "started_in/matplotlibrc").write_text("figure.dpi: 17\n")
+    if job_rc:
+        (tmp / "work/matplotlibrc").write_text(job_rc)
+    preload = ",".join(PRELOAD)
+    server = start_server(env, key_of(env, preload), preload, cwd=tmp / "started_in")
+    try:
+        figures = dict(JOB_PRELOAD=preload, JOB_IMPORTS="stagereplay.analysis.figures")
+        forked, fresh = forked_and_fresh(tmp, env, **figures)
+        assert forked["child"] and forked["ppid"] == server.pid
+        assert forked["rc"] == fresh["rc"] and fresh["rc"]["figure.dpi"] == ("33.0" if job_rc else "100.0")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_server_whose_preload_imports_matplotlib_refuses_to_serve(tree):
+    """Its rcParams would be those of the server's folder: the server refuses, its jobs run in their own
+    processes."""
+    tmp, env = tree
+    key = key_of(env, "matplotlib")
+    server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
+                             "matplotlib"], env=env, capture_output=True, text=True, timeout=120)
+    assert server.returncode == 1 and "refusing to serve: matplotlib imported" in server.stdout, server.stdout
+    assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()

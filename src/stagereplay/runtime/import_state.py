@@ -11,6 +11,10 @@ one again by its library's rule from the job's environment and CPU affinity, so 
 any thread count. A thread variable whose value is not a plain count stays part of the server's key
 (:func:`keyed`): its jobs get a server of their own, which loads the libraries under it.
 
+What a module read from the working folder as it was imported cannot be read again: a server whose preload
+imports one of :data:`FOLDER_AT_IMPORT` (matplotlib, which reads ./matplotlibrc) refuses to serve, and the server
+imports in a folder of its own, not in the folder of the job that started it.
+
 Knows nothing of the job server's protocol or of the stages; tests/test_job_server.py compares a forked child's
 counts with a fresh process's.
 """
@@ -23,6 +27,9 @@ import re
 import sys
 import tempfile
 
+# Modules that read the working folder as they are imported, which a child could not read again from its job's:
+# a server whose preload imports one refuses to serve (its jobs import it themselves, in their own folders).
+FOLDER_AT_IMPORT = {"matplotlib": "it read its rc file, ./matplotlibrc first, into rcParams"}
 # The variables a child sets its libraries' thread counts from (Snakemake sets them all to a job's threads).
 THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
 

@@ -45,7 +45,7 @@ import time
 import traceback
 from pathlib import Path
 
-from stagereplay.runtime.import_state import THREAD_COUNTS, keyed, take_job_state
+from stagereplay.runtime.import_state import FOLDER_AT_IMPORT, THREAD_COUNTS, keyed, take_job_state
 from stagereplay.runtime.job_process import job_process, take_job_process
 
 log = logging.getLogger("stagereplay")
@@ -255,18 +255,28 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
         print("refusing to serve: the job server folder is not this user's alone", flush=True)
         return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
+    # The imports read nothing of the folder of the job that started the server: neither its modules (``python -m``
+    # put it first on sys.path) nor its files (FOLDER_AT_IMPORT). A child takes its own job's folder.
+    started_in = os.getcwd()
+    os.chdir(folder())
+    if sys.path and sys.path[0] == started_in:
+        sys.path[0] = os.getcwd()
     for name in preload:
         try:
             __import__(name)
         except ImportError as exc:  # an optional model type's code: its jobs import it themselves
             print(f"not preloaded: {name} ({exc})", flush=True)
-    import torch
-
     # Native threads that the libraries start at import (torch's, pyarrow's jemalloc) are theirs to mend in a fork
-    # (their fork handlers); a Python thread or an initialised CUDA would leave the child unlike a fresh process.
-    if torch.cuda.is_initialized() or threading.active_count() > 1:
-        print(f"refusing to serve: CUDA initialised {torch.cuda.is_initialized()}, {threading.active_count()} "
-              "Python threads after the imports (a fork would not be a fresh process)", flush=True)
+    # (their fork handlers); a Python thread, an initialised CUDA or a module that read its folder as it was
+    # imported would leave the child unlike a fresh process.
+    torch = sys.modules.get("torch")
+    unlike = [f"{threading.active_count()} Python threads"] if threading.active_count() > 1 else []
+    if torch is not None and torch.cuda.is_initialized():
+        unlike.append("CUDA initialised")
+    unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
+    if unlike:
+        print(f"refusing to serve: {', '.join(unlike)} after the imports (a fork would not be a fresh process)",
+              flush=True)
         (folder() / f"{key}.refused").touch()
         return 1
     path = socket_path(key)
