@@ -158,10 +158,10 @@ def test_a_forked_job_is_the_job(tree):
         # The control: a job whose package files changed, whose import-time environment differs, or that asks for
         # a server importing other modules, is another key: it runs in its own process and never forks from this
         # server.
-        other = dict(env, TOKENIZERS_PARALLELISM="false")
-        with hold_lock(other, key_of(other)):
-            proc, seen = run_job(tmp, other)
-        assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
+        for other in (dict(env, TOKENIZERS_PARALLELISM="false"), dict(env, LC_ALL="C")):
+            with hold_lock(other, key_of(other)):
+                proc, seen = run_job(tmp, other)
+            assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
         with hold_lock(env, key_of(env, "json,csv")):
             proc, seen = run_job(tmp, env, JOB_PRELOAD="json,csv")
         assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
@@ -368,3 +368,13 @@ def test_a_server_whose_preload_imports_matplotlib_refuses_to_serve(tree):
                              "matplotlib"], env=env, capture_output=True, text=True, timeout=120)
     assert server.returncode == 1 and "refusing to serve: matplotlib imported" in server.stdout, server.stdout
     assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
+
+
+def test_a_job_in_other_control_groups_has_a_server_of_its_own(monkeypatch):
+    """A forked child stays in its server's control groups (their memory and CPU limits): they are part of the key,
+    so that a job in others (another terminal's systemd scope, a batch system's step) never forks from it."""
+    from stagereplay.runtime import job_server
+
+    key = job_server.server_key()
+    monkeypatch.setattr(job_server, "control_groups", lambda: "0::/another.scope\n")
+    assert job_server.server_key() != key
