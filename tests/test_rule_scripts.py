@@ -23,10 +23,12 @@ def start_call(script: Path) -> ast.Call:
     """The script's call of ``start_job``, checked to be its first statement after importing it, and its only use."""
     tree = ast.parse(script.read_text())
     first, second = tree.body[:2]
-    assert isinstance(first, ast.ImportFrom) and first.module == RUNNER \
-        and [alias.name for alias in first.names] == ["start_job"], f"{script.name} does not begin by importing {RUNNER}"
-    assert isinstance(second, ast.Expr) and isinstance(second.value, ast.Call) \
-        and getattr(second.value.func, "id", None) == "start_job", f"{script.name}'s second statement is not start_job(...)"
+    imports_it = isinstance(first, ast.ImportFrom) and first.module == RUNNER \
+        and [alias.name for alias in first.names] == ["start_job"]
+    assert imports_it, f"{script.name} does not begin by importing start_job from {RUNNER}"
+    calls_it = isinstance(second, ast.Expr) and isinstance(second.value, ast.Call) \
+        and getattr(second.value.func, "id", None) == "start_job"
+    assert calls_it, f"{script.name}'s second statement is not start_job(...)"
     uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "start_job"]
     assert len(uses) == 1, f"{script.name} calls start_job more than once"
     return second.value

@@ -7,20 +7,24 @@ A model job's fresh process spends most of its start importing (torch, torch's d
 "Job start"). With ``job_server: true`` in the config each warm job calls :func:`hand_over` first, naming the
 modules its server imports (the caller's preload):
 
-- it connects to the server of its key (the preload, the Python executable, ``sys.path``, the package's source
-  files as stat records, the environment variables read at import time), sends its script, arguments, working folder, umask,
-  environment and standard streams (the descriptors themselves), and waits. The server forks; the child takes the
-  job's streams, folder and environment and runs the same script from its top (:func:`hand_over` returns at once in
-  a child), then reports its exit status; the job exits with it. A signal the job receives (Snakemake cancelling
-  it) is passed on to the child.
+- it connects to the server of its key (the preload, the Python executable, where the packages are found, the
+  package's source files as stat records, the environment variables read at import time, its control groups),
+  sends its script, arguments, working folder, umask, environment, process attributes (:mod:`.job_process`) and
+  standard streams (the descriptors themselves), and waits. The server forks; the child takes the job's process
+  attributes (or answers why it cannot, and the job runs in its own process), streams, folder and environment,
+  sets the preloaded libraries' thread counts and temp folder as the job's fresh process would find them
+  (:mod:`.import_state`), and runs the same script from its top (:func:`hand_over` returns at once in a child),
+  then reports its exit status; the job exits with it. A signal the job receives (Snakemake cancelling it) is
+  passed on to the child.
 - when no server answers, the job starts one in the background (one per key: a lock) and runs in its own process
   as without the server; the jobs after it fork from the server once it has imported.
 
-The child computes exactly what a fresh process computes: the server only imports (it never runs a torch
-operation, initialises CUDA or starts a thread; it refuses to serve when an import did), the child sets the job's
-environment before anything reads it, and each job is still its own process, sharing nothing with the others
-(the audit still recomputes from the saved ledger alone). tests/test_job_server.py compares a workflow run with
-and without the server byte for byte. The server exits after ``idle_s`` seconds without a job, and when its
+The child computes exactly what a fresh process computes: the server only imports, in a folder of its own (it
+never runs a torch operation, initialises CUDA or starts a thread, and imports no module that reads its working
+folder as it loads; it refuses to serve when an import did), the child takes the job's process and environment
+before anything of the job reads them, and each job is still its own process, sharing nothing with the others
+(the audit still recomputes from the saved ledger alone). tests/test_cluster_executor.py compares a workflow run
+with and without the server byte for byte. The server exits after ``idle_s`` seconds without a job, and when its
 source files change (the next job's key differs and starts a new server; the old one idles out).
 
 Snakemake's benchmark files time the waiting job, so with the server their wall seconds are right but their CPU
