@@ -16,9 +16,9 @@ from stagereplay.runtime.job_server import CHILD_ENV, hand_over
 
 # What a warm server imports before it serves: Snakemake's script support (the preamble unpickles with it), the
 # model stages, the loader and the transformers code the supported model types run (their modeling and tokenizer
-# modules), and the report's and item browser's stacks, with scipy and statsmodels for the figures. Not the
-# figures' module: it imports matplotlib, which reads ./matplotlibrc as it is imported (the server refuses to
-# preload it); a figures job imports it in its own folder (0.3 s).
+# modules), the report's and item browser's stacks, and scipy's and statsmodels' statistics. Not the figures'
+# module: it imports matplotlib, which reads ./matplotlibrc as it is imported (the server refuses to preload it);
+# a figures job imports it in its own folder (0.3 s).
 PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.stages.controls",
            "stagereplay.stages.transplant", "stagereplay.stages.minimal_transplant",
            "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "stagereplay.stages.fidelity",
