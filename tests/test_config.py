@@ -20,6 +20,7 @@ def test_default_config_is_valid_and_gets_defaults():
     cfg = default_config()
     validate(cfg, SCHEMA, set_default=True)
     assert cfg["offline"] is True and cfg["trust_remote_code"] is False and cfg["allow_pickle"] is False
+    assert cfg["job_server"] is True  # the schema's default: every config's jobs start warm unless it says otherwise
 
 
 @pytest.mark.parametrize("change,key", [

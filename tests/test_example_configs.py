@@ -34,6 +34,7 @@ def test_example_validates_against_the_schema(path, tmp_path):
     assert source.kind == "hub" and source.path.startswith("deepseek-ai/DeepSeek-R1-Distill-Qwen-")
     assert cfg["dataset"]["source"] in ("hf", "jsonl") and cfg["answer_format"] == "boxed"
     assert cfg["gpus_per_job"] == 1 and cfg["device"] in ("auto", "cuda")
+    assert cfg["job_server"] is True  # the default: a GPU node's model jobs start warm
 
 
 def test_the_one_gpu_example_uses_the_fast_regime_and_its_command_fits_one_gpu():

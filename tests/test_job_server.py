@@ -1,7 +1,9 @@
 """The job server: a job forked from it is the job (its streams, folder, environment, arguments, exit status and
-signals), a job whose code or import-time environment differs never forks from it, and a server whose imports left
-it unlike a fresh process refuses to serve. (That a forked model job computes the bytes of a fresh one is shown by
-tests/test_cluster_executor.py, whose local run forks its model jobs and whose submitted jobs are fresh.)"""
+signals, CPU affinity, niceness, resource limits, temp folder and thread counts), a job whose code or import-time
+environment differs never forks from it, a job whose process attributes its child cannot take runs in its own
+process, and a server whose imports left it unlike a fresh process refuses to serve. (That a forked model job
+computes the bytes of a fresh one is shown by tests/test_cluster_executor.py, whose local run forks its model jobs
+and whose submitted jobs are fresh.)"""
 
 from __future__ import annotations
 
@@ -24,14 +26,35 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 JOB = """
-import json, os, subprocess, sys, time
+import importlib, json, logging, os, resource, subprocess, sys, tempfile, time
+logging.basicConfig(level=logging.INFO)  # the hand-over's lines: why a job runs in its own process
 from stagereplay.runtime.job_server import CHILD_ENV, hand_over
-hand_over({"job_server": True, **json.loads(os.environ.get("JOB_CONFIG", "{}"))})
-print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(),
-                  "cwd": os.getcwd(), "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"),
-                  "umask": os.umask(0o22),
-                  "spawned": subprocess.Popen(["sleep", "120"]).pid if os.environ.get("MODE") == "spawn" else None}),
-      flush=True)
+preload = tuple(os.environ.get("JOB_PRELOAD", "json").split(","))
+hand_over({"job_server": not os.environ.get("JOB_FRESH"), **json.loads(os.environ.get("JOB_CONFIG", "{}"))}, preload)
+for name in filter(None, os.environ.get("JOB_IMPORTS", ",".join(preload)).split(",")):
+    importlib.import_module(name)  # by default its preload: a fresh process imports what a forked one finds
+seen = {"child": bool(os.environ.get(CHILD_ENV)), "pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
+        "argv": sys.argv[1:], "var": os.environ.get("JOB_VAR"), "umask": os.umask(0o22),
+        "affinity": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "scheduler": os.sched_getscheduler(0), "tempdir": tempfile.gettempdir(),
+        "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+                    if name.startswith("RLIMIT_")}}
+seen["spawned"] = subprocess.Popen(["sleep", "120"]).pid if os.environ.get("MODE") == "spawn" else None
+seen["modules"] = {name: name in sys.modules for name in filter(None, os.environ.get("JOB_ASK", "").split(","))}
+if "matplotlib" in sys.modules:
+    import matplotlib
+    seen["rc"] = {key: repr(value) for key, value in matplotlib.rcParams.items()}
+if "torch" in sys.modules:  # every thread count the loaded libraries hold
+    import ctypes, pyarrow, torch
+    seen["threads"] = {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+                       "pyarrow": pyarrow.cpu_count(), "omp and mkl": [line.strip() for line in
+                       torch.__config__.parallel_info().splitlines() if "max_threads" in line]}
+    for line in open("/proc/self/maps"):
+        path = line.split()[-1]
+        for name in ("openblas_get_num_threads", "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_"):
+            if "openblas" in path and hasattr(ctypes.CDLL(path), name):
+                seen["threads"][os.path.basename(path)] = getattr(ctypes.CDLL(path), name)()
+print(json.dumps(seen), flush=True)
 print("a line to stderr", file=sys.stderr)
 if os.environ.get("MODE") in ("sleep", "spawn"):
     time.sleep(120)
@@ -44,30 +67,39 @@ sys.exit(int(os.environ.get("CODE", "0")))
 """
 
 
-@pytest.fixture
-def tree(tmp_path):
+def make_tree(tmp_path, servers=None):
     """A copy of the package (its files can change under a running server) and a job script, with the
     environment that runs them."""
     shutil.copytree(REPO / "src/stagereplay", tmp_path / "src/stagereplay",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "work").mkdir()
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"), STAGEREPLAY_JOB_SERVER_DIR=str(tmp_path / "servers"),
-               JOB_VAR="from the job")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"), JOB_VAR="from the job",
+               STAGEREPLAY_JOB_SERVER_DIR=str(servers or tmp_path / "servers"))
     env.pop("STAGEREPLAY_JOB_SERVER_CHILD", None)
     return tmp_path, env
 
 
-def key_of(env) -> str:
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path)
+
+
+def key_of(env, preload="json") -> str:
+    """The key of a server that imports ``preload`` (comma-separated), for a job of ``env``."""
     return subprocess.run([sys.executable, "-c", "from stagereplay.runtime.job_server import server_key; "
-                           "print(server_key())"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+                           f"print(server_key(preload=tuple({preload!r}.split(','))))"], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
-def start_server(env, key, preload="json", idle_s=60) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s",
-                               str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE, text=True)
-    line = server.stdout.readline()
-    assert "serving on" in line, line + server.stdout.read()
+def start_server(env, key, preload="json", idle_s=60, prefix=(), cwd=None) -> subprocess.Popen:
+    server = subprocess.Popen([*prefix, sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key,
+                               "--idle-s", str(idle_s), "--preload", preload], env=env, stdout=subprocess.PIPE,
+                              text=True, cwd=cwd)
+    lines = [server.stdout.readline()]
+    while lines[-1] and "serving on" not in lines[-1]:  # after what it did not preload
+        lines.append(server.stdout.readline())
+    assert "serving on" in lines[-1], "".join(lines) + server.stdout.read()
     return server
 
 
@@ -88,10 +120,18 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_job(tmp, env, *args, timeout=120, **extra):
-    proc = subprocess.run([sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra), cwd=tmp / "work",
-                          capture_output=True, text=True, timeout=timeout)
+def run_job(tmp, env, *args, prefix=(), timeout=120, **extra):
+    """Run the job (under the command ``prefix``, e.g. taskset): its process and what it saw."""
+    proc = subprocess.run([*prefix, sys.executable, str(tmp / "job.py"), *args], env=dict(env, **extra),
+                          cwd=tmp / "work", capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None)
+
+
+def forked_and_fresh(tmp, env, prefix=(), **extra):
+    """What the job saw forked from the server, and what the same job saw in a fresh process."""
+    proc, forked = run_job(tmp, env, prefix=prefix, **extra)
+    assert proc.returncode == 0, proc.stderr
+    return forked, run_job(tmp, env, prefix=prefix, JOB_FRESH="1", **extra)[1]
 
 
 def test_a_forked_job_is_the_job(tree):
@@ -123,11 +163,15 @@ def test_a_forked_job_is_the_job(tree):
                     time.sleep(0.1)
             assert gone(seen["pid"]), f"the forked child outlived its job killed by {signal.Signals(signum).name}"
 
-        # The control: a job whose package files changed, or whose import-time environment differs, is another key:
-        # it runs in its own process and never forks from this server.
-        other = dict(env, TOKENIZERS_PARALLELISM="false")
-        with hold_lock(other, key_of(other)):
-            proc, seen = run_job(tmp, other)
+        # The control: a job whose package files changed, whose import-time environment differs, or that asks for
+        # a server importing other modules, is another key: it runs in its own process and never forks from this
+        # server.
+        for other in (dict(env, TOKENIZERS_PARALLELISM="false"), dict(env, LC_ALL="C")):
+            with hold_lock(other, key_of(other)):
+                proc, seen = run_job(tmp, other)
+            assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
+        with hold_lock(env, key_of(env, "json,csv")):
+            proc, seen = run_job(tmp, env, JOB_PRELOAD="json,csv")
         assert not seen["child"] and seen["ppid"] != server.pid and proc.returncode == 0
         (tmp / "src/stagereplay/io/ids.py").write_text((tmp / "src/stagereplay/io/ids.py").read_text() + "\n")
         with hold_lock(env, key_of(env)):
@@ -142,12 +186,12 @@ def test_a_server_whose_imports_start_a_thread_refuses_and_jobs_run_in_their_own
     tmp, env = tree
     (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
                                                 "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
-    key = key_of(env)
+    key = key_of(env, "starts_a_thread")
     server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
                              "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
     assert server.returncode == 1 and "refusing to serve" in server.stdout and "2 Python threads" in server.stdout
     assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
-    proc, seen = run_job(tmp, env)  # no server answers, and none is started again for this key
+    proc, seen = run_job(tmp, env, JOB_PRELOAD="starts_a_thread")  # no server answers, none is started again
     assert not seen["child"] and proc.returncode == 0
     assert not (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.log").exists()
 
@@ -170,7 +214,7 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
     assert (servers / f"{key}.lock").exists() and (servers / f"{key}.log").exists()
     from stagereplay.runtime.job_server import stop_servers
 
-    for _ in range(600):  # the server it started imports the model stack, then answers: stop it
+    for _ in range(600):  # the server it started imports its preload, then answers: stop it
         if stop_servers(servers):
             break
         time.sleep(0.1)
@@ -474,3 +518,171 @@ def test_no_job_forks_from_a_server_whose_source_files_changed(tree):
     finally:
         server.kill()
         server.wait(timeout=30)
+
+
+# What Snakemake sets to a job's `threads` (its shell and script jobs): the thread counts of the job.
+SNAKEMAKE_THREAD_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                         "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+# A server that loaded the libraries with thread pools: torch's OpenMP and MKL, numpy's and scipy's OpenBLAS,
+# pyarrow's CPU pool (torch's import also caches the temp folder).
+STACK = "torch,numpy,scipy.linalg,pyarrow"
+
+
+@pytest.fixture(scope="module")
+def stack_server(tmp_path_factory):
+    """One server of STACK, started by a two-thread job, for the tests of what its children take from their jobs.
+    Its folder is short (under the system temp folder), so that a job of another $TMPDIR finds its socket there."""
+    import tempfile
+
+    servers = Path(tempfile.mkdtemp(prefix="sr-jobs-"))
+    tmp, env = make_tree(tmp_path_factory.mktemp("stack"), servers)
+    env = dict(env, JOB_PRELOAD=STACK, **{name: "2" for name in SNAKEMAKE_THREAD_VARS})
+    server = start_server(env, key_of(env, STACK), STACK)
+    yield tmp, env, server
+    server.terminate()
+    server.wait(timeout=30)
+    shutil.rmtree(servers, ignore_errors=True)
+
+
+@pytest.mark.parametrize("threads", [{name: "1" for name in SNAKEMAKE_THREAD_VARS},
+                                     {name: "2" for name in SNAKEMAKE_THREAD_VARS}, {"OMP_NUM_THREADS": "1"}],
+                         ids=["one-thread job", "two-thread job", "OMP_NUM_THREADS=1 alone"])
+def test_jobs_of_any_thread_count_fork_from_one_server_with_a_fresh_process_s_counts(stack_server, threads):
+    """The thread counts are no part of the server's key: the one-thread jobs (browser, figures, report) fork from
+    the server the model jobs started. Each child's libraries hold the counts a fresh process of its environment
+    takes as they load."""
+    tmp, env, server = stack_server
+    job = {key: value for key, value in env.items() if key not in SNAKEMAKE_THREAD_VARS} | threads
+    forked, fresh = forked_and_fresh(tmp, job)
+    assert forked["child"] and forked["ppid"] == server.pid
+    assert forked["threads"] == fresh["threads"] and fresh["threads"]["torch"] == int(threads["OMP_NUM_THREADS"])
+
+
+def test_a_forked_job_runs_on_its_job_s_cpus(stack_server):
+    """``taskset -c N`` holds for a forked job, and so do the thread counts that follow from it (OpenBLAS takes at
+    most one thread per CPU the process may run on)."""
+    tmp, env, server = stack_server
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, "needs two CPUs: the job's one and another"
+    forked, fresh = forked_and_fresh(tmp, env, prefix=["taskset", "-c", str(cpus[-1])])
+    assert forked["child"] and forked["affinity"] == fresh["affinity"] == cpus[-1:]
+    assert forked["threads"] == fresh["threads"]
+
+
+def test_a_forked_job_s_temp_folder_is_its_job_s(stack_server):
+    """The server's imports cached its temp folder (tempfile.tempdir): a job of another $TMPDIR finds its own."""
+    tmp, env, server = stack_server
+    (tmp / "job-tmp").mkdir()
+    forked, fresh = forked_and_fresh(tmp, env, TMPDIR=str(tmp / "job-tmp"))
+    assert forked["child"] and forked["tempdir"] == fresh["tempdir"] == str(tmp / "job-tmp")
+
+
+def test_a_forked_job_keeps_its_job_s_niceness_and_scheduling_policy(tree):
+    tmp, env = tree
+    server = start_server(env, key_of(env))
+    try:
+        forked, fresh = forked_and_fresh(tmp, env, prefix=["nice", "-n", "5", "chrt", "--batch", "0"])
+        assert forked["child"] and forked["ppid"] == server.pid
+        assert (forked["nice"], forked["scheduler"]) == (fresh["nice"], fresh["scheduler"]) == (5, os.SCHED_BATCH)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_forked_job_keeps_its_job_s_resource_limits(tree):
+    tmp, env = tree
+    import resource
+
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 512  # the server's, which the job's is below
+    server = start_server(env, key_of(env))
+    try:
+        forked, fresh = forked_and_fresh(tmp, env, prefix=["prlimit", "--nofile=512:512", "--core=0:0"])
+        assert forked["child"] and forked["rlimits"] == fresh["rlimits"]
+        assert forked["rlimits"]["RLIMIT_NOFILE"] == [512, 512] and forked["rlimits"]["RLIMIT_CORE"] == [0, 0]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_job_whose_process_its_child_cannot_take_runs_in_its_own_process(tree):
+    """A server that may not lower its niceness or raise a hard limit (an unprivileged one; as root, one without
+    CAP_SYS_NICE and CAP_SYS_RESOURCE) at nice 5 with 256 open files: a job at nice 0, or with more files, or
+    with another stack limit (which the C library read at the server's start) is not forked; it runs in its own
+    process and its log says why. The control: a job of the server's attributes forks."""
+    tmp, env = tree
+    unprivileged = ["setpriv", "--bounding-set", "-sys_nice,-sys_resource"] if os.geteuid() == 0 else []
+    server = start_server(env, key_of(env), prefix=["nice", "-n", "5", "prlimit", "--nofile=256:256", *unprivileged])
+    like_the_server = ["nice", "-n", "5", "prlimit", "--nofile=256:256"]
+    try:
+        proc, seen = run_job(tmp, env, prefix=like_the_server)
+        assert seen["child"] and seen["ppid"] == server.pid
+        for prefix, why in ((["prlimit", "--nofile=256:256"], "niceness 0"),
+                            (["nice", "-n", "5"], "RLIMIT_NOFILE"),
+                            ([*like_the_server, "--stack=1048576:1048576"], "RLIMIT_STACK")):
+            proc, seen = run_job(tmp, env, prefix=prefix)
+            assert not seen["child"] and proc.returncode == 0, (prefix, seen)
+            assert "the job server did not take this job" in proc.stderr and why in proc.stderr, proc.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_server_imports_nothing_of_the_folder_it_was_started_in(tree):
+    """``python -m`` puts the folder a process starts in first on sys.path: a module beside the job that started
+    the server is not imported by it (a job's own process does not see it either)."""
+    tmp, env = tree
+    (tmp / "started_in").mkdir()
+    (tmp / "started_in/beside_the_job.py").write_text("")
+    preload = "json,beside_the_job"
+    server = start_server(env, key_of(env, preload), preload, cwd=tmp / "started_in")
+    try:
+        proc, seen = run_job(tmp, env, JOB_PRELOAD=preload, JOB_IMPORTS="json", JOB_ASK="beside_the_job")
+        assert seen["child"] and seen["ppid"] == server.pid and seen["modules"] == {"beside_the_job": False}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("job_rc", [None, "figure.dpi: 33\n"], ids=["no matplotlibrc", "a matplotlibrc"])
+def test_a_figures_job_reads_matplotlib_s_rc_file_in_its_own_folder(tree, job_rc):
+    """matplotlib reads ./matplotlibrc as it is imported: the server of the rule scripts' preload, started in a
+    folder whose matplotlibrc sets figure.dpi 17, leaves matplotlib to its jobs, so a figures job forked from it
+    has the rcParams of a fresh process in its own folder, with or without a matplotlibrc there."""
+    from stagereplay.stages.rule_job import PRELOAD
+
+    tmp, env = tree
+    (tmp / "started_in").mkdir()
+    (tmp / "started_in/matplotlibrc").write_text("figure.dpi: 17\n")
+    if job_rc:
+        (tmp / "work/matplotlibrc").write_text(job_rc)
+    preload = ",".join(PRELOAD)
+    server = start_server(env, key_of(env, preload), preload, cwd=tmp / "started_in")
+    try:
+        figures = dict(JOB_PRELOAD=preload, JOB_IMPORTS="stagereplay.analysis.figures")
+        forked, fresh = forked_and_fresh(tmp, env, **figures)
+        assert forked["child"] and forked["ppid"] == server.pid
+        assert forked["rc"] == fresh["rc"] and fresh["rc"]["figure.dpi"] == ("33.0" if job_rc else "100.0")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_server_whose_preload_imports_matplotlib_refuses_to_serve(tree):
+    """Its rcParams would be those of the server's folder: the server refuses, its jobs run in their own
+    processes."""
+    tmp, env = tree
+    key = key_of(env, "matplotlib")
+    server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
+                             "matplotlib"], env=env, capture_output=True, text=True, timeout=120)
+    assert server.returncode == 1 and "refusing to serve: matplotlib imported" in server.stdout, server.stdout
+    assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
+
+
+def test_a_job_in_other_control_groups_has_a_server_of_its_own(monkeypatch):
+    """A forked child stays in its server's control groups (their memory and CPU limits): they are part of the key,
+    so that a job in others (another terminal's systemd scope, a batch system's step) never forks from it."""
+    from stagereplay.runtime import job_server
+
+    key = job_server.server_key()
+    monkeypatch.setattr(job_server, "control_groups", lambda: "0::/another.scope\n")
+    assert job_server.server_key() != key

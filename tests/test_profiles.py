@@ -1,4 +1,5 @@
-"""The SLURM profile: the cluster-specific part only, partition and account left to the user."""
+"""The cluster profiles: the cluster-specific part only, partition and account left to the user, and no job
+server (each submitted job runs on a node of its own)."""
 
 from pathlib import Path
 
@@ -8,6 +9,18 @@ from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "profiles/slurm"
+
+
+@pytest.mark.parametrize("name", ["slurm", "cluster-generic"])
+def test_profile_turns_the_job_server_off(name):
+    """The server is on by default (the schema's default); a profile's jobs run on other nodes, where a server
+    would be started by each job and used by none. Snakemake reads the profile's entry as the boolean false."""
+    from snakemake.cli import parse_config
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    assert schema["properties"]["job_server"]["default"] is True
+    profile = yaml.safe_load((REPO / "profiles" / name / "config.yaml").read_text())
+    assert parse_config(profile["config"])["job_server"] is False
 
 
 def test_profile_leaves_partition_and_account_to_the_user():

@@ -1,11 +1,8 @@
-from stagereplay.runtime.job_server import hand_over
+from stagereplay.stages.rule_job import start_job
 
-hand_over(snakemake.config)  # job_server: true runs the rest in a warm server's child
+start_job(snakemake, warm=True)
 
-import sys
 from pathlib import Path
-
-sys.stderr = open(snakemake.log[0], "w")
 
 from stagereplay.analysis.inputs import by_revision, merge_inputs
 from stagereplay.stages.token_texts import build_item_browser

@@ -1,13 +1,16 @@
+from stagereplay.stages.rule_job import start_job
+
+start_job(snakemake)
+
 import sys
 
 from stagereplay.experiments.audit import AuditFailedError
 from stagereplay.stages.gather import check_audit
 
 # The failure goes to the terminal as well as to the log: the rows that did not reproduce must be seen.
-with open(snakemake.log[0], "w") as log:
-    try:
-        print(check_audit(snakemake.input.audit, snakemake.input.ledger, snakemake.output.check), file=log)
-    except AuditFailedError as exc:
-        print(f"AUDIT FAILED: {exc}", file=log)
-        print(f"AUDIT FAILED: {exc}", file=sys.stderr)
-        sys.exit(1)
+try:
+    print(check_audit(snakemake.input.audit, snakemake.input.ledger, snakemake.output.check), file=sys.stderr)
+except AuditFailedError as exc:
+    for stream in (sys.stderr, sys.__stderr__):
+        print(f"AUDIT FAILED: {exc}", file=stream)
+    sys.exit(1)

@@ -1,7 +1,9 @@
+from stagereplay.stages.rule_job import start_job
+
+start_job(snakemake)
+
 import sys
 from pathlib import Path
-
-sys.stderr = open(snakemake.log[0], "w")
 
 from stagereplay.stages.compare import CompareError, compare_runs
 

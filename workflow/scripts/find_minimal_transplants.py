@@ -1,12 +1,6 @@
-from stagereplay.runtime.job_server import hand_over
+from stagereplay.stages.rule_job import start_job
 
-hand_over(snakemake.config)  # job_server: true runs the rest in a warm server's child
-
-import logging
-import sys
-
-sys.stderr = open(snakemake.log[0], "w")
-logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+start_job(snakemake, warm=True)
 
 from stagereplay.stages.minimal_transplant import find_minimal_transplants
 from stagereplay.stages.settings import MinimalTransplantSettings, from_params

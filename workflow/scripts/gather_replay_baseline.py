@@ -1,8 +1,6 @@
-import logging
-import sys
+from stagereplay.stages.rule_job import start_job
 
-sys.stderr = open(snakemake.log[0], "w")
-logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+start_job(snakemake)
 
 from stagereplay.stages.gather import gather_ledger  # a replayed baseline is ledger rows
 

@@ -1,8 +1,10 @@
+from stagereplay.stages.rule_job import start_job
+
+start_job(snakemake)
+
 import json
 import sys
 from pathlib import Path
-
-sys.stderr = open(snakemake.log[0], "w")
 
 from stagereplay.io.parquet import write_text_atomic
 from stagereplay.data.toy import check_reproduced, reproduce_revision

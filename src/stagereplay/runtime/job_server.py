@@ -4,15 +4,18 @@ model stages, and the report, figures and item browser, which import the analysi
 
 A model job's fresh process spends most of its start importing (torch, torch's deterministic switch and the
 ``torch._dynamo`` chain transformers pulls in, the model's transformers code, the stage modules; bench/RESULTS.md,
-"Job start"). With ``job_server: true`` in the config each model job's rule script calls :func:`hand_over` first:
+"Job start"). With ``job_server: true`` in the config each warm job calls :func:`hand_over` first, naming the
+modules its server imports (the caller's preload):
 
-- it connects to the server of its key (the Python executable, ``sys.path``, the package's source files as stat
-  records, the environment variables read at import time), waits for its greeting, sends its script, arguments,
-  working folder, umask, environment and standard streams (the descriptors themselves), and waits. The server forks;
-  the child takes the job's streams, folder and environment and runs the same script from its top
-  (:func:`hand_over` returns at once in a child), then reports its exit status; the job exits with it. A signal the
-  job receives (Snakemake cancelling it) is passed on to the child; a job killed outright takes the child and its
-  process group with it.
+- it connects to the server of its key (the preload, the Python executable, where the packages are found, the
+  package's source files as stat records, the environment variables read at import time, its control groups),
+  waits for its greeting, sends its script, arguments, working folder, umask, environment, process attributes
+  (:mod:`.job_process`) and standard streams (the descriptors themselves), and waits. The server forks; the child
+  takes the job's process attributes (or answers why it cannot, and the job runs in its own process), streams,
+  folder and environment, sets the preloaded libraries' thread counts and temp folder as the job's fresh process
+  would find them (:mod:`.import_state`), and runs the same script from its top (:func:`hand_over` returns at once
+  in a child), then reports its exit status; the job exits with it. A signal the job receives (Snakemake
+  cancelling it) is passed on to the child; a job killed outright takes the child and its process group with it.
 - when no server answers, the job starts one in the background (one per key: a lock) and runs in its own process
   as without the server; the jobs after it fork from the server once it has imported.
 - when no server can serve it (a socket folder that is not this user's alone, a socket path too long for Linux) or
@@ -21,11 +24,12 @@ A model job's fresh process spends most of its start importing (torch, torch's d
   Snakemake shows (:func:`hand_over` runs before a rule script sends stderr to its log), and in a model job's log
   (its first line, :func:`process_start`).
 
-The child computes exactly what a fresh process computes: the server only imports (it never runs a torch
-operation, initialises CUDA or starts a thread; it refuses to serve when an import did), the child sets the job's
-environment before anything reads it, and each job is still its own process, sharing nothing with the others
-(the audit still recomputes from the saved ledger alone). tests/test_job_server.py compares a workflow run with
-and without the server byte for byte. The server exits after ``idle_s`` seconds without a job, and when its
+The child computes exactly what a fresh process computes: the server only imports, in a folder of its own (it
+never runs a torch operation, initialises CUDA or starts a thread, and imports no module that reads its working
+folder as it loads; it refuses to serve when an import did), the child takes the job's process and environment
+before anything of the job reads them, and each job is still its own process, sharing nothing with the others
+(the audit still recomputes from the saved ledger alone). tests/test_cluster_executor.py compares a workflow run
+with and without the server byte for byte. The server exits after ``idle_s`` seconds without a job, and when its
 source files change (the next job's key differs and starts a new server; the old one idles out).
 
 Snakemake's benchmark files time the waiting job, so with the server their wall seconds are right but their CPU
@@ -50,25 +54,20 @@ import time
 import traceback
 from pathlib import Path
 
+from stagereplay.runtime.import_state import FOLDER_AT_IMPORT, THREAD_COUNTS, keyed, take_job_state
+from stagereplay.runtime.job_process import job_process, take_job_process
+
 log = logging.getLogger("stagereplay")
 
 CHILD_ENV = "STAGEREPLAY_JOB_SERVER_CHILD"  # set in a forked child: hand_over returns at once
 FOLDER_ENV = "STAGEREPLAY_JOB_SERVER_DIR"
 # Environment variables that packages read while they are imported (a server imported under other values would
-# not be what a fresh process of this job imports): a job whose values differ gets a server of its own.
+# not be what a fresh process of this job imports): a job whose values differ gets a server of its own. Not the
+# thread counts (import_state.THREAD_COUNTS): a child sets its libraries' counts from its job's (one server serves
+# jobs of any thread count). The locale's too: Python takes its character encoding from them as it starts.
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "CUBLAS_", "NVIDIA_", "OMP_",
-                   "MKL_", "OPENBLAS_", "TOKENIZERS_", "TRITON_", "LD_", "KMP_", "SAFETENSORS_", "STAGEREPLAY_")
-# What the server imports before it serves: the model stages, the loader and the transformers code the supported
-# model types run (their modeling and tokenizer modules), the report's, figures' and item browser's stacks, and
-# Snakemake's script support (the preamble unpickles with it).
-PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.stages.controls",
-           "stagereplay.stages.transplant", "stagereplay.stages.minimal_transplant",
-           "stagereplay.stages.divergence_onset", "stagereplay.stages.cache_differences", "stagereplay.stages.fidelity",
-           "torch._inductor.config",
-           "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
-           "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_tokenizers",
-           "stagereplay.stages.token_texts", "stagereplay.analysis.report", "stagereplay.analysis.figures",
-           "scipy.stats", "statsmodels.stats.proportion")
+                   "MKL_", "OPENBLAS_", "TOKENIZERS_", "TRITON_", "LD_", "KMP_", "SAFETENSORS_", "STAGEREPLAY_",
+                   "LANG", "LC_")
 # The packages whose code the server imports: a job that would find another copy gets a server of its own.
 FOUND = ("stagereplay", "torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake",
          "huggingface_hub", "scipy")
@@ -92,11 +91,12 @@ def folder() -> Path:
     return Path(tempfile.gettempdir()) / f"stagereplay-jobs-{os.getuid()}"
 
 
-def server_key(env: dict | None = None) -> str:
-    """What a server's imports depend on, as a short digest: the interpreter, where the packages it imports are
-    found (and the stat record of each one's entry file), the stat records of this package's source files, and
-    the import-time environment. (Not ``sys.path`` itself: its first entry is the script's folder, another for
-    the server than for a job.)"""
+def server_key(env: dict | None = None, preload: tuple[str, ...] = ()) -> str:
+    """What a server's imports depend on, as a short digest: the modules it imports (``preload``), the
+    interpreter, where the packages it imports are found (and the stat record of each one's entry file), the stat
+    records of this package's source files, and the import-time environment. (Not ``sys.path`` itself: its first
+    entry is the script's folder, another for the server than for a job.) And the job's control groups: a child
+    stays in its server's (their memory and CPU limits), which it may not leave for its job's."""
     import importlib.util
 
     env = os.environ if env is None else env
@@ -107,9 +107,19 @@ def server_key(env: dict | None = None) -> str:
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec is not None and spec.origin else None
         found.append((name, origin, os.stat(origin).st_mtime_ns if origin and os.path.exists(origin) else None))
-    parts = {"python": sys.executable, "version": sys.version, "found": found, "files": files,
-             "env": sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV)}
+    imported_with = sorted((k, v) for k, v in env.items()
+                           if k.startswith(IMPORT_TIME_ENV) and k not in OWN_ENV and k not in THREAD_COUNTS)
+    parts = {"preload": list(preload), "python": sys.executable, "version": sys.version, "found": found,
+             "files": files, "env": imported_with, "thread_env": keyed(env), "cgroups": control_groups()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def control_groups() -> str:
+    """This process's control groups (Linux's /proc/self/cgroup; empty where there is none)."""
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return ""
 
 
 def process_start() -> str:
@@ -200,9 +210,10 @@ def tell(message: str, level: int = logging.WARNING) -> None:
 # --- the job's side ---------------------------------------------------------------------------------------------
 
 
-def hand_over(config: dict | None) -> None:
-    """Run this job in a warm server's child when the config asks for it and one answers; else return and let the
-    caller run the job in this process (starting a server for the jobs after it). In a child: return at once.
+def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
+    """Run this job in the child of a warm server that imported ``preload`` (module names: what the caller's jobs
+    import) when the config asks for it and one answers; else return and let the caller run the job in this
+    process (starting a server for the jobs after it). In a child: return at once.
 
     The child runs the file this interpreter was started on (``sys.argv[0]``: for a rule script, the file Snakemake
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
@@ -211,7 +222,7 @@ def hand_over(config: dict | None) -> None:
     if problem := folder_problem(folder()) or folder_problem(socket_folder()):
         tell(problem)
         return
-    key = server_key()
+    key = server_key(preload=preload)
     path = socket_path(key)
     if problem := socket_problem(path):  # no server could bind it: start none
         tell(problem)
@@ -220,7 +231,7 @@ def hand_over(config: dict | None) -> None:
     try:
         conn = connect(path, timeout_s)
     except (FileNotFoundError, ConnectionRefusedError):  # no server, or a dead one's socket: start one
-        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)))
+        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload)
         return
     except TimeoutError:  # its backlog is full: it takes no jobs
         tell(f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, or "
@@ -258,7 +269,7 @@ def run_in_child(conn: socket.socket, script: str, path: Path, timeout_s: float 
     """Send the job to the server connected on ``conn`` (at ``path``), pass signals on to its child, return its exit
     status; None when the server forked no child (the job then runs in its own process)."""
     header = json.dumps({"script": script, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                         "umask": current_umask(), "sent": time.time()}).encode()
+                         "umask": current_umask(), "process": job_process(), "sent": time.time()}).encode()
     with conn:
         reader = conn.makefile("rb")
         pid = send_job(conn, reader, header, path, timeout_s)
@@ -357,8 +368,8 @@ def current_umask() -> int:
     return mask
 
 
-def start_server(key: str, idle_s: float) -> None:
-    """Start this key's server in the background unless another job is starting it."""
+def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None:
+    """Start this key's server (importing ``preload``) in the background unless another job is starting it."""
     where = folder()
     try:
         lock = open(where / f"{key}.lock", "a+")  # noqa: SIM115 (held until the job ends; the server inherits it)
@@ -368,7 +379,8 @@ def start_server(key: str, idle_s: float) -> None:
     if (where / f"{key}.refused").exists():
         return  # this key's server refused to serve (its log says why): jobs run in their own processes
     logfile = open(where / f"{key}.log", "a")  # noqa: SIM115 (the server writes it)
-    subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s)],
+    subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s),
+                      "--preload", ",".join(preload)],
                      stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
                      pass_fds=(lock.fileno(),), env={**os.environ, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
@@ -378,7 +390,7 @@ def start_server(key: str, idle_s: float) -> None:
 # --- the server's side ------------------------------------------------------------------------------------------
 
 
-def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) -> int:
+def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int | None = None) -> int:
     """Import ``preload``, then fork a child for every job that connects, until ``idle_s`` pass without one."""
     started = time.monotonic()
     if problem := folder_problem(folder()) or folder_problem(socket_folder()):
@@ -388,18 +400,28 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
         print(f"refusing to serve: {problem}", flush=True)
         return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
+    # The imports read nothing of the folder of the job that started the server: neither its modules (``python -m``
+    # put it first on sys.path) nor its files (FOLDER_AT_IMPORT). A child takes its own job's folder.
+    started_in = os.getcwd()
+    os.chdir(folder())
+    if sys.path and sys.path[0] == started_in:
+        sys.path[0] = os.getcwd()
     for name in preload:
         try:
             __import__(name)
         except ImportError as exc:  # an optional model type's code: its jobs import it themselves
             print(f"not preloaded: {name} ({exc})", flush=True)
-    import torch
-
     # Native threads that the libraries start at import (torch's, pyarrow's jemalloc) are theirs to mend in a fork
-    # (their fork handlers); a Python thread or an initialised CUDA would leave the child unlike a fresh process.
-    if torch.cuda.is_initialized() or threading.active_count() > 1:
-        print(f"refusing to serve: CUDA initialised {torch.cuda.is_initialized()}, {threading.active_count()} "
-              "Python threads after the imports (a fork would not be a fresh process)", flush=True)
+    # (their fork handlers); a Python thread, an initialised CUDA or a module that read its folder as it was
+    # imported would leave the child unlike a fresh process.
+    torch = sys.modules.get("torch")
+    unlike = [f"{threading.active_count()} Python threads"] if threading.active_count() > 1 else []
+    if torch is not None and torch.cuda.is_initialized():
+        unlike.append("CUDA initialised")
+    unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
+    if unlike:
+        print(f"refusing to serve: {', '.join(unlike)} after the imports (a fork would not be a fresh process)",
+              flush=True)
         (folder() / f"{key}.refused").touch()
         return 1
     path = socket_path(key)
@@ -435,7 +457,7 @@ def serve(key: str, idle_s: float, preload=PRELOAD, lock_fd: int | None = None) 
                 conn.close()
                 why = "asked to stop"
                 break
-            if server_key(environment) != key:  # a source file changed since the imports: this server is stale
+            if server_key(environment, preload) != key:  # a source file changed since the imports: it is stale
                 conn.sendall(b"0\nits source files changed since it started\n")
                 conn.close()
                 for fd in fds:
@@ -515,9 +537,15 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
-    """In the forked child: become the job (its streams, folder, environment, arguments) and run its script."""
+    """In the forked child: become the job (its process attributes, streams, folder, environment, arguments) and
+    run its script; where it cannot take the job's process attributes, answer why and leave the job to itself."""
     import runpy
 
+    refused = take_job_process(request.get("process"), request["env"])
+    if refused:
+        print(f"did not fork a job: {refused}", flush=True)  # into the server's log, before the job's streams
+        conn.sendall(f"0\n{refused}\n".encode())
+        return 0
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
@@ -533,6 +561,7 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
+    take_job_state()  # what the preloaded libraries read as they loaded: thread counts, the temp folder
     conn.sendall(f"{os.getpid()}\n".encode())
     # The job dies with its process: a job killed outright (SIGKILL: no signal to pass on) closes its end of the
     # connection, and this child must not write on into outputs that a rerun writes too.
@@ -577,10 +606,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--key", required=True)
     parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
-    parser.add_argument("--preload", help="modules to import, comma-separated (default: the model stack)")
+    parser.add_argument("--preload", default="", help="modules to import, comma-separated (part of the key)")
     args = parser.parse_args(argv)
     lock_fd = os.environ.pop(LOCK_FD_ENV, None)  # the key's lock, held by this descriptor while the server lives
-    preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else PRELOAD
+    preload = tuple(filter(None, args.preload.split(",")))
     return serve(args.key, args.idle_s, preload, lock_fd=int(lock_fd) if lock_fd else None)
 
 
