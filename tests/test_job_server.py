@@ -469,8 +469,8 @@ MARKED_JOB = """
 import json, os
 from stagereplay.runtime import job_server
 if os.environ.get("FORCE_KEY"):  # a job that computed its key before the edit
-    job_server.server_key = lambda env=None: os.environ["FORCE_KEY"]
-job_server.hand_over({"job_server": True})
+    job_server.server_key = lambda env=None, preload=(): os.environ["FORCE_KEY"]
+job_server.hand_over({"job_server": True}, ("stagereplay.marker",))
 from stagereplay import marker
 print(json.dumps({"child": bool(os.environ.get(job_server.CHILD_ENV)), "ppid": os.getppid(), "mark": marker.MARK}))
 """
@@ -494,14 +494,14 @@ def test_no_job_forks_from_a_server_whose_source_files_changed(tree):
     def later(path: Path):  # a new stat record however coarse the file system's clock
         os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 2_000_000_000))
 
-    old_key = key_of(env)
+    old_key = key_of(env, preload="stagereplay.marker")
     server = start_server(env, old_key, preload="stagereplay.marker")
     try:
         assert run() == {"child": True, "ppid": server.pid, "mark": "old"}
         marker.write_text('MARK = "new"\n')  # the same size
         later(marker)
         here = {"child": False, "ppid": os.getpid(), "mark": "new"}  # in its own process, with the new code
-        with hold_lock(env, key_of(env)):  # (a job that misses a server starts none)
+        with hold_lock(env, key_of(env, preload="stagereplay.marker")):  # (a job that misses a server starts none)
             assert run() == here
             assert run(FORCE_KEY=old_key) == here
         assert server.wait(timeout=30) == 0 and "its source files changed" in server.stdout.read()
@@ -509,11 +509,11 @@ def test_no_job_forks_from_a_server_whose_source_files_changed(tree):
         server.kill()
         server.wait(timeout=30)
     touched = tmp / "src/stagereplay/io/ids.py"  # a file only touched, no job reads a changed byte of it
-    server = start_server(env, key_of(env), preload="stagereplay.marker")
+    server = start_server(env, key_of(env, preload="stagereplay.marker"), preload="stagereplay.marker")
     try:
         assert run()["child"]
         later(touched)
-        with hold_lock(env, key_of(env)):
+        with hold_lock(env, key_of(env, preload="stagereplay.marker")):
             assert run() == here
     finally:
         server.kill()
@@ -621,7 +621,7 @@ def test_a_job_whose_process_its_child_cannot_take_runs_in_its_own_process(tree)
                             ([*like_the_server, "--stack=1048576:1048576"], "RLIMIT_STACK")):
             proc, seen = run_job(tmp, env, prefix=prefix)
             assert not seen["child"] and proc.returncode == 0, (prefix, seen)
-            assert "the job server did not take this job" in proc.stderr and why in proc.stderr, proc.stderr
+            assert "did not take this job" in proc.stderr and why in proc.stderr, proc.stderr
     finally:
         server.terminate()
         server.wait(timeout=30)
