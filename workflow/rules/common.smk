@@ -388,11 +388,17 @@ def source_kind(revision_name):
         return None  # the preflight names why
 
 
+_SNAPSHOT_KEYS = {}
+
+
 def snapshot_keys(revision, precisions):
     """{precision: store key} of what a job at ``precisions`` loads: its params, so that another source or another
-    converter reruns it (and only it)."""
-    name = ALL_REVISIONS[revision]
-    return planned_keys(model_files(name), source_kind(name), precisions)
+    converter reruns it (and only it). Taken once per revision and precisions in a workflow run (each key reads the
+    converters' installed versions)."""
+    if (revision, tuple(precisions)) not in _SNAPSHOT_KEYS:
+        name = ALL_REVISIONS[revision]
+        _SNAPSHOT_KEYS[revision, tuple(precisions)] = planned_keys(model_files(name), source_kind(name), precisions)
+    return dict(_SNAPSHOT_KEYS[revision, tuple(precisions)])
 
 
 def prepare_kwargs(wildcards):
