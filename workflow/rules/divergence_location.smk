@@ -8,7 +8,7 @@ rule find_minimal_transplants:
     input:
         models=prepared_for_minimal_transplants,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
-        baseline=transplant_baseline,
+        baseline=transplant_baseline_at_precision,
     output:
         minimal=f"{RESULTS}/{{revision}}/parts/minimal_transplant_{{shard}}.parquet",
     log:
