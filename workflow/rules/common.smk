@@ -577,6 +577,10 @@ def transplant_baseline_at_precision(wildcards):
     return f"{RESULTS}/{wildcards.revision}/replay_baseline.parquet"
 
 
+# Snakemake's priority of the transplant rules (transplant.smk says why); the others have 0.
+TRANSPLANT_PRIORITY = 1
+
+
 def ledger_parts_at_precision(wildcards):
     """The ledger's parts at one precision, in gather_ledger's order: the matched experiment's, then the 2x2's."""
     return [

@@ -17,6 +17,7 @@ rule find_minimal_transplants:
         f"{BENCH}/{{revision}}/find_minimal_transplants_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
+    priority: TRANSPLANT_PRIORITY  # started first among the jobs ready at once (transplant.smk)
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],

@@ -47,6 +47,8 @@ rule gather_replay_baseline:
 
 # The primary revision's ledger rows at one precision (the transplant precision's: transplant_baseline_at_precision),
 # joined as gather_ledger joins the whole ledger, by the same adapter as a replayed baseline (ledger rows too).
+# TRANSPLANT_PRIORITY: the transplants and the minimal search are the longest later model jobs, so the scheduler
+# starts them (and the two jobs before them) first among the jobs ready at once; a priority changes no result.
 rule gather_transplant_baseline:
     input:
         baseline=ledger_parts_at_precision,
@@ -56,6 +58,7 @@ rule gather_transplant_baseline:
         f"{LOGS}/{{revision}}/gather_transplant_baseline_{{precision}}.log",
     conda:
         "../../envs/stagereplay.yaml"
+    priority: TRANSPLANT_PRIORITY
     params:
         version=CODE_VERSION,
     script:
@@ -71,6 +74,7 @@ rule select_transplant_items:
         f"{LOGS}/{{revision}}/select_transplant_items.log",
     conda:
         "../../envs/stagereplay.yaml"
+    priority: TRANSPLANT_PRIORITY
     params:
         revision=revision_name,
         precision=TRANSPLANT_PRECISION,
@@ -138,6 +142,7 @@ rule transplant_caches:
         f"{BENCH}/{{revision}}/transplant_caches_{{shard}}.tsv"
     conda:
         "../../envs/stagereplay.yaml"
+    priority: TRANSPLANT_PRIORITY
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],
