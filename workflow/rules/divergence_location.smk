@@ -15,9 +15,9 @@ rule find_minimal_transplants:
         f"{LOGS}/{{revision}}/find_minimal_transplants_{{shard}}.log",
     benchmark:
         f"{BENCH}/{{revision}}/find_minimal_transplants_{{shard}}.tsv"
+    priority: TRANSPLANT_PRIORITY  # started first among the jobs ready at once (transplant.smk)
     conda:
         "../../envs/stagereplay.yaml"
-    priority: TRANSPLANT_PRIORITY  # started first among the jobs ready at once (transplant.smk)
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],

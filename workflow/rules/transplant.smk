@@ -56,9 +56,9 @@ rule gather_transplant_baseline:
         baseline=f"{RESULTS}/{{revision}}/parts/ledger_{{precision}}.parquet",
     log:
         f"{LOGS}/{{revision}}/gather_transplant_baseline_{{precision}}.log",
+    priority: TRANSPLANT_PRIORITY
     conda:
         "../../envs/stagereplay.yaml"
-    priority: TRANSPLANT_PRIORITY
     params:
         version=CODE_VERSION,
     script:
@@ -72,9 +72,9 @@ rule select_transplant_items:
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
     log:
         f"{LOGS}/{{revision}}/select_transplant_items.log",
+    priority: TRANSPLANT_PRIORITY
     conda:
         "../../envs/stagereplay.yaml"
-    priority: TRANSPLANT_PRIORITY
     params:
         revision=revision_name,
         precision=TRANSPLANT_PRECISION,
@@ -140,9 +140,9 @@ rule transplant_caches:
         f"{LOGS}/{{revision}}/transplant_caches_{{shard}}.log",
     benchmark:
         f"{BENCH}/{{revision}}/transplant_caches_{{shard}}.tsv"
+    priority: TRANSPLANT_PRIORITY
     conda:
         "../../envs/stagereplay.yaml"
-    priority: TRANSPLANT_PRIORITY
     threads: config["threads"]
     resources:
         gpu=config["gpus_per_job"],

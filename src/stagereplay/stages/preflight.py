@@ -2,10 +2,12 @@
 
 Snakemake deletes a job's old outputs as the job starts; an input that a job would only discover to be bad
 (a dataset row, a model path, a prompt too long for the model) would then cost the results of the last good
-run. The workflow calls :func:`check_run` when it has work to do, before the first job: every problem found
-here raises an error naming the item, row or key and saying what to do, and nothing has been touched.
+run. The workflow calls :func:`check_run_once` when it has work to do, before the first job: every problem found
+here raises an error naming the item, row or key and saying what to do, and nothing has been touched. A check
+that passed is remembered by its inputs' content (:func:`inputs_key`) and not made again on the same inputs.
 
-Reads the dataset, the model configs and tokenizers; never loads weights. Knows nothing of Snakemake.
+Reads the dataset, the model configs and tokenizers; never loads weights. Imports the model stack (torch,
+transformers) only where a check reads a model, so that the workflow parses without it. Knows nothing of Snakemake.
 """
 
 from __future__ import annotations
