@@ -286,3 +286,55 @@ def test_a_dry_run_runs_the_preflight_and_says_so(tmp_path):
     assert "Dry run: checking the inputs as a run does before its first job" in output
     assert "has no usable tokenizer" in output
     assert not (tmp_path / "results").exists()
+
+
+def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_every_time(tmp_path, monkeypatch):
+    """The same inputs (by content) are not checked again; another config value, other model files or a model not
+    fingerprinted are; a failed check is not remembered; the device is the machine's, checked every time."""
+    from stagereplay.io.file_hashes import HashCache
+    from stagereplay.stages import preflight
+    from stagereplay.stages.input_fingerprints import model_fingerprint
+
+    made = []
+    check_run_itself = preflight.check_run
+    monkeypatch.setattr(preflight, "check_run", lambda *a, **k: made.append(1) or check_run_itself(*a, **k))
+    passed = preflight.PassedChecks(tmp_path / "preflight.json")
+    cfg = valid_config(n_items=3)
+    fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
+
+    def check(config, prints=fingerprints, jobs_run_here=False):
+        return preflight.check_run_once(config, jobs_run_here=jobs_run_here, fingerprints=prints, passed=passed)
+
+    first = check(cfg)
+    again = check({**cfg, "run": "another"})  # the run's name names folders only
+    assert len(made) == 1 and "passed_at" not in first and again == {**first, "passed_at": again["passed_at"]}
+    assert preflight.PassedChecks(tmp_path / "preflight.json").entries  # kept on disk for the next run
+    check({**cfg, "n_items": 2})
+    check(cfg, {"primary": {**fingerprints["primary"], "sha256": "0" * 64}})
+    check(cfg, {"primary": None})
+    check(cfg, {"primary": None})
+    assert len(made) == 5
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(REPO / "data/toy/primary" / name, folder / name)
+    bad = valid_config(n_items=3, model=str(folder), revisions=["local"])
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match="has no usable tokenizer"):
+            check(bad, {"local": model_fingerprint(str(folder), "local", cache=HashCache(None))})
+    assert len(made) == 7
+    check({**cfg, "device": "cuda"})  # passed and remembered where the jobs run elsewhere (a cluster's submit host)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match="device 'cuda' was asked for but CUDA is not available"):
+        check({**cfg, "device": "cuda"}, jobs_run_here=True)
+    assert len(made) == 8
+
+
+def test_a_second_dry_run_on_the_same_inputs_reads_none_of_them_again(tmp_path):
+    tiny_config(tmp_path)
+    first = snakemake(tmp_path, "-n")
+    second = snakemake(tmp_path, "-n")
+    output = second.stdout + second.stderr
+    assert "Inputs checked" in first.stdout + first.stderr and "not read again" not in first.stdout + first.stderr
+    assert "Inputs checked: 6 items, revisions ['primary'] (these same inputs passed the check at" in output
+    assert "not read again" in output

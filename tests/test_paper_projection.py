@@ -381,8 +381,18 @@ def test_the_jobs_wait_for_what_their_inputs_need():
     # the 2x2 of a shard reads that shard's prefixes of the reference precision (bf16)
     assert after["generate_fixed_prefix_fp32_1"] == {"reconstruct_prefixes_bf16_1"}
     for name in ("audit_ledger_fp32_0", "check_batch_invariance_1", "measure_cache_differences_0",
-                 "transplant_caches_1", "find_minimal_transplants_0", "measure_divergence_onset_1", "dump_caches_0"):
+                 "measure_divergence_onset_1", "dump_caches_0"):
         assert after[name] == ledger, name
+    # the transplants and the minimal search read the ledger's rows at the transplant precision (bf16) alone
+    at_bf16 = {name for name in ledger if "_bf16_" in name}
+    for name in ("transplant_caches_1", "find_minimal_transplants_0"):
+        assert after[name] == at_bf16, name
+    fp32 = run_shape(config_run(
+        load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2", "transplant.precision=fp32"]),
+        256, 2048, 1024, {"bf16": 0.83}, 48))
+    after = job_dependencies(model_jobs(fp32, {"bf16": 1e-6, "fp32": 2e-6}), fp32)
+    # at fp32 the 2x2 waits for the bf16 generation (the reference's prefixes) in its turn
+    assert after["transplant_caches_0"] == {name for name in ledger if "_fp32_" in name}
 
 
 def test_on_n_gpus_one_gpu_is_the_sum_and_more_gpus_shorten_the_wall(tmp_path):

@@ -392,11 +392,17 @@ def source_kind(revision_name):
         return None  # the preflight names why
 
 
+_SNAPSHOT_KEYS = {}
+
+
 def snapshot_keys(revision, precisions):
     """{precision: store key} of what a job at ``precisions`` loads: its params, so that another source or another
-    converter reruns it (and only it)."""
-    name = ALL_REVISIONS[revision]
-    return planned_keys(model_files(name), source_kind(name), precisions)
+    converter reruns it (and only it). Taken once per revision and precisions in a workflow run (each key reads the
+    converters' installed versions)."""
+    if (revision, tuple(precisions)) not in _SNAPSHOT_KEYS:
+        name = ALL_REVISIONS[revision]
+        _SNAPSHOT_KEYS[revision, tuple(precisions)] = planned_keys(model_files(name), source_kind(name), precisions)
+    return dict(_SNAPSHOT_KEYS[revision, tuple(precisions)])
 
 
 def prepare_kwargs(wildcards):
@@ -578,10 +584,33 @@ def fidelity_parts(wildcards):
 
 
 def transplant_baseline(wildcards):
-    """The file holding both constructions of the fixed prefixes at this revision, with their continuations."""
+    """The file holding both constructions of the fixed prefixes at this revision, with their continuations, at
+    every precision the revision ran (the dumps and the onset read each)."""
     if wildcards.revision == PRIMARY:
         return f"{RESULTS}/{PRIMARY}/ledger.parquet"
     return f"{RESULTS}/{wildcards.revision}/replay_baseline.parquet"
+
+
+def transplant_baseline_at_precision(wildcards):
+    """The transplant baseline's rows at the transplant precision, all that the selection, the transplants and the
+    minimal search read: at the primary revision the ledger's rows at that precision (gather_transplant_baseline),
+    so that they wait for that precision's generation and 2x2 only, not for every precision's."""
+    if wildcards.revision == PRIMARY:
+        return f"{RESULTS}/{PRIMARY}/parts/ledger_{TRANSPLANT_PRECISION}.parquet"
+    return f"{RESULTS}/{wildcards.revision}/replay_baseline.parquet"
+
+
+# Snakemake's priority of the transplant rules (transplant.smk says why); the others have 0.
+TRANSPLANT_PRIORITY = 1
+
+
+def ledger_parts_at_precision(wildcards):
+    """The ledger's parts at one precision, in gather_ledger's order: the matched experiment's, then the 2x2's."""
+    return [
+        f"{RESULTS}/{wildcards.revision}/parts/{kind}_{wildcards.precision}_{shard}.parquet"
+        for kind in ("matched", "fixed_prefix")
+        for shard in SHARDS
+    ]
 
 
 # ---- Targets: everything `rule all` asks for -------------------------------------------------------------------------

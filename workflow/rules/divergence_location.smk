@@ -8,13 +8,14 @@ rule find_minimal_transplants:
     input:
         models=prepared_for_minimal_transplants,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
-        baseline=transplant_baseline,
+        baseline=transplant_baseline_at_precision,
     output:
         minimal=f"{RESULTS}/{{revision}}/parts/minimal_transplant_{{shard}}.parquet",
     log:
         f"{LOGS}/{{revision}}/find_minimal_transplants_{{shard}}.log",
     benchmark:
         f"{BENCH}/{{revision}}/find_minimal_transplants_{{shard}}.tsv"
+    priority: TRANSPLANT_PRIORITY  # started first among the jobs ready at once (transplant.smk)
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]

@@ -1,6 +1,6 @@
 # Before the first job (only when there is work to do, and in a dry run): every check of the inputs that needs no
 # weights, so that a bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
-from stagereplay.stages.preflight import check_output_folders, check_run
+from stagereplay.stages.preflight import PassedChecks, check_output_folders, check_run_once
 
 # A file where the run's folders go would fail Snakemake's own listing of them (NotADirectoryError), before any hook.
 check_output_folders(RESULTS, LOGS, BENCH)
@@ -29,8 +29,15 @@ def preflight():
         for slug, name in ALL_REVISIONS.items()
     }
     fingerprints = {name: model_files(name) for name in ALL_REVISIONS.values()}
-    summary = check_run(
-        checked, jobs_run_here=jobs_run_here(), prepared=prepared, fingerprints=fingerprints, cache=FILE_HASHES
+    # A check that passed on the very same inputs (by content) is not made again (stagereplay.stages.preflight,
+    # inputs_key); the device is checked every time.
+    summary = check_run_once(
+        checked,
+        jobs_run_here=jobs_run_here(),
+        prepared=prepared,
+        fingerprints=fingerprints,
+        dataset_fingerprint=dataset_file(),
+        passed=PassedChecks(),
     )
     stand_ins = [
         f"{name} through {info['checked_from']}"
@@ -40,6 +47,11 @@ def preflight():
     logger.info(
         f"Inputs checked: {summary['n_items']} items, revisions {sorted(summary['revisions'])}"
         + (f" (model {'; '.join(stand_ins)}, its prepared snapshot)" if stand_ins else "")
+        + (
+            f" (these same inputs passed the check at {summary['passed_at']}: not read again)"
+            if "passed_at" in summary
+            else ""
+        )
     )
 
 

@@ -45,13 +45,34 @@ rule gather_replay_baseline:
         "../scripts/gather_replay_baseline.py"
 
 
+# The primary revision's ledger rows at one precision (the transplant precision's: transplant_baseline_at_precision),
+# joined as gather_ledger joins the whole ledger, by the same adapter as a replayed baseline (ledger rows too).
+# TRANSPLANT_PRIORITY: the transplants and the minimal search are the longest later model jobs, so the scheduler
+# starts them (and the two jobs before them) first among the jobs ready at once; a priority changes no result.
+rule gather_transplant_baseline:
+    input:
+        baseline=ledger_parts_at_precision,
+    output:
+        baseline=f"{RESULTS}/{{revision}}/parts/ledger_{{precision}}.parquet",
+    log:
+        f"{LOGS}/{{revision}}/gather_transplant_baseline_{{precision}}.log",
+    priority: TRANSPLANT_PRIORITY
+    conda:
+        "../../envs/stagereplay.yaml"
+    params:
+        version=CODE_VERSION,
+    script:
+        "../scripts/gather_replay_baseline.py"
+
+
 rule select_transplant_items:
     input:
-        baseline=transplant_baseline,
+        baseline=transplant_baseline_at_precision,
     output:
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
     log:
         f"{LOGS}/{{revision}}/select_transplant_items.log",
+    priority: TRANSPLANT_PRIORITY
     conda:
         "../../envs/stagereplay.yaml"
     params:
@@ -112,13 +133,14 @@ rule transplant_caches:
     input:
         models=prepared_at_transplant_precision,
         selection=f"{RESULTS}/{{revision}}/transplant_selection.parquet",
-        baseline=transplant_baseline,
+        baseline=transplant_baseline_at_precision,
     output:
         transplant=f"{RESULTS}/{{revision}}/parts/transplant_{{shard}}.parquet",
     log:
         f"{LOGS}/{{revision}}/transplant_caches_{{shard}}.log",
     benchmark:
         f"{BENCH}/{{revision}}/transplant_caches_{{shard}}.tsv"
+    priority: TRANSPLANT_PRIORITY
     conda:
         "../../envs/stagereplay.yaml"
     threads: config["threads"]

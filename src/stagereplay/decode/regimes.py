@@ -7,23 +7,9 @@ in, so constructions stay comparable bit for bit.
 from __future__ import annotations
 
 from stagereplay.decode.eager import EagerDecoder
+from stagereplay.decode.options import REGIMES, check_static_options
 from stagereplay.decode.protocol import Decoder, RegimeError
 from stagereplay.decode.static import StaticDecoder
-
-REGIMES = ("eager", "static", "cuda_graph")
-
-
-def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None,
-                         kernels: str = "library") -> None:
-    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
-    workflow's parse-time check both call this)."""
-    if regime == "eager" and (attention != "masked" or prefill_group is not None or kernels != "library"):
-        raise RegimeError(
-            f"decode_attention: {attention}, decode_prefill_group: {prefill_group} and decode_kernels: {kernels} set "
-            "the forward over the static K/V buffer, which decode_regime: eager does not have: they need "
-            "decode_regime static or cuda_graph; set decode_regime: static or cuda_graph, or leave them at their "
-            "defaults (masked, null, library)")
-
 
 def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None = None, max_rows: int = 1,
                  attention: str = "masked", prefill_group: int | None = None, kernels: str = "library") -> Decoder:

@@ -34,30 +34,16 @@ Qwen2-style decoders only (Qwen2/2.5, Llama-like layouts with q/k/v/o projection
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 
 from stagereplay.decode.fused import fuse_layer
+from stagereplay.decode.options import ATTENTIONS, KERNELS, check_device_options
 from stagereplay.decode.protocol import Layers, RegimeError
 from stagereplay.models.invariant import describe as describe_invariant
 
-ATTENTIONS = ("masked", "triton")  # the static forward's attention; another regime parameter
-KERNELS = ("library", "fused")  # how the forward's small operations run; another regime parameter
 TRITON_ATTENTION_BLOCK = 64
-
-def check_device_options(device_type: str, attention: str = "masked", kernels: str = "library") -> None:
-    """Refuse Triton options (``decode_attention: triton``, ``decode_kernels: fused``) for a model on another device
-    than CUDA, unless Triton's interpreter is on (the decoder and the preflight both call this)."""
-    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    for option, value, default in (("decode_attention", attention, ATTENTIONS[0]),
-                                   ("decode_kernels", kernels, KERNELS[0])):
-        if value in ("triton", "fused"):
-            raise RegimeError(f"{option} {value!r} runs Triton kernels on a CUDA device and the model is on the "
-                              f"{device_type.upper()}: use {option} {default} there (TRITON_INTERPRET=1 runs the "
-                              "kernels in Triton's slow interpreter, for tests)")
 
 
 @contextmanager

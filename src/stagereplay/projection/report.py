@@ -16,8 +16,8 @@ shape's linear parameters and the copy rate is given, the report gives the floor
 (``floor.work_floor``: ``floor.run_floor``'s pricing of these counts).
 
 Not projected (reported with their measured times): the rules that load no model, select_items, gather_ledger,
-gather_bridge, gather_audit, check_audit, select_transplant_items, plot_figures, build_report, build_item_browser,
-and prepare_model (it loads the model source once per precision, but claims no GPU and runs before every model job).
+gather_bridge, gather_audit, check_audit, gather_transplant_baseline, select_transplant_items, plot_figures,
+build_report, build_item_browser, and prepare_model (it loads the model source once per precision, but claims no GPU and runs before every model job).
 """
 
 from __future__ import annotations

@@ -2,32 +2,36 @@
 
 Snakemake deletes a job's old outputs as the job starts; an input that a job would only discover to be bad
 (a dataset row, a model path, a prompt too long for the model) would then cost the results of the last good
-run. The workflow calls :func:`check_run` when it has work to do, before the first job: every problem found
-here raises an error naming the item, row or key and saying what to do, and nothing has been touched.
+run. The workflow calls :func:`check_run_once` when it has work to do, before the first job: every problem found
+here raises an error naming the item, row or key and saying what to do, and nothing has been touched. A check
+that passed is remembered by its inputs' content (:func:`inputs_key`) and not made again on the same inputs.
 
-Reads the dataset, the model configs and tokenizers; never loads weights. Knows nothing of Snakemake.
+Reads the dataset, the model configs and tokenizers; never loads weights. Imports the model stack (torch,
+transformers) only where a check reads a model, so that the workflow parses without it. Knows nothing of Snakemake.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import stagereplay
 from stagereplay.config import check_boundary_set
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_characters, check_context, check_marker
-from stagereplay.decode.regimes import check_static_options
-from stagereplay.decode.static import check_device_options
-from stagereplay.models.snapshot import checked_stand_in
-from stagereplay.models.loading import (
-    check_gguf_tensors_used,
-    checked_config,
-    checked_tokenizer,
-    meta_model,
-    resolve_device,
-)
-from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
+from stagereplay.decode.options import check_device_options, check_static_options, uses_triton
+from stagereplay.io.parquet import write_text_atomic
 from stagereplay.models.gguf_files import gguf_read_once
+from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
+
+# What a passed check of the inputs is remembered by, beside the workflow's file digests (io.file_hashes).
+PASSED_CHECKS = Path(".snakemake") / "stagereplay" / "preflight.json"
+KEPT_CHECKS = 16
 
 
 def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -37,6 +41,8 @@ def check_model(source: ModelSource, trust_remote_code: bool = False, allow_pick
     A GGUF source's config and tokenizer are what transformers builds from the file's metadata, as loading it
     does; gguf-py parses that metadata once for the whole check (:func:`~stagereplay.models.gguf_files.gguf_read_once`)
     instead of three or four times, which took the better part of a minute for a Qwen2 vocabulary."""
+    from stagereplay.models.loading import check_gguf_tensors_used, checked_config, checked_tokenizer, meta_model
+
     with gguf_read_once() if source.kind == "gguf" else nullcontext():
         resolved, _, config, common = checked_config(source, trust_remote_code, allow_pickle, offline)
         if resolved.kind == "gguf":  # every tensor must give a parameter (the parameter names, not the weights)
@@ -114,9 +120,8 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
                           config.get("decode_kernels", "library"))
     check_prefix_precision((config.get("cache_differences") or {}).get("prefix_precision"), config["precisions"])
     check_boundary_set(config.get("boundary") or {})
-    if jobs_run_here:  # the Triton options need the GPU the jobs will get
-        check_device_options(resolve_device(config.get("device", "auto")).type, config.get("decode_attention", "masked"),
-                             config.get("decode_kernels", "library"))
+    if jobs_run_here:
+        check_device(config)
     numeric = config["answer_format"] != "boxed"
     if config["offline"]:
         go_offline()
@@ -128,6 +133,8 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         source = resolve_source(config["model"], revision, base_dir)
         stand_in = None
         if source.kind == "gguf" and prepared:
+            from stagereplay.models.snapshot import checked_stand_in
+
             stand_in = checked_stand_in(prepared.get(revision, ()), source, (fingerprints or {}).get(revision), cache)
         if stand_in is not None:
             checked_from, model_config, tokenizer = stand_in
@@ -155,4 +162,131 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         summary["revisions"][revision] = {"source": source.describe(), "context": context,
                                           "longest_prompt": longest,
                                           "checked_from": str(checked_from)}
+    return summary
+
+
+def check_device(config: dict) -> None:
+    """The device the jobs ask for is on this machine, and runs the Triton options where they are set (the GPU the
+    jobs will get). torch only where the answer depends on this machine: ``auto`` without Triton options runs
+    anywhere, and ``cpu`` is known without asking."""
+    device = config.get("device", "auto")
+    attention, kernels = config.get("decode_attention", "masked"), config.get("decode_kernels", "library")
+    if device == "cpu":
+        check_device_options("cpu", attention, kernels)
+    elif device != "auto" or uses_triton(attention, kernels):
+        from stagereplay.models.loading import resolve_device
+
+        check_device_options(resolve_device(device).type, attention, kernels)
+
+
+# ---- A passed check, remembered by its inputs -------------------------------------------------------------------------
+# The check reads the dataset, the model files and prompts through tokenizers; with every one of those the same (by
+# content) and the same code and packages, it gives the same verdict, so a check that passed is not made again: a
+# GGUF source's metadata alone takes seconds to read. The device is checked every time (check_device): it is the
+# machine's, not the inputs'.
+NOT_CHECKED = ("run",)  # config keys the check does not read: the run's name only names its folders
+
+
+def package_digest() -> str:
+    """sha256 over this package's files (its code: a change to any check makes it again)."""
+    root = Path(stagereplay.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(f"{path.relative_to(root)}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def installed_distributions() -> list[str]:
+    """The installed distributions with their versions, as the import path's metadata folders name them
+    (``transformers-5.24.0.dist-info``): one listing per folder, no package imported or read."""
+    names = set()
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as found:
+                names.update(e.name for e in found if e.name.endswith((".dist-info", ".egg-info")))
+        except OSError:
+            continue
+    return sorted(names)
+
+
+def inputs_key(config: dict, fingerprints: dict, dataset_fingerprint: dict | None, prepared: dict | None,
+               base_dir: str | Path = ".") -> str | None:
+    """A digest of everything :func:`check_run`'s verdict depends on, or None where an input is not known by its
+    content (a Hugging Face dataset, a model not fingerprinted, a hub model the check may resolve online): then the
+    check is always made. ``prepared``'s snapshots count by their manifests (a GGUF source is checked through a
+    current one, so a snapshot made since gives a new check, through it)."""
+    if config["dataset"].get("source") == "hf":
+        return None
+    if config["dataset"].get("source") != "synthetic" and not (dataset_fingerprint or {}).get("sha256"):
+        return None
+    models = {}
+    for revision in config["revisions"]:
+        fingerprint = (fingerprints or {}).get(revision) or {}
+        if not fingerprint.get("sha256"):
+            return None
+        try:
+            kind = resolve_source(config["model"], revision, base_dir).kind
+        except ModelLoadError:
+            return None
+        if kind == "hub" and not config["offline"]:
+            return None
+        models[revision] = fingerprint["sha256"]
+    snapshots = {}
+    for revision, folders in (prepared or {}).items():
+        snapshots[revision] = []
+        for folder in map(Path, folders):
+            manifest = folder / "stagereplay_snapshot.json"
+            snapshots[revision].append([str(folder), hashlib.sha256(manifest.read_bytes()).hexdigest()
+                                        if manifest.is_file() else None])
+    ident = {"config": {k: v for k, v in config.items() if k not in NOT_CHECKED}, "models": models,
+             "dataset": (dataset_fingerprint or {}).get("sha256"), "snapshots": snapshots,
+             "base_dir": str(Path(base_dir).resolve()), "python": sys.version, "package": package_digest(),
+             "installed": installed_distributions()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class PassedChecks:
+    """The summaries of checks that passed, by :func:`inputs_key` (the last ``KEPT_CHECKS``), in a small JSON file."""
+
+    def __init__(self, path: str | Path | None = PASSED_CHECKS):
+        self.path = None if path is None else Path(path)
+        self.entries: dict[str, dict] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self.entries = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self.entries = {}  # a damaged record only costs checking again
+
+    def get(self, key: str | None) -> dict | None:
+        return self.entries.get(key) if key else None
+
+    def add(self, key: str | None, summary: dict) -> None:
+        if not key or self.path is None:
+            return
+        self.entries.pop(key, None)
+        self.entries[key] = {**summary, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.entries = dict(list(self.entries.items())[-KEPT_CHECKS:])
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.path, json.dumps(self.entries, indent=1))
+        except OSError:
+            pass  # a read-only working directory: the check is made again next time
+
+
+def check_run_once(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True,
+                   prepared: dict | None = None, fingerprints: dict | None = None,
+                   dataset_fingerprint: dict | None = None, passed: PassedChecks | None = None) -> dict:
+    """:func:`check_run`, unless the same inputs passed it before (``passed``, by :func:`inputs_key`): then its
+    summary, with ``passed_at``. The device is checked either way."""
+    if jobs_run_here:
+        check_device(config)
+    key = inputs_key(config, fingerprints, dataset_fingerprint, prepared, base_dir) if passed is not None else None
+    remembered = passed.get(key) if passed is not None else None
+    if remembered is not None:
+        return remembered
+    summary = check_run(config, base_dir, jobs_run_here=False, prepared=prepared, fingerprints=fingerprints)
+    if passed is not None:
+        passed.add(key, summary)
     return summary
