@@ -145,8 +145,10 @@ def run_config(work: Path, args, gguf_path: Path, run: str) -> Path:
     """bench/pipeline_run.py's config, with the GGUF file as the model, WORK/store as the model store and ``run``."""
     config = json.loads(write_config(work, args).read_text())
     config.update(run=run, model=str(gguf_path), revisions=[REVISION], model_store=str(work / "store"))
-    if getattr(args, "job_server", False) and run != "fresh":
-        config.update(job_server=True, job_server_idle_s=120)
+    if run == "fresh":  # the control: every job in its own process
+        config.update(job_server=False)
+    elif getattr(args, "job_server", None) is not None:  # else the config sets nothing about it: the schema's default
+        config.update(job_server=args.job_server == "on")
     path = work / f"config_{run}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
     (work / "config.yaml").unlink()
@@ -189,8 +191,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", required=True, help="a fresh folder for the model, store, configs and runs")
     add_run_options(ap)
     ap.add_argument("--quant", default="Q8_0", choices=QUANTS, help="the 2-D weights' GGUF type")
-    ap.add_argument("--job-server", action="store_true",
-                    help="job_server: true (model jobs fork from a warm server) in the timed runs")
+    ap.add_argument("--job-server", choices=("on", "off"),
+                    help="job_server in the timed runs' config (default: the key left out, so the schema's default)")
     ap.add_argument("--fresh-run", action="store_true",
                     help="after them, a run with job_server off on the same store, its tables compared with the "
                          "warm run's (scripts/compare_tables.py)")
