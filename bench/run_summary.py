@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import platform
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pipeline_run import STAMP, log_job_times, rule_times
@@ -129,13 +128,10 @@ def store_entries(work: Path) -> list[dict]:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "snakemake", "stagereplay"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
+    from stagereplay.models.store import installed_versions
+
+    return {"python": platform.python_version(), **installed_versions(
+        ("torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "snakemake", "stagereplay"))}
 
 
 def device_name(requested: str) -> str:
