@@ -146,12 +146,14 @@ def transplant(model, tokenizer, prompt, stage, donor: str = "prefill", recipien
         raise ValueError(f"layers {list(chosen)}: give at least one layer, each of the model's 0..{n_layers - 1}")
     spec = TransplantSpec("custom", chosen, component, positions)
     with determinism() as flags:
+        live = None
+        if "live" in (donor, recipient):
+            [live] = run(call.decoder, "live", [call.prompt], call.settings, **call.source("live"))
+            call.check_live(live)
         own = {name: run(call.decoder, rebuilt_as(name), [call.prompt], call.settings, stages=[call.stage],
                          keep={0}) for name in dict.fromkeys((donor, recipient))}
         label, match = {name: name for name in own}, None
-        if "live" in own:
-            [live] = run(call.decoder, "live", [call.prompt], call.settings, **call.source("live"))
-            call.check_live(live)
+        if live is not None:
             match = live.fingerprints[0] == own["live"][0].fingerprints[0]
             label["live"] = "live" if match else "incremental"
         [(res, outcome)] = transplant_rows(call.decoder, [call.prompt], [call.stage], call.settings, own, donor,
