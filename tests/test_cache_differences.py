@@ -5,8 +5,7 @@ import pytest
 
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments.cache_differences import layer_differences, sample_items
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.recipe import DecodeSettings, run
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.stages.cache_differences import measure_cache_differences
 from stagereplay.stages.gather import PREFIX_SCHEMA
@@ -18,7 +17,7 @@ PROMPT, STAGE = [5, 9, 12, 7, 3, 20, 14], [8, 15, 4, 19, 11, 6]  # ids within th
 def boundary_layers(loaded, construction="prefill", prompt=PROMPT, stage=STAGE):
     """A copy of one row's boundary cache, built by ``construction`` (no continuation)."""
     decoder = make_decoder(loaded.model, ())
-    settings = RunSettings("model", "x", None, 1)
+    settings = DecodeSettings(None, 1)
     return run(decoder, construction, [prompt], settings, stages=[stage], keep={0}, max_new_tokens=0)[0].layers
 
 

@@ -14,7 +14,7 @@ from stagereplay.decode.regimes import make_decoder
 from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.matched import fixed_prefix
-from stagereplay.experiments.recipe import run
+from stagereplay.experiments.recipe import DecodeSettings, run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.models import compat
@@ -85,7 +85,7 @@ def test_every_construction_is_offered_by_the_config_schema():
 
 def test_prefix_cached_is_the_prompt_then_the_stage_in_one_forward(loaded_bf16):
     (prompt,), (stage,) = rows(loaded_bf16, 1, seed=5)
-    settings = RunSettings("r", "bf16", None, 4)
+    settings = DecodeSettings(None, 4)
     res = run(EagerDecoder(loaded_bf16.model), "prefix_cached", [prompt], settings, stages=[stage], keep={0})[0]
     assert res.fingerprints[0] == by_hand(loaded_bf16.model, prompt + stage[:-1], [len(prompt), len(stage) - 1])
     # its prompt part is the cache every request over that prompt computes: incremental's, byte for byte
@@ -98,7 +98,7 @@ def test_prefix_cached_is_the_prompt_then_the_stage_in_one_forward(loaded_bf16):
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_chunked_is_prefill_in_chunks_of_chunk_size(loaded_bf16, chunk):
     (prompt,), (stage,) = rows(loaded_bf16, 1, seed=3)
-    settings = RunSettings("r", "bf16", None, 4, chunk_size=chunk)
+    settings = DecodeSettings(None, 4, chunk)
     res = run(EagerDecoder(loaded_bf16.model), "chunked", [prompt], settings, stages=[stage])[0]
     ids = prompt + stage[:-1]
     assert res.fingerprints[0] == by_hand(loaded_bf16.model, ids, [min(chunk, len(ids) - s)
@@ -129,7 +129,7 @@ def test_a_batch_of_rows_is_each_row_alone_on_the_eager_decoder(loaded_bf16, nam
     alone."""
     prompts, stages = rows(loaded_bf16, 3, seed=7)
     decoder = EagerDecoder(loaded_bf16.model)
-    settings = RunSettings("r", "bf16", None, 8, chunk_size=2)
+    settings = DecodeSettings(None, 8, 2)
     together = run(decoder, name, prompts, settings, stages=stages)
     alone = [run(decoder, name, [p], settings, stages=[s])[0] for p, s in zip(prompts, stages)]
     assert [(r.fingerprints, r.suffix_ids, r.margins) for r in together] == [

@@ -13,7 +13,7 @@ from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
 from stagereplay.io.ids import first_divergence
 from stagereplay.decode.protocol import Decoder
 from stagereplay.experiments import constructions, recipe
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.recipe import DecodeSettings
 from stagereplay.io.fingerprints import fingerprint_ids, fingerprint_layers, fingerprint_tensor
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]  # "Q:37+45=<think>"
@@ -139,7 +139,7 @@ def test_the_check_can_fail(loaded_fp32):
 def test_rebuilt_replicas_are_bit_identical(loaded_bf16, construction, chunk_size):
     decoder = EagerDecoder(loaded_bf16.model, ())
     stage = free_run(decoder, 8)
-    settings = RunSettings("tiny", "bf16", max_stage_tokens=None, max_new_tokens=10, chunk_size=chunk_size)
+    settings = DecodeSettings(max_stage_tokens=None, max_new_tokens=10, chunk_size=chunk_size)
     a, b = (recipe.run(decoder, construction, [PROMPT], settings, stages=[stage], keep={0})[0] for _ in range(2))
     assert a.fingerprints == b.fingerprints
     assert fingerprint_layers(a.layers) == fingerprint_layers(b.layers) == a.fingerprints

@@ -23,7 +23,7 @@ from stagereplay.decode.regimes import decoder_from_record, make_decoder
 from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.recipe import DecodeSettings
 from stagereplay.experiments.transplant import TransplantSpec, transplant_edit
 from stagereplay.io.fingerprints import fingerprint_layers
 
@@ -74,7 +74,7 @@ def build(name, chunk_size=16):
 
 
 def settings(max_new_tokens, max_stage_tokens=None, chunk_size=16):
-    return RunSettings("tiny", "x", max_stage_tokens, max_new_tokens, chunk_size=chunk_size)
+    return DecodeSettings(max_stage_tokens, max_new_tokens, chunk_size)
 
 
 def free_run(decoder, n, prompt=PROMPT):

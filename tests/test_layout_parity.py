@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from stagereplay.decode.regimes import make_decoder
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.recipe import DecodeSettings, run
 from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit
 
 ROWS = 6
@@ -31,7 +30,7 @@ def make_batch(loaded, rows: int, without_prefix: set[int], seed: int = 1):
     stages = [None if r in without_prefix else [rng.randrange(3, len(tok)) for _ in range(rng.randrange(2, 14))]
               for r in range(rows)]
     decoder = make_decoder(loaded.model, (), "static", max_len=96, max_rows=rows)
-    return decoder, prompts, stages, RunSettings("r", "fp32", None, 16)
+    return decoder, prompts, stages, DecodeSettings(None, 16)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,23 @@ def test_the_toy_retrain_target_plans_and_training_is_bit_reproducible(tmp_path)
     digest = hashlib.sha256((tmp_path / "a/model.safetensors").read_bytes()).hexdigest()
     assert first["model_safetensors_sha256"] == second["model_safetensors_sha256"] == digest
     assert first["cpu_capability"] == second["cpu_capability"] != ""
+
+
+def readme_library_example() -> str:
+    """The Python block of the README's "As a library" section."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## As a library\n", 1)[1].split("\n## ", 1)[0]
+    [code] = re.findall(r"```python\n(.*?)```", section, re.S)
+    return code
+
+
+def test_the_library_example_runs_on_the_toy_model():
+    proc = subprocess.run([sys.executable, "-c", readme_library_example()], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["live", "prefill"]
+    assert all("exact replicas: True cache " in line for line in lines[:2])
+    # with every layer's K/V the live cache holds prefill's whole boundary state: it must continue as prefill does
+    prefill_text = re.search(r"^prefill +('.*') exact", lines[1]).group(1)
+    assert lines[-1] == f"prefill K/V in the live cache: follows donor {prefill_text}"

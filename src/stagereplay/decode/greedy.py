@@ -100,6 +100,13 @@ class RowResult:
     fingerprints: tuple[str, list[str], list[str]] | None = None  # of the boundary cache the continuation read
     layers: Layers | None = None  # a copy of that cache (rows in ``keep`` only)
 
+    @property
+    def status(self) -> str:
+        """``ok`` (the boundary was reached, whatever the suffix did), ``boundary_missing`` or ``nonfinite``."""
+        if self.stop_reason == "nonfinite":
+            return "nonfinite"
+        return "ok" if self.stage_ids else "boundary_missing"
+
 
 class _TokenCount:
     """Tokens the greedy loop has chosen or fed (stage and suffix, every row) in this process: what progress

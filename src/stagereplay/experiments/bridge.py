@@ -66,7 +66,7 @@ def bridge(decoder: Decoder, batch: Batch, prompts: list[list[int]], settings: R
     rebuild of the batch."""
     if not rows:
         return []
-    incremental = run(decoder, "incremental", prompts, settings, stages=matched.stages(), keep=rows)
+    incremental = run(decoder, "incremental", prompts, settings.decode, stages=matched.stages(), keep=rows)
     out = []
     for r in sorted(rows):
         item, live = batch.items[r], matched.live[r]

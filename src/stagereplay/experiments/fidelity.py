@@ -23,8 +23,8 @@ from stagereplay.decode.greedy import BoundaryMatcher
 from stagereplay.decode.plans import Batch
 from stagereplay.decode.protocol import Decoder
 from stagereplay.experiments import constructions
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings, ReplicaMismatchError
+from stagereplay.experiments.recipe import ReplicaMismatchError, run
+from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.fingerprints import fingerprint_ids
 from stagereplay.io.keys import ITEM_FIELDS
 
@@ -159,7 +159,7 @@ def fidelity_batch(decoder: Decoder, batch: Batch, prompts: list[list[int]], set
                              "(it is the reference, or cannot be rebuilt from the prefix ids)")
     kept = None if wanted is None else {r for r, item in enumerate(batch.items) if int(item["item_index"]) in wanted}
     seen = _Logits(kept)
-    reference = run(decoder, REFERENCE, prompts, settings, matcher=matcher, observe=seen)
+    reference = run(decoder, REFERENCE, prompts, settings.decode, matcher=matcher, observe=seen)
     for r, item in enumerate(batch.items):
         _check_reference(item, reference[r], recorded.get(int(item["item_index"])), settings.precision)
     stages = [res.stage_ids or None for res in reference]
@@ -167,7 +167,7 @@ def fidelity_batch(decoder: Decoder, batch: Batch, prompts: list[list[int]], set
     rows = []
     for name in pair_constructions:
         forced = _Logits(kept)
-        other = run(decoder, name, prompts, settings, stages=stages, suffixes=suffixes, observe=forced)
+        other = run(decoder, name, prompts, settings.decode, stages=stages, suffixes=suffixes, observe=forced)
         for r, item in enumerate(batch.items):
             index = int(item["item_index"])
             if stages[r] is None or (wanted is not None and index not in wanted):

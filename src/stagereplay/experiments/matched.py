@@ -5,7 +5,7 @@ retained cache; ``prefill`` replicas 1 and 2 rebuild the boundary cache from rep
 2x2: two or more rebuildable constructions (``incremental`` and ``prefill`` by default; ``fixed_prefix.constructions``)
 over the reference generation's prefix ids, in the same batch and layout, at every precision, so every precision
 and construction continues from the same token state. Replicas must be
-bit-exact (token ids, cache bytes and layout), else :class:`~stagereplay.experiments.rows.ReplicaMismatchError`
+bit-exact (token ids, cache bytes and layout), else :class:`~stagereplay.experiments.recipe.ReplicaMismatchError`
 names the item.
 """
 
@@ -17,8 +17,7 @@ from stagereplay.decode.greedy import BoundaryMatcher, RowResult
 from stagereplay.decode.plans import Batch
 from stagereplay.decode.protocol import Decoder
 from stagereplay.experiments import constructions
-from stagereplay.experiments.recipe import replicated
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.rows import RunSettings, replicated
 
 FIXED_PREFIX_CONSTRUCTIONS = ("incremental", "prefill")
 

@@ -1,8 +1,11 @@
-"""Ledger rows: the schema, one row from one decoded row, and the replica check.
+"""Ledger rows: the schema, the settings they record, one row from one decoded row, and the recipe's replicas as
+ledger rows.
 
 A ledger row is one (item, revision, experiment, precision, construction, replica): its ids, its boundary-cache
 fingerprints, its suffix, answer and label, and its layout (decode regime, numerics, batch, left padding and the
 pending token's buffer position). Compared constructions of an item must share the layout (checked by the audit).
+This is the layer above the recipe (:mod:`stagereplay.experiments.recipe`): the revision, the answer format and the
+items' gold answers enter here, never below.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import pyarrow as pa
 from stagereplay.data.answers import extract_answer, is_correct
 from stagereplay.decode.greedy import RowResult
 from stagereplay.decode.plans import Batch
+from stagereplay.decode.protocol import Decoder
+from stagereplay.experiments.recipe import DecodeSettings, ReplicaMismatchError, replica_difference, run_replicas
 from stagereplay.io.fingerprints import fingerprint_ids
 from stagereplay.io.keys import LEDGER_FIELDS
 
@@ -46,17 +51,12 @@ LEDGER_SCHEMA = pa.schema([
 # what compared constructions of one item must share: decoded in one layout
 LAYOUT_COLUMNS = ("decode_regime", "numerics", "batch_index", "batch_row", "batch_rows", "layout_pad",
                   "layout_position")
-REPLICA_COLUMNS = ("status", "stage_ids", "cache_fingerprint", "suffix_fingerprint", "stop_reason", "layout_pad",
-                   "layout_position")
-
-
-class ReplicaMismatchError(RuntimeError):
-    """Two replicas of one construction and precision that are not bit-identical."""
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What an experiment needs besides the model: plain values from the config."""
+    """What an experiment needs besides the model: plain values from the config. The ledger's fields (revision,
+    precision, answer format, regimes) label its rows; the budgets and chunk size are the recipe's (:attr:`decode`)."""
 
     revision: str
     precision: str
@@ -69,23 +69,22 @@ class RunSettings:
     chunk_size: int = 16  # the chunked construction's forwards
 
     def __post_init__(self):
-        for key in ("max_stage_tokens", "max_new_tokens", "chunk_size"):
-            value = getattr(self, key)
-            if key == "max_stage_tokens" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key} is {value!r}; it must be a whole number of tokens, at least 1")
+        self.decode  # the budgets are checked where the recipe's settings are made
+
+    @property
+    def decode(self) -> DecodeSettings:
+        """The recipe's settings: the budgets and the chunk size, nothing of the ledger."""
+        return DecodeSettings(self.max_stage_tokens, self.max_new_tokens, self.chunk_size)
 
 
 def ledger_row(item: dict, settings: RunSettings, experiment: str, construction: str, replica: int,
                prompt_ids: list[int], res: RowResult, tokenizer, batch: Batch, row: int) -> dict:
     """The ledger row of one decoded row."""
+    status = res.status
     if res.stage_ids:
-        status = "nonfinite" if res.stop_reason == "nonfinite" else "ok"
         whole, ks, vs = res.fingerprints
         margins, stop = res.margins, res.stop_reason
     else:
-        status = "nonfinite" if res.stop_reason == "nonfinite" else "boundary_missing"
         whole, ks, vs = "", [], []
         margins, stop = [], status
     text = tokenizer.decode(res.suffix_ids) if res.suffix_ids else ""
@@ -105,18 +104,24 @@ def ledger_row(item: dict, settings: RunSettings, experiment: str, construction:
     }
 
 
-def check_replicas(rows: list[dict], item_id: str) -> None:
-    """Raise if rows of one (construction, precision) differ in any id, fingerprint or layout."""
-    first = rows[0]
-    for other in rows[1:]:
-        for key in REPLICA_COLUMNS:
-            if first[key] != other[key]:
-                detail = ""
-                if key == "cache_fingerprint":
-                    layers = [i for i, (a, b) in enumerate(zip(first["cache_k_fingerprints"],
-                                                               other["cache_k_fingerprints"])) if a != b]
-                    detail = f" (K differs from layer {layers[0] if layers else '?'})"
+def replicated(decoder: Decoder, experiment: str, construction: str, batch: Batch, prompts: list[list[int]],
+               settings: RunSettings, tokenizer, *, replicas=(1, 2), stages=None, matcher=None,
+               keep=frozenset()) -> tuple[list[dict], list[RowResult]]:
+    """Ledger rows of ``construction`` for every row of ``batch`` with something to decode, each replica run
+    from scratch by the recipe and checked bit for bit; and replica 1's results (its kept caches included)."""
+    runs = run_replicas(decoder, construction, prompts, settings.decode, replicas=replicas, stages=stages,
+                        matcher=matcher, keep=keep)
+    rows = []
+    for r, item in enumerate(batch.items):
+        if stages is not None and stages[r] is None:
+            continue
+        for replica, res in zip(replicas[1:], runs[1:]):
+            differs = replica_difference(runs[0][r], res[r])
+            if differs:
                 raise ReplicaMismatchError(
-                    f"item {item_id!r}: {first['construction']} replicas {first['replica']} and {other['replica']} "
-                    f"at {first['precision']} differ in {key}{detail}. Replicas must be bit-exact: check that "
+                    f"item {item['item_id']!r}: {construction} replicas {replicas[0]} and {replica} at "
+                    f"{settings.precision} differ in {differs}. Replicas must be bit-exact: check that "
                     "deterministic algorithms are on and nothing else runs kernels with a different schedule")
+        rows += [ledger_row(item, settings, experiment, construction, replica, prompts[r], res[r], tokenizer, batch, r)
+                 for replica, res in zip(replicas, runs)]
+    return rows, runs[0]

@@ -31,8 +31,7 @@ import pandas as pd
 from stagereplay.decode.greedy import RowResult
 from stagereplay.io.ids import first_divergence
 from stagereplay.decode.protocol import Decoder, Layers
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import ReplicaMismatchError, RunSettings
+from stagereplay.experiments.recipe import DecodeSettings, ReplicaMismatchError, run
 from stagereplay.io.fingerprints import fingerprint_ids
 
 SWEEPS = ("all", "single_layers", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions")
@@ -175,7 +174,7 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
 
 
 def transplant_rows(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
-                    settings: RunSettings, own: dict[str, list[RowResult]], donor: str, recipient: str,
+                    settings: DecodeSettings, own: dict[str, list[RowResult]], donor: str, recipient: str,
                     specs: dict[int, TransplantSpec]) -> dict[int, tuple[RowResult, Outcome]]:
     """Transplants of several rows of one batch in one decode: the recipient's whole batch decoded again (the one
     recipe, the batch's own layout) with row ``r``'s boundary cache edited by ``specs[r]`` from the donor's row
@@ -214,7 +213,7 @@ def directions(own: dict) -> list[tuple[str, str]]:
 
 
 def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
-                     settings: RunSettings, own: dict[str, list[RowResult]], rows: list[int],
+                     settings: DecodeSettings, own: dict[str, list[RowResult]], rows: list[int],
                      specs: list[TransplantSpec], labels: dict[int, dict[str, str]] | None = None
                      ) -> dict[int, list[dict]]:
     """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,

@@ -11,6 +11,7 @@ nothing of caches, constructions or the ledger.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,14 +38,43 @@ def set_determinism(threads: int) -> dict:
     (docs/STUDY.md, numerics rules). Filling uninitialised memory is an avoidable cost we switch off.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.set_float32_matmul_precision("highest")
+    _set_flags(_DETERMINISTIC)
     torch.set_num_threads(int(threads))
     return numerics_flags()
+
+
+# (deterministic algorithms, their warn-only mode, fill uninitialised memory, TF32 matmul, TF32 cuDNN, cuDNN
+# benchmark, fp32 matmul precision)
+_DETERMINISTIC = (True, False, False, False, False, False, "highest")
+
+
+def _flags() -> tuple:
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
+
+
+def _set_flags(flags: tuple) -> None:
+    deterministic, warn_only, fill, tf32_matmul, tf32_cudnn, benchmark, fp32_precision = flags
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.backends.cuda.matmul.allow_tf32 = tf32_matmul
+    torch.backends.cudnn.allow_tf32 = tf32_cudnn
+    torch.backends.cudnn.benchmark = benchmark
+    torch.set_float32_matmul_precision(fp32_precision)
+
+
+@contextmanager
+def determinism():
+    """The flags of :func:`set_determinism` (its threads aside) inside the block, the caller's restored after it:
+    for a library call in a process that is not the pipeline's. Yields the flags for provenance."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    saved = _flags()
+    _set_flags(_DETERMINISTIC)
+    try:
+        yield numerics_flags()
+    finally:
+        _set_flags(saved)
 
 
 def numerics_flags() -> dict:
@@ -136,17 +166,22 @@ def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_p
         config = AutoConfig.from_pretrained(source.path, **common)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on the cause
         raise ModelLoadError(f"cannot read the model config of {requested.describe()}: {exc}") from exc
+    reason = unsupported(config)
+    if reason is not None:
+        raise ModelLoadError(f"{requested.describe()} {reason}")
+    return source, resolved_commit, config, common
+
+
+def unsupported(config) -> str | None:
+    """Why the cache code cannot handle a model of ``config`` (its model type, sliding-window attention), as the
+    end of a sentence naming the model; None when it can."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{requested.describe()} is a {model_type!r} model; the cache code supports "
-            f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only, every layer full attention): point model at one of those"
-        )
+        return (f"is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} (decoder-only, "
+                "every layer full attention): point model at one of those")
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ModelLoadError(
-            f"{requested.describe()} uses sliding-window attention, which the cache code does not support"
-        )
-    return source, resolved_commit, config, common
+        return "uses sliding-window attention, which the cache code does not support"
+    return None
 
 
 # Text every tokenizer of a model that reasons about numbers turns into tokens.
@@ -328,10 +363,15 @@ def load_model(
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
     """Every id that ends a suffix: the tokenizer's EOS and the generation config's (possibly several)."""
+    return eos_ids_of(loaded.model, loaded.tokenizer)
+
+
+def eos_ids_of(model, tokenizer) -> list[int]:
+    """:func:`eos_token_ids` of a model and tokenizer loaded by anyone."""
     ids = set()
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(gen_eos, int):
         ids.add(gen_eos)
     elif gen_eos:

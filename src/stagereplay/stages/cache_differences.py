@@ -10,8 +10,7 @@ import pyarrow as pa
 
 from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.cache_differences import layer_differences, sample_items
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.recipe import DecodeSettings, run
 from stagereplay.experiments.transplant import rebuilt_as
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, write_parquet
@@ -58,9 +57,7 @@ def measure_cache_differences(prefixes_path: str, out_path: str, s: CacheDiffere
     for precision in s.precisions if wanted else []:
         job = load_as_recorded(s, precision, prefixes_path)
         infos.append(job.loaded.info)
-        settings = RunSettings(s.revision or "", precision, None, 1,
-                               decode_regime=job.decoder.record()["decode_regime"], numerics=job.numerics,
-                               chunk_size=s.chunk_size)
+        settings = DecodeSettings(None, 1, s.chunk_size)  # only the boundary caches: no suffix (below)
         for batch in progress(batches, f"measure_cache_differences {s.revision_slug}/{precision} shard {s.shard}",
                               enabled=s.progress,
                               items=lambda b: sum(int(it["item_index"]) in wanted for it in b.items)):

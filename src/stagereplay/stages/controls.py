@@ -187,9 +187,9 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
                     raise KeyError(f"item {item['item_id']!r}: no matched live row at {precision} in {ledger_path}; "
                                    "rerun reconstruct_prefixes")
                 alone_batch, ids = Batch(None, (item,)), [prompter(item["question"])]
-                alone = {"live": run(job.decoder, "live", ids, settings, matcher=matcher)[0]}
+                alone = {"live": run(job.decoder, "live", ids, settings.decode, matcher=matcher)[0]}
                 if (int(item["item_index"]), "prefill") in by_key:  # over the batched row's prefix
-                    alone["prefill"] = run(job.decoder, "prefill", ids, settings,
+                    alone["prefill"] = run(job.decoder, "prefill", ids, settings.decode,
                                            stages=[[int(i) for i in live["stage_ids"]]])[0]
                 for construction, res in alone.items():
                     batched = by_key[int(item["item_index"]), construction]

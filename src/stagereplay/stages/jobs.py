@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from stagereplay.decode.protocol import Decoder
 from stagereplay.decode.regimes import decoder_from_record
+from stagereplay.experiments.recipe import DecodeSettings
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.provenance import recorded_numerics, recorded_regime, software_versions
 from stagereplay.models.gpus import claim_gpu, start_device
@@ -36,12 +37,15 @@ class Job:
         return self.decoder.numerics
 
     def run_settings(self, s, precision: str) -> RunSettings:
-        """An experiment's settings: the stage's budgets and answer format, this job's decode and numerics regime
-        (stages that replay fixed prefixes have no stage budget; the transplants no answer format, their rows
-        carry no answers)."""
+        """The settings of an experiment that makes ledger rows: the stage's budgets and answer format, this job's
+        decode and numerics regime (stages that replay fixed prefixes have no stage budget)."""
         return RunSettings(s.revision, precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
                            getattr(s, "answer_format", "last_number"), getattr(s, "stage_end", None),
                            self.decoder.record()["decode_regime"], self.numerics, s.chunk_size)
+
+    def decode_settings(self, s) -> DecodeSettings:
+        """The recipe's settings alone, for a stage whose rows carry no answers (caches, transplants)."""
+        return DecodeSettings(getattr(s, "max_stage_tokens", None), s.max_new_tokens, s.chunk_size)
 
 
 def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder) -> Job:

@@ -24,8 +24,8 @@ import pyarrow as pa
 
 from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.matched import fixed_prefix
-from stagereplay.experiments.recipe import run
-from stagereplay.experiments.rows import LEDGER_SCHEMA, ReplicaMismatchError
+from stagereplay.experiments.recipe import DecodeSettings, ReplicaMismatchError, run
+from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, transplant_batch
 from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
@@ -83,7 +83,7 @@ TRANSPLANT_SCHEMA = pa.schema([
 class Rebuild:
     """Both constructions of the pair rebuilt for one batch of the baseline, checked against its rows."""
 
-    def __init__(self, job, batch, pairs: dict[int, dict], pair, settings, keep: set[int]):
+    def __init__(self, job, batch, pairs: dict[int, dict], pair, settings: DecodeSettings, keep: set[int]):
         self.batch, self.pair, self.settings, self.job = batch, tuple(pair), settings, job
         members = [pairs.get(int(item["item_index"])) for item in batch.items]
         self.prompts = [[int(i) for i in item["prompt_ids"]] for item in batch.items]
@@ -180,7 +180,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         if pairs.empty:
             continue
         job = load_as_recorded(s, precision, baseline_path)
-        settings = job.run_settings(s, precision)
+        settings = job.decode_settings(s)
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         prov = job.provenance("dump_caches", unsharded(config_of(s)),
@@ -228,7 +228,7 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
         raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
                          "selection")
     job = load_as_recorded(s, s.precision, baseline_path)
-    settings = job.run_settings(s, s.precision)
+    settings = job.decode_settings(s)
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
     plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
