@@ -30,7 +30,7 @@ import torch
 from stagereplay.decode.eager import EagerDecoder
 from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
 from stagereplay.decode.regimes import make_decoder
-from stagereplay.decode.static import ATTENTIONS, KERNELS
+from stagereplay.decode.options import ATTENTIONS, KERNELS
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.ids import first_divergence

@@ -12,7 +12,7 @@ import pytest
 
 from report_data import (synthetic_cache_differences, synthetic_fidelity, synthetic_ledger, synthetic_minimal_transplant,
                          synthetic_onset, synthetic_transplant, write)
-from stagereplay.analysis import captions, figures, study
+from stagereplay.analysis import cache_figures, captions, fidelity_figures, figures, ledger_figures, study
 from stagereplay.analysis import tables as analysis
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +66,8 @@ def test_plot_figures_refuses_an_unknown_figure(inputs, tmp_path):
 
 def test_pdf_output_is_reproducible(tables, tmp_path):
     a, b = tmp_path / "a.pdf", tmp_path / "b.pdf"
-    figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(a)})
-    figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(b)})
+    ledger_figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(a)})
+    ledger_figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(b)})
     assert a.read_bytes() == b.read_bytes()
 
 
@@ -104,7 +104,8 @@ def test_cache_differences_figure_when_no_layer_differs(tmp_path):
 def drawn(monkeypatch):
     """Call a plotter and get its matplotlib figure back instead of files."""
     kept = []
-    monkeypatch.setattr(figures, "save_figure", lambda fig, paths: kept.append(fig))
+    for module in (ledger_figures, cache_figures, fidelity_figures):
+        monkeypatch.setattr(module, "save_figure", lambda fig, paths: kept.append(fig))
 
     def draw(name, table, **kw):
         figures.PLOTTERS[name](table, {}, **kw)
@@ -134,7 +135,7 @@ def test_no_figure_number_or_title_is_drawn_and_the_width_is_one_column(name, ta
 
 def test_pdf_embeds_truetype_fonts(tables, tmp_path):
     path = tmp_path / "f.pdf"
-    figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(path)})
+    ledger_figures.plot_disagreement(tables["fig1_disagreement"], {"pdf": str(path)})
     data = path.read_bytes()
     assert b"/FontFile2" in data and b"/Type3" not in data
 

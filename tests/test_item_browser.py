@@ -13,7 +13,7 @@ import pytest
 
 from report_data import synthetic_ledger, synthetic_transplant, write
 from headless_chromium import INSTALL_HINT, find_chromium
-from stagereplay.analysis.browser import write_item_browser
+from stagereplay.analysis.browser_page import write_item_browser
 from stagereplay.analysis.report import build_report
 
 REPO = Path(__file__).resolve().parents[1]

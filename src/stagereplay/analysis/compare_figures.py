@@ -17,8 +17,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from stagereplay.analysis import tables as analysis  # noqa: E402
-from stagereplay.analysis.figure_style import EXPERIMENT_NAMES, STYLE, WIDTH, dodge, error_lengths  # noqa: E402
-from stagereplay.analysis.figures import placeholder_figure, save_figure  # noqa: E402
+from stagereplay.analysis.figure_style import (EXPERIMENT_NAMES, STYLE, WIDTH, dodge, error_lengths,  # noqa: E402
+                                               placeholder_figure, save_figure)
 
 # Okabe-Ito without the precisions' blue and vermillion, which the paper figures use for bf16 and fp32.
 RUN_COLORS = ("#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#000000", "#F0E442", "#0072B2", "#D55E00")

@@ -1,11 +1,13 @@
-"""The one style of the six paper figures, and the layout helpers they share.
+"""The one style of the paper figures (and the comparison's), the layout helpers they share and how they are written.
 
 A single column's width (:data:`WIDTH`, 3.4 in), 7-pt type (:data:`STYLE`, used as an ``rc_context``), the
 Okabe-Ito colours (one per precision, :data:`COLORS`) with a marker and line style per experiment
 (:data:`EXPERIMENT_STYLE`) or cache component (:data:`COMPONENT_STYLE`) so that series stay apart in greyscale and
 where they coincide, fonts embedded in the PDF as TrueType (``pdf.fonttype`` 42). The helpers order revisions and
 panels the same way in every figure, stack panels at the column's width and break a long name into lines that fit
-the room it has. matplotlib runs on the Agg backend.
+the room it has; :func:`save_figure` writes a figure reproducibly, :func:`placeholder_figure` writes one that says
+which input it waits for. This module draws no figure of its own: the figure modules do.
+matplotlib runs on the Agg backend.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 
 from stagereplay.analysis import tables as analysis  # noqa: E402
+from stagereplay.io.parquet import atomic_path  # noqa: E402
 
 # Okabe-Ito: apart in colour-blind reading; markers and line styles keep series apart in greyscale.
 COLORS = {"bf16": "#0072B2", "fp32": "#D55E00", "fp16": "#009E73", "reference": "#000000"}
@@ -38,6 +41,24 @@ STYLE = {
     "savefig.dpi": 300, "pdf.fonttype": 42, "ps.fonttype": 42, "figure.constrained_layout.use": True,
     "legend.frameon": False, "font.family": "DejaVu Sans", "hatch.linewidth": 0.6,
 }
+
+
+def save_figure(fig, paths: dict[str, str]) -> None:
+    """Write ``fig`` to each format's path atomically, at the figure's own size (a fixed width, not a tight box);
+    metadata without dates keeps the PDF reproducible."""
+    for fmt, path in paths.items():
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt,
+                        metadata={"CreationDate": None} if fmt == "pdf" else {"Software": None})
+    plt.close(fig)
+
+
+def placeholder_figure(paths: dict[str, str], message: str) -> None:
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(WIDTH, 1.0))
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, color="0.3", transform=ax.transAxes)
+        save_figure(fig, paths)
 
 
 def error_lengths(centre: float, low: float, high: float) -> list[list[float]]:

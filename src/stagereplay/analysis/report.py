@@ -108,7 +108,7 @@ def figures_section(figures: dict[str, str] | None, out_md: str, notes: dict[str
 
 
 def item_browser_line(page: str | None, out_md: str) -> list[str]:
-    """The link to the item browser (:mod:`stagereplay.analysis.browser`), relative to the report."""
+    """The link to the item browser (:mod:`stagereplay.analysis.browser_page`), relative to the report."""
     if not page:
         return []
     target = Path(page).resolve()

@@ -4,7 +4,7 @@ The ledger holds token ids (and each suffix's text decoded whole); the browser m
 so it needs every token's text on its own. This stage loads each revision's tokenizer as the generation loaded it
 (:func:`~stagereplay.models.loading.checked_config` and :func:`~stagereplay.models.loading.checked_tokenizer`,
 never the weights), refuses a ledger that was generated from another model source than the config names, decodes
-every id the page shows once, and hands the texts to :func:`stagereplay.analysis.browser.write_item_browser`.
+every id the page shows once, and hands the texts to :func:`stagereplay.analysis.browser_page.write_item_browser`.
 
 Each id is decoded alone (special tokens kept, no clean-up of spaces): a token that is part of a multi-byte
 character shows as the replacement character, and a tokenizer that drops a word's leading space when the word
@@ -13,7 +13,8 @@ stands alone shows it without; the ledger's ``suffix_text`` keeps the whole deco
 
 from __future__ import annotations
 
-from stagereplay.analysis.browser import read_results, suffix_token_ids, write_item_browser
+from stagereplay.analysis.browser_data import read_results, suffix_token_ids
+from stagereplay.analysis.browser_page import write_item_browser
 from pathlib import Path
 
 from stagereplay.io.parquet import read_provenance
