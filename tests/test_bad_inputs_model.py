@@ -330,6 +330,29 @@ def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_e
     assert len(made) == 8
 
 
+def test_a_passed_preflight_holds_after_the_store_got_a_snapshot_of_the_model(tmp_path, monkeypatch):
+    """A run after the model store was filled (its second run name) reuses the first run's check: a snapshot stands
+    in for its source only where preparing proved it the source's, so it cannot change the verdict."""
+    from stagereplay.io.file_hashes import HashCache
+    from stagereplay.stages import preflight
+    from stagereplay.stages.input_fingerprints import model_fingerprint
+
+    made = []
+    check_run_itself = preflight.check_run
+    monkeypatch.setattr(preflight, "check_run", lambda *a, **k: made.append(1) or check_run_itself(*a, **k))
+    passed = preflight.PassedChecks(tmp_path / "preflight.json")
+    cfg = valid_config(n_items=3)
+    fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
+    entry = tmp_path / "store" / "bf16-entry"
+    preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints, prepared={"primary": [entry]},
+                             passed=passed)
+    entry.mkdir(parents=True)
+    (entry / "stagereplay_snapshot.json").write_text('{"format": 1}')
+    again = preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints,
+                                     prepared={"primary": [entry]}, passed=passed)
+    assert len(made) == 1 and "passed_at" in again
+
+
 def test_a_second_dry_run_on_the_same_inputs_reads_none_of_them_again(tmp_path):
     tiny_config(tmp_path)
     first = snakemake(tmp_path, "-n")

@@ -211,12 +211,14 @@ def installed_distributions() -> list[str]:
     return sorted(names)
 
 
-def inputs_key(config: dict, fingerprints: dict, dataset_fingerprint: dict | None, prepared: dict | None,
+def inputs_key(config: dict, fingerprints: dict, dataset_fingerprint: dict | None,
                base_dir: str | Path = ".") -> str | None:
     """A digest of everything :func:`check_run`'s verdict depends on, or None where an input is not known by its
     content (a Hugging Face dataset, a model not fingerprinted, a hub model the check may resolve online): then the
-    check is always made. ``prepared``'s snapshots count by their manifests (a GGUF source is checked through a
-    current one, so a snapshot made since gives a new check, through it)."""
+    check is always made. The model store's snapshots do not count: one stands in for its source only where it was
+    made from the source's current files, and preparing it proved its config and tokenizer the source's, so the
+    verdict through it is the verdict through the source (a run after the store was filled reuses the first run's
+    check)."""
     if config["dataset"].get("source") == "hf":
         return None
     if config["dataset"].get("source") != "synthetic" and not (dataset_fingerprint or {}).get("sha256"):
@@ -233,15 +235,8 @@ def inputs_key(config: dict, fingerprints: dict, dataset_fingerprint: dict | Non
         if kind == "hub" and not config["offline"]:
             return None
         models[revision] = fingerprint["sha256"]
-    snapshots = {}
-    for revision, folders in (prepared or {}).items():
-        snapshots[revision] = []
-        for folder in map(Path, folders):
-            manifest = folder / "stagereplay_snapshot.json"
-            snapshots[revision].append([str(folder), hashlib.sha256(manifest.read_bytes()).hexdigest()
-                                        if manifest.is_file() else None])
     ident = {"config": {k: v for k, v in config.items() if k not in NOT_CHECKED}, "models": models,
-             "dataset": (dataset_fingerprint or {}).get("sha256"), "snapshots": snapshots,
+             "dataset": (dataset_fingerprint or {}).get("sha256"),
              "base_dir": str(Path(base_dir).resolve()), "python": sys.version, "package": package_digest(),
              "installed": installed_distributions()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
@@ -282,7 +277,7 @@ def check_run_once(config: dict, base_dir: str | Path = ".", jobs_run_here: bool
     summary, with ``passed_at``. The device is checked either way."""
     if jobs_run_here:
         check_device(config)
-    key = inputs_key(config, fingerprints, dataset_fingerprint, prepared, base_dir) if passed is not None else None
+    key = inputs_key(config, fingerprints, dataset_fingerprint, base_dir) if passed is not None else None
     remembered = passed.get(key) if passed is not None else None
     if remembered is not None:
         return remembered
