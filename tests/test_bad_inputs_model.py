@@ -7,6 +7,7 @@ and the workflow only where Snakemake itself is what is tested.
 """
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -351,6 +352,27 @@ def test_a_passed_preflight_holds_after_the_store_got_a_snapshot_of_the_model(tm
     again = preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints,
                                      prepared={"primary": [entry]}, passed=passed)
     assert len(made) == 1 and "passed_at" in again
+
+
+def test_a_remembered_preflight_leaves_the_jobs_the_environment_of_a_check_made_again(tmp_path, monkeypatch):
+    """An offline run's jobs inherit HF_HUB_OFFLINE and the like from Snakemake's process, which the check sets: a
+    remembered check must set them too, or a run's jobs get another environment than the run before's (and
+    another job server key: the second run's jobs found no server)."""
+    from stagereplay.io.file_hashes import HashCache
+    from stagereplay.stages import preflight
+    from stagereplay.stages.input_fingerprints import model_fingerprint
+
+    offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    passed = preflight.PassedChecks(tmp_path / "preflight.json")
+    cfg = valid_config(n_items=3)
+    fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
+    environments = []
+    for _ in range(2):
+        for name in offline:
+            monkeypatch.delenv(name, raising=False)
+        summary = preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints, passed=passed)
+        environments.append({name: os.environ.get(name) for name in offline})
+    assert "passed_at" in summary and environments[1] == environments[0] == dict.fromkeys(offline, "1")
 
 
 def test_a_second_dry_run_on_the_same_inputs_reads_none_of_them_again(tmp_path):

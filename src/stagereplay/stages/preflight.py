@@ -274,7 +274,11 @@ def check_run_once(config: dict, base_dir: str | Path = ".", jobs_run_here: bool
                    prepared: dict | None = None, fingerprints: dict | None = None,
                    dataset_fingerprint: dict | None = None, passed: PassedChecks | None = None) -> dict:
     """:func:`check_run`, unless the same inputs passed it before (``passed``, by :func:`inputs_key`): then its
-    summary, with ``passed_at``. The device is checked either way."""
+    summary, with ``passed_at``. The device is checked either way, and an offline run goes offline either way: the
+    jobs inherit this process's environment (and the job server's key holds it), so a remembered check must leave
+    it as a check made again would."""
+    if config["offline"]:
+        go_offline()
     if jobs_run_here:
         check_device(config)
     key = inputs_key(config, fingerprints, dataset_fingerprint, base_dir) if passed is not None else None
