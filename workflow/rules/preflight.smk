@@ -1,6 +1,7 @@
 # Before the first job (only when there is work to do, and in a dry run): every check of the inputs that needs no
 # weights, so that a bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
 from stagereplay.stages.preflight import PassedChecks, check_output_folders, check_run_once
+from stagereplay.stages.rule_job import start_job_server, starts_warm
 
 # A file where the run's folders go would fail Snakemake's own listing of them (NotADirectoryError), before any hook.
 check_output_folders(RESULTS, LOGS, BENCH)
@@ -55,6 +56,12 @@ def preflight():
     )
 
 
+def runs_warm(job):
+    """Whether ``job`` runs in the job server: its rule's script starts warm (stagereplay.stages.rule_job)."""
+    script = job.rule.script
+    return bool(script) and starts_warm(Path(job.rule.snakefile).parent / script)
+
+
 def only_comparisons():
     """Whether this invocation builds comparisons alone (target compare, or files under results/compare/): those
     check the runs they read themselves (compare.smk), and the config's own run is none of them."""
@@ -69,3 +76,7 @@ onstart:
         check_results()
         preflight()
         prepare_entries_again()
+        if not workflow.dryrun and jobs_run_here() and any(map(runs_warm, workflow.dag.needrun_jobs())):
+            started = start_job_server(config)
+            if started:
+                logger.info(started)

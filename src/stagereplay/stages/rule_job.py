@@ -43,3 +43,43 @@ def start_job(snakemake, warm: bool = False) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     if warm:
         hand_over(snakemake.config, PRELOAD)
+
+
+def starts_warm(script: str | os.PathLike) -> bool:
+    """Whether the rule script ``script`` starts its job with ``start_job(snakemake, warm=True)`` (its second
+    statement, tests/test_rule_scripts.py checks): whether its job runs in the job server."""
+    import ast
+
+    try:
+        body = ast.parse(open(script).read()).body
+    except (OSError, SyntaxError):
+        return False
+    call = body[1].value if len(body) > 1 and isinstance(body[1], ast.Expr) else None
+    return isinstance(call, ast.Call) and getattr(call.func, "id", None) == "start_job" and any(
+        k.arg == "warm" and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords)
+
+
+def start_job_server(config: dict) -> str | None:
+    """Before a run's first job (its ``onstart``, where the jobs run on this machine): start the warm job server of
+    :data:`PRELOAD` in the background unless one answers already, so that it imports while the run's first jobs
+    (selecting items, preparing the model) run and its model jobs fork from it instead of importing on their own.
+    Returns what it did, for the run's log; None where the config turns the server off or it cannot run here (the
+    first job that would use it says why)."""
+    from stagereplay.runtime.job_server import (DEFAULT_IDLE_S, connect, folder, folder_problem, server_key,
+                                                socket_folder, socket_path, socket_problem, start_server)
+
+    if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
+        return None
+    if folder_problem(folder()) or folder_problem(socket_folder()):
+        return None
+    key = server_key(preload=PRELOAD)
+    path = socket_path(key)
+    if socket_problem(path):
+        return None
+    try:
+        connect(path, 1.0).close()
+        return f"job server {key} answers already"
+    except OSError:
+        pass
+    start_server(key, float(config.get("job_server_idle_s", DEFAULT_IDLE_S)), PRELOAD)
+    return f"job server {key} starting in the background for the model jobs"
