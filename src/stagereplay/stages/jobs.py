@@ -16,7 +16,7 @@ from stagereplay.io.provenance import recorded_numerics, recorded_regime, softwa
 from stagereplay.models.gpus import claim_gpu, start_device
 from stagereplay.models.loading import eos_token_ids, set_determinism
 from stagereplay.models.opening import open_model
-from stagereplay.runtime.job_server import process_start
+from stagereplay.runtime.hand_over import process_start
 from stagereplay.stages.settings import ModelSettings
 
 log = logging.getLogger("stagereplay")
