@@ -66,9 +66,6 @@ def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder
         device_start.join()
         took("device start (the rest of it)")
     loaded.info["gpu_slot"] = gpu.record()
-    if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
-        loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
-        loaded.info["model_files"] = settings.model_fingerprint["files"]
     job = Job(loaded, make_decoder(loaded), flags)
     took("decoder")
     log.info("model and decoder ready: %s (%s)", process_start(), took)
