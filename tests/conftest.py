@@ -34,7 +34,7 @@ def pytest_sessionfinish(session, exitstatus):
     """The job servers this process's workflows started exit with it, not after their idle time (under xdist a
     worker that finishes first may stop a server another worker's run still uses: that run's next jobs start in
     their own processes, or start a server again)."""
-    from stagereplay.runtime.job_server import stop_servers
+    from stagereplay.runtime.hand_over import stop_servers
 
     stop_servers(os.environ["STAGEREPLAY_JOB_SERVER_DIR"])
 

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = """
 import importlib, json, logging, os, resource, subprocess, sys, tempfile, time
 logging.basicConfig(level=logging.INFO)  # the hand-over's lines: why a job runs in its own process
-from stagereplay.runtime.job_server import CHILD_ENV, hand_over
+from stagereplay.runtime.hand_over import hand_over
+from stagereplay.runtime.server_protocol import CHILD_ENV
 preload = tuple(os.environ.get("JOB_PRELOAD", "json").split(","))
 hand_over({"job_server": not os.environ.get("JOB_FRESH"), **json.loads(os.environ.get("JOB_CONFIG", "{}"))}, preload)
 for name in filter(None, os.environ.get("JOB_IMPORTS", ",".join(preload)).split(",")):
@@ -87,7 +88,7 @@ def tree(tmp_path):
 
 def key_of(env, preload="json") -> str:
     """The key of a server that imports ``preload`` (comma-separated), for a job of ``env``."""
-    return subprocess.run([sys.executable, "-c", "from stagereplay.runtime.job_server import server_key; "
+    return subprocess.run([sys.executable, "-c", "from stagereplay.runtime.server_key import server_key; "
                            f"print(server_key(preload=tuple({preload!r}.split(','))))"], env=env, capture_output=True,
                           text=True, check=True).stdout.strip()
 
@@ -212,7 +213,7 @@ def test_a_folder_others_can_enter_gets_no_server(tree):
     proc, seen = run_job(tmp, env)
     assert not seen["child"] and "is not this user's alone" not in proc.stderr
     assert (servers / f"{key}.lock").exists() and (servers / f"{key}.log").exists()
-    from stagereplay.runtime.job_server import stop_servers
+    from stagereplay.runtime.hand_over import stop_servers
 
     for _ in range(600):  # the server it started imports its preload, then answers: stop it
         if stop_servers(servers):
@@ -271,7 +272,7 @@ def test_a_temp_folder_too_long_for_a_socket_gets_no_server_and_one_message(tree
     try:
         proc, seen = run_job(tmp, dict(env, STAGEREPLAY_JOB_SERVER_DIR=str(short)))
         assert "job server not used" not in proc.stderr and list(short.glob("*.log"))
-        from stagereplay.runtime.job_server import stop_servers
+        from stagereplay.runtime.hand_over import stop_servers
 
         for _ in range(600):  # the server it started imports the model stack, then answers: stop it
             if stop_servers(short):
@@ -283,7 +284,8 @@ def test_a_temp_folder_too_long_for_a_socket_gets_no_server_and_one_message(tree
 
 def test_the_socket_path_limit_is_the_kernels():
     """socket_problem's limit is where binding starts to fail: the longest path it passes binds, one byte more fails."""
-    from stagereplay.runtime.job_server import PID_MAX, SUN_PATH_MAX, bound_path, socket_problem
+    from stagereplay.runtime.server_folder import SUN_PATH_MAX, bound_path, socket_problem
+    from stagereplay.runtime.server_protocol import PID_MAX
 
     base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
     try:
@@ -333,7 +335,7 @@ def listener(env, greeting: bytes, answer: bytes | None, hang_up=False):
     """Something other than a job server on the socket of ``env``'s key: it sends ``greeting`` and ``answer`` (or
     nothing more, when None) to the job that connects, and reads what the job sends (dropping the streams it passes)
     until the job hangs up (or, with ``hang_up``, hangs up itself once it has the job's request)."""
-    from stagereplay.runtime.job_server import socket_folder
+    from stagereplay.runtime.server_folder import socket_folder
 
     servers = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
     sockets = socket_folder(servers)
@@ -362,7 +364,7 @@ def listener(env, greeting: bytes, answer: bytes | None, hang_up=False):
 def test_a_server_that_greets_but_forks_no_child_holds_a_job_seconds_not_forever(tree):
     """A server that takes the job's request and then answers nothing: the job waits job_server_timeout_s for its
     child's pid (not for ever), then runs in its own process and says why."""
-    from stagereplay.runtime.job_server import GREETING
+    from stagereplay.runtime.server_protocol import GREETING
 
     tmp, env = tree
     with listener(env, GREETING, None):
@@ -397,7 +399,7 @@ def test_a_forked_job_runs_as_long_as_it_runs(tree):
 ], ids=["another greeting", "no pid", "a negative pid", "nothing"])
 def test_a_listener_that_answers_no_pid_gets_no_job(tree, greeting, answer, said):
     """Whatever answers on a server's socket without a pid: the job runs in its own process and says what it got."""
-    from stagereplay.runtime.job_server import GREETING
+    from stagereplay.runtime.server_protocol import GREETING
 
     tmp, env = tree
     with listener(env, greeting or GREETING, answer, hang_up=answer == b""):
@@ -439,7 +441,8 @@ def test_a_job_killed_outright_takes_its_child_and_the_childs_subprocesses_with_
 def test_a_server_killed_outright_leaves_its_jobs_to_finish_and_the_next_job_starts_another(tree):
     """kill -9 of the server: the child it forked is the job's and reports to it, so the job ends as it would have;
     the dead server's socket, left behind, answers nobody, and the next job starts a server rather than wait."""
-    from stagereplay.runtime.job_server import socket_folder, stop_servers
+    from stagereplay.runtime.hand_over import stop_servers
+    from stagereplay.runtime.server_folder import socket_folder
 
     tmp, env = tree
     key = key_of(env)
@@ -467,12 +470,13 @@ def test_a_server_killed_outright_leaves_its_jobs_to_finish_and_the_next_job_sta
 
 MARKED_JOB = """
 import json, os
-from stagereplay.runtime import job_server
+from stagereplay.runtime import hand_over
+from stagereplay.runtime.server_protocol import CHILD_ENV
 if os.environ.get("FORCE_KEY"):  # a job that computed its key before the edit
-    job_server.server_key = lambda env=None, preload=(): os.environ["FORCE_KEY"]
-job_server.hand_over({"job_server": True}, ("stagereplay.marker",))
+    hand_over.server_key = lambda env=None, preload=(): os.environ["FORCE_KEY"]
+hand_over.hand_over({"job_server": True}, ("stagereplay.marker",))
 from stagereplay import marker
-print(json.dumps({"child": bool(os.environ.get(job_server.CHILD_ENV)), "ppid": os.getppid(), "mark": marker.MARK}))
+print(json.dumps({"child": bool(os.environ.get(CHILD_ENV)), "ppid": os.getppid(), "mark": marker.MARK}))
 """
 
 
@@ -681,8 +685,8 @@ def test_a_server_whose_preload_imports_matplotlib_refuses_to_serve(tree):
 def test_a_job_in_other_control_groups_has_a_server_of_its_own(monkeypatch):
     """A forked child stays in its server's control groups (their memory and CPU limits): they are part of the key,
     so that a job in others (another terminal's systemd scope, a batch system's step) never forks from it."""
-    from stagereplay.runtime import job_server
+    from stagereplay.runtime import server_key
 
-    key = job_server.server_key()
-    monkeypatch.setattr(job_server, "control_groups", lambda: "0::/another.scope\n")
-    assert job_server.server_key() != key
+    key = server_key.server_key()
+    monkeypatch.setattr(server_key, "control_groups", lambda: "0::/another.scope\n")
+    assert server_key.server_key() != key

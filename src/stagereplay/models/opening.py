@@ -29,19 +29,26 @@ def open_model(source: PlannedSource, precision: str, prepared: str | Path | Non
     """``source`` at ``precision`` on ``device``: from the store entry that the run's record ``prepared``
     (``results/<run>/models/<revision>.json``) names at ``precision``, else (None) from the source's own files.
     ``cache`` remembers the source's digests (the workflow's, by default); ``took(part)`` is called as the
-    checks end (``model files check``, ``store entry``), for the job's log of its start."""
+    checks end (``model files check``, ``store entry``), for the job's log of its start. The model's info names
+    the source's files as they were checked (``model_sha256``, ``model_files``) where the workflow fingerprinted
+    them."""
     cache = HashCache() if cache is None else cache
     resolved = source.resolve()
     check_source_unchanged(resolved, source.fingerprint, cache)
     cache.save()
     took("model files check")
     if prepared is None:
-        return load_model(resolved, precision, device, attn_implementation, source.trust_remote_code,
-                          source.allow_pickle, source.offline, numerics=numerics)
-    folder, manifest = recorded_entry(prepared, precision, (source.fingerprint or {}).get("sha256"))
-    took("store entry")
-    return load_snapshot(folder, manifest, resolved, precision, device, attn_implementation, numerics,
-                         source.trust_remote_code)
+        loaded = load_model(resolved, precision, device, attn_implementation, source.trust_remote_code,
+                            source.allow_pickle, source.offline, numerics=numerics)
+    else:
+        folder, manifest = recorded_entry(prepared, precision, (source.fingerprint or {}).get("sha256"))
+        took("store entry")
+        loaded = load_snapshot(folder, manifest, resolved, precision, device, attn_implementation, numerics,
+                               source.trust_remote_code)
+    if (source.fingerprint or {}).get("sha256"):
+        loaded.info["model_sha256"] = source.fingerprint["sha256"]
+        loaded.info["model_files"] = source.fingerprint["files"]
+    return loaded
 
 
 def recorded_entry(prepared: str | Path, precision: str, source_sha256: str | None = None) -> tuple[Path, dict]:

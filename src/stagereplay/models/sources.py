@@ -253,8 +253,9 @@ def check_source_unchanged(source: ModelSource, recorded: dict | None, cache: Ha
     workflow planned the job) describes; nothing to check where nothing was recorded."""
     if not recorded or not recorded.get("sha256"):
         return
-    try:
-        now = source_fingerprint(source, cache) or {}
+    try:  # the digests alone: the recorded fingerprint names the source
+        files = source_files(source)
+        now = {} if files is None else files_fingerprint(files, cache)
     except OSError:
         now = {}
     if now.get("sha256") != recorded["sha256"]:

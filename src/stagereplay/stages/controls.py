@@ -49,7 +49,7 @@ def generate_fixed_prefix(items_path: str, reference_prefixes_path: str, ledger_
     prompt_of = {int(r["item_index"]): [int(i) for i in r["prompt_ids"]] for r in prefixes.to_dict("records")}
     stage_of = {int(r["item_index"]): [int(i) for i in r["stage_ids"]] for r in prefixes.to_dict("records")}
     job = load_as_recorded(s, s.precision, reference_prefixes_path)
-    settings = job.run_settings(s, s.precision)
+    settings = job.run_settings()
     rows = []
     for batch in progress(batches, f"generate_fixed_prefix {s.revision}/{s.precision} shard {s.shard}",
                           enabled=s.progress):
@@ -90,7 +90,7 @@ def audit_ledger(items_path: str, ledger_path: str, out_path: str, s: ControlSet
     tokenizer = job.loaded.tokenizer
     prompter = Prompter(tokenizer, **(s.prompt or {}))
     matcher = matcher_from_config(s.boundary, tokenizer)
-    settings = job.run_settings(s, s.precision)
+    settings = job.run_settings()
     experiments = set(ledger["experiment"]) | {"matched", "fixed_prefix"}
     for batch in progress(batches, f"audit_ledger {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         prompts = [prompter(item["question"]) for item in batch.items]
@@ -175,7 +175,7 @@ def batch_invariance(items_path: str, ledger_path: str, out_path: str, s: BatchI
             tokenizer = job.loaded.tokenizer
             prompter = Prompter(tokenizer, **(s.prompt or {}))
             matcher = matcher_from_config(s.boundary, tokenizer)
-            settings = job.run_settings(s, precision)
+            settings = job.run_settings()
             by_key = {(int(r["item_index"]), r["construction"]): r
                       for r in stored[stored["precision"] == precision].to_dict("records")}
             ours = selection["item_index"].isin(chosen) & selection["item_id"].isin(mine)

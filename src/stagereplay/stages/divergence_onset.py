@@ -80,7 +80,7 @@ def measure_divergence_onset(baseline_path: str, out_path: str, s: OnsetSettings
             continue
         job = load_as_recorded(s, precision, baseline_path)
         infos.append(job.loaded.info)
-        settings = job.decode_settings(s)
+        settings = job.decode_settings()
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         plans[precision] = None if plan is None else plan.record()

@@ -59,7 +59,7 @@ def measure_fidelity(items_path: str, ledger_path: str, out_path: str, s: Fideli
     job = load_as_recorded(s, s.precision, ledger_path)
     tokenizer = job.loaded.tokenizer
     matcher = matcher_from_config(s.boundary, tokenizer)
-    settings = job.run_settings(s, s.precision)
+    settings = job.run_settings()
     rows = []
     for batch in progress(batches, f"measure_fidelity {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         prompts = [[int(i) for i in recorded[int(item["item_index"])]["prompt_ids"]] for item in batch.items]

@@ -16,7 +16,7 @@ from stagereplay.io.provenance import recorded_numerics, recorded_regime, softwa
 from stagereplay.models.gpus import claim_gpu, start_device
 from stagereplay.models.loading import eos_token_ids, set_determinism
 from stagereplay.models.opening import open_model
-from stagereplay.runtime.job_server import process_start
+from stagereplay.runtime.hand_over import process_start
 from stagereplay.stages.settings import ModelSettings
 
 log = logging.getLogger("stagereplay")
@@ -27,6 +27,8 @@ class Job:
     loaded: object  # stagereplay.models.loading.LoadedModel
     decoder: Decoder
     flags: dict  # the determinism flags in force
+    settings: ModelSettings  # the stage's, as the job was loaded with them
+    precision: str
 
     def provenance(self, stage: str, config: dict, **extra) -> dict:
         return {**software_versions(), **self.loaded.info, **self.decoder.record(), "numerics": self.flags,
@@ -36,15 +38,17 @@ class Job:
     def numerics(self) -> str:
         return self.decoder.numerics
 
-    def run_settings(self, s, precision: str) -> RunSettings:
+    def run_settings(self) -> RunSettings:
         """The settings of an experiment that makes ledger rows: the stage's budgets and answer format, this job's
-        decode and numerics regime (stages that replay fixed prefixes have no stage budget)."""
-        return RunSettings(s.revision, precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
+        precision, decode and numerics regime (stages that replay fixed prefixes have no stage budget)."""
+        s = self.settings
+        return RunSettings(s.revision, self.precision, getattr(s, "max_stage_tokens", None), s.max_new_tokens,
                            getattr(s, "answer_format", "last_number"), getattr(s, "stage_end", None),
                            self.decoder.record()["decode_regime"], self.numerics, s.chunk_size)
 
-    def decode_settings(self, s) -> DecodeSettings:
+    def decode_settings(self) -> DecodeSettings:
         """The recipe's settings alone, for a stage whose rows carry no answers (caches, transplants)."""
+        s = self.settings
         return DecodeSettings(getattr(s, "max_stage_tokens", None), s.max_new_tokens, s.chunk_size)
 
 
@@ -66,10 +70,7 @@ def load(settings: ModelSettings, precision: str, *, numerics: str, make_decoder
         device_start.join()
         took("device start (the rest of it)")
     loaded.info["gpu_slot"] = gpu.record()
-    if settings.model_fingerprint and settings.model_fingerprint.get("sha256"):
-        loaded.info["model_sha256"] = settings.model_fingerprint["sha256"]
-        loaded.info["model_files"] = settings.model_fingerprint["files"]
-    job = Job(loaded, make_decoder(loaded), flags)
+    job = Job(loaded, make_decoder(loaded), flags, settings, precision)
     took("decoder")
     log.info("model and decoder ready: %s (%s)", process_start(), took)
     return job

@@ -99,7 +99,7 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
             raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
                              "selection")
         job = load_as_recorded(s, s.precision, baseline_path)
-        settings = job.decode_settings(s)
+        settings = job.decode_settings()
         plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
         for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision} shard {s.shard}",
                               enabled=s.progress):

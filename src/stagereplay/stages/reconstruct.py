@@ -28,6 +28,7 @@ log = logging.getLogger("stagereplay")
 
 def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, bridge_path: str,
                          s: ReconstructSettings) -> None:
+    config = config_of(s)  # what this stage was asked to do, as provenance records it
     check_decode_settings(s.batch_size, s.decode_regime, s.decode_attention, s.decode_prefill_group, s.decode_kernels)
     selection = read_parquet(items_path)
     # The plan covers the whole selection and shards take whole batches: an item's batch (and its bits) does not
@@ -49,7 +50,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     tokenizer = job.loaded.tokenizer
     prompter = Prompter(tokenizer, **(s.prompt or {}))
     matcher = matcher_from_config(s.boundary, tokenizer)
-    settings = job.run_settings(s, s.precision)
+    settings = job.run_settings()
     context = getattr(job.loaded.model.config, "max_position_embeddings", None)
     chosen = set(choose_bridge_items(selection["item_index"], int(s.bridge["n_rows"]), int(s.bridge["seed"]))
                  if s.bridge else [])
@@ -64,7 +65,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
         rows += result.rows
         prefix_rows += result.prefix_rows
         bridge_rows += bridge(job.decoder, batch, prompts, settings, result, wanted)
-    prov = job.provenance("reconstruct_prefixes", config_of(s), batch_plan=None if plan is None else plan.record())
+    prov = job.provenance("reconstruct_prefixes", config, batch_plan=None if plan is None else plan.record())
     write_parquet(pd.DataFrame(rows, columns=LEDGER_SCHEMA.names), ledger_path, prov, LEDGER_SCHEMA)
     write_parquet(pd.DataFrame(prefix_rows, columns=PREFIX_SCHEMA.names), prefixes_path, prov, PREFIX_SCHEMA)
     write_parquet(pd.DataFrame(bridge_rows, columns=BRIDGE_SCHEMA.names), bridge_path, prov, BRIDGE_SCHEMA)

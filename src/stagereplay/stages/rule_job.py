@@ -1,7 +1,7 @@
 """How every rule script starts: ``start_job(snakemake)`` is its first statement (tests/test_rule_scripts.py checks
 each one). It sends the job's standard error to the rule's log, logs to it at INFO, and for the rules that import
 the model or analysis stack (``warm=True``) hands the job over to a warm job server
-(:mod:`stagereplay.runtime.job_server`) that has imported :data:`PRELOAD`.
+(:mod:`stagereplay.runtime.hand_over`, :mod:`stagereplay.runtime.job_server`) that has imported :data:`PRELOAD`.
 
 Imports nothing heavy itself: a table job that starts with it imports no torch (tests/test_job_imports.py).
 """
@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from stagereplay.runtime.job_server import CHILD_ENV, hand_over
+from stagereplay.runtime.hand_over import hand_over
+from stagereplay.runtime.server_protocol import CHILD_ENV
 
 # What a warm server imports before it serves: Snakemake's script support (the preamble unpickles with it), the
 # model stages, the loader and the transformers code the supported model types run (their modeling and tokenizer

@@ -133,7 +133,7 @@ def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s:
     batches = batches_of(selection.to_dict("records"), plan, s.shard, s.n_shards, source=prefixes_path)
     by_index = {int(r["item_index"]): r for r in prefixes.to_dict("records")}
     job = load_as_recorded(s, s.precision, prefixes_path)
-    settings = job.run_settings(s, s.precision)
+    settings = job.run_settings()
     pair = tuple(rebuilt_as(c) for c in s.constructions)
     rows = []
     for batch in progress(batches, f"replay_fixed_prefixes {s.revision}/{s.precision} shard {s.shard}",
@@ -180,7 +180,7 @@ def dump_caches(baseline_path: str, out_dir: str, manifest_path: str, s: DumpSet
         if pairs.empty:
             continue
         job = load_as_recorded(s, precision, baseline_path)
-        settings = job.decode_settings(s)
+        settings = job.decode_settings()
         by_index = {int(p["item_index"]): p for p in pairs.to_dict("records")}
         plan, batches = batches_with(baseline_path, baseline, precision, set(by_index), s.shard, s.n_shards)
         prov = job.provenance("dump_caches", unsharded(config_of(s)),
@@ -228,7 +228,7 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
         raise ValueError(f"items {missing} of the selection have no baseline rows at {s.precision}; rerun the "
                          "selection")
     job = load_as_recorded(s, s.precision, baseline_path)
-    settings = job.decode_settings(s)
+    settings = job.decode_settings()
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
     plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
