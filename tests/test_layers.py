@@ -3,7 +3,8 @@ other in a loop.
 
 The layers, from the ground up: data, io, config, runtime (process infrastructure) and testing (the test and bench
 GGUF writer) at 1; models and analysis at 2; decode at 3; experiments at 4; stages and projection (the workflow's
-priced DAG) at 5 (the workflow's rules and the benchmarks sit above the package). Every
+priced DAG) and api (the library's functions) at 5; the package itself (``stagereplay/__init__``, which hands out
+the API) at 6 (the workflow's rules and the benchmarks sit above the package). Every
 import counts, at any depth of the code (an import inside a function, or under ``if TYPE_CHECKING:``), read from the
 source with :mod:`ast`: nothing is imported.
 """
@@ -15,9 +16,9 @@ from pathlib import Path
 
 PACKAGE = "stagereplay"
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = {"data": 1, "io": 1, "config": 1, "runtime": 1, "testing": 1, "models": 2, "analysis": 2, "decode": 3,
-          "experiments": 4, "stages": 5, "projection": 5}
-ROOT_LAYER = 1  # stagereplay/__init__.py: the version string alone
+LAYERS = {"version": 1, "data": 1, "io": 1, "config": 1, "runtime": 1, "testing": 1, "models": 2, "analysis": 2,
+          "decode": 3, "experiments": 4, "stages": 5, "projection": 5, "api": 5}
+ROOT_LAYER = 6  # stagereplay/__init__.py: the public face (the library API, imported lazily) over everything
 
 
 def modules(src: Path) -> dict[str, Path]:

@@ -44,6 +44,6 @@ def test_a_run_with_model_jobs_starts_the_server_before_them_and_one_without_sta
         assert output.index("starting in the background") < output.index("rule select_items")
         assert len(list(servers.glob("*.sock"))) == 1  # the jobs' key: no second server
     finally:
-        from stagereplay.runtime.job_server import stop_servers
+        from stagereplay.runtime.hand_over import stop_servers
 
         stop_servers(servers)

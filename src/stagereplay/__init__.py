@@ -6,7 +6,7 @@ lm-evaluation-harness, they are imported the first time one is used, so ``import
 transformers (the workflow's jobs that load no model stay light).
 """
 
-__version__ = "0.1.0"
+from stagereplay.version import __version__
 
 _API = ("replay", "transplant", "generate_stage", "Replay", "Continuation", "Transplant", "StageNotGeneratedError")
 __all__ = ["__version__", *_API]

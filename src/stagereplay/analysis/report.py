@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stagereplay import __version__
+from stagereplay.version import __version__
 from stagereplay.analysis import captions, study
 from stagereplay.analysis.audit_report import audit_banner, audit_section, audit_verdict, verdicts_json
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stagereplay import __version__
+from stagereplay.version import __version__
 from stagereplay.io.fingerprints import CACHE_FINGERPRINT_SCHEME, SCHEME_KEY
 from stagereplay.io.parquet import read_provenance
 

@@ -20,7 +20,6 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import stagereplay
 from stagereplay.config import check_boundary_set
 from stagereplay.data import datasets
 from stagereplay.data.prompts import Prompter, check_characters, check_context, check_marker
@@ -189,7 +188,7 @@ NOT_CHECKED = ("run",)  # config keys the check does not read: the run's name on
 
 def package_digest() -> str:
     """sha256 over this package's files (its code: a change to any check makes it again)."""
-    root = Path(stagereplay.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the package
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
