@@ -8,7 +8,6 @@ and the workflow only where Snakemake itself is what is tested.
 
 import json
 import os
-import re
 import shutil
 import struct
 import time
@@ -289,9 +288,8 @@ def test_a_dry_run_runs_the_preflight_and_says_so(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_every_time(tmp_path, monkeypatch):
-    """The same inputs (by content) are not checked again; another config value, other model files or a model not
-    fingerprinted are; a failed check is not remembered; the device is the machine's, checked every time."""
+def counted_checks(tmp_path, monkeypatch):
+    """(list growing by one per check made, a record of passed checks, the config, its model's fingerprints)."""
     from stagereplay.io.file_hashes import HashCache
     from stagereplay.stages import preflight
     from stagereplay.stages.input_fingerprints import model_fingerprint
@@ -299,9 +297,19 @@ def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_e
     made = []
     check_run_itself = preflight.check_run
     monkeypatch.setattr(preflight, "check_run", lambda *a, **k: made.append(1) or check_run_itself(*a, **k))
-    passed = preflight.PassedChecks(tmp_path / "preflight.json")
     cfg = valid_config(n_items=3)
     fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
+    return made, preflight.PassedChecks(tmp_path / "preflight.json"), cfg, fingerprints
+
+
+def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_every_time(tmp_path, monkeypatch):
+    """The same inputs (by content) are not checked again; another config value, other model files or a model not
+    fingerprinted are; a failed check is not remembered; the device is the machine's, checked every time."""
+    from stagereplay.io.file_hashes import HashCache
+    from stagereplay.stages import preflight
+    from stagereplay.stages.input_fingerprints import model_fingerprint
+
+    made, passed, cfg, fingerprints = counted_checks(tmp_path, monkeypatch)
 
     def check(config, prints=fingerprints, jobs_run_here=False):
         return preflight.check_run_once(config, jobs_run_here=jobs_run_here, fingerprints=prints, passed=passed)
@@ -334,16 +342,9 @@ def test_a_passed_preflight_is_remembered_by_its_inputs_and_the_device_checked_e
 def test_a_passed_preflight_holds_after_the_store_got_a_snapshot_of_the_model(tmp_path, monkeypatch):
     """A run after the model store was filled (its second run name) reuses the first run's check: a snapshot stands
     in for its source only where preparing proved it the source's, so it cannot change the verdict."""
-    from stagereplay.io.file_hashes import HashCache
     from stagereplay.stages import preflight
-    from stagereplay.stages.input_fingerprints import model_fingerprint
 
-    made = []
-    check_run_itself = preflight.check_run
-    monkeypatch.setattr(preflight, "check_run", lambda *a, **k: made.append(1) or check_run_itself(*a, **k))
-    passed = preflight.PassedChecks(tmp_path / "preflight.json")
-    cfg = valid_config(n_items=3)
-    fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
+    made, passed, cfg, fingerprints = counted_checks(tmp_path, monkeypatch)
     entry = tmp_path / "store" / "bf16-entry"
     preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints, prepared={"primary": [entry]},
                              passed=passed)
