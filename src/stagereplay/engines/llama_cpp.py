@@ -232,7 +232,7 @@ class _LogCapture:
 
     def errors(self) -> str:
         lines = [line.strip() for line in "".join(self.lines).splitlines()]
-        wanted = [line for line in lines if any(w in line.lower() for w in ("error", "unknown", "failed", "unsupported"))]
+        wanted = [line for line in lines if any(w in line.lower() for w in ("error", "failed"))]
         return "; ".join(wanted[-4:]) or "(llama.cpp logged no reason)"
 
 
@@ -275,8 +275,8 @@ class LlamaCppEngine:
 
             architecture = gguf_architecture(self.path)
         return (f"llama.cpp ({BINDING} {self._lib.__version__}, llama.cpp {_ggml_string(self._lib, 'ggml_commit')}) "
-                f"refuses {self.path} (general.architecture {architecture!r}): {reason} [{exc}]. The file must be a "
-                "GGUF of an architecture this llama.cpp runs")
+                f"refuses {self.path} (general.architecture {architecture!r}): {reason} [{exc}]. llama.cpp must run "
+                "the file's architecture and find every tensor it needs, in a type it reads")
 
     def _probe(self) -> None:
         """One token through the context before any work: the logits must be exposed and finite-sized."""
@@ -325,7 +325,8 @@ class LlamaCppEngine:
                                      "model?); stage replay needs the last position's logits at every step")
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).astype(np.float32, copy=True)  # (vocab,)
 
-    def _state(self) -> bytes:
+    def sequence_state(self) -> bytes:
+        """The sequence's state as llama.cpp writes it (``llama_state_seq_get_data``): what the fingerprints hash."""
         size = self._lib.llama_state_seq_get_size(self.llm.ctx, 0)
         buffer = (ctypes.c_uint8 * size)()
         written = self._lib.llama_state_seq_get_data(self.llm.ctx, buffer, size, 0)
@@ -361,7 +362,7 @@ class LlamaCppEngine:
             raise ValueError(f"{len(prompt_ids)} prompt + {len(stage_ids)} stage + {max_new_tokens} suffix tokens "
                              f"exceed llama_cpp.n_ctx {self.llm.n_ctx()}")
         self.build(construction, prompt_ids, stage_ids)
-        fingerprints = state_fingerprints(self._state())
+        fingerprints = state_fingerprints(self.sequence_state())
         suffix, margins, stop = [], [], "max_new_tokens"
         token = stage_ids[-1]
         for _ in range(max_new_tokens):
@@ -427,8 +428,8 @@ def engine_rows(engine: LlamaCppEngine, item: dict, prompt_ids: list[int], stage
             if differs:
                 raise ReplicaMismatchError(
                     f"item {item['item_id']!r}: llama.cpp {name} replicas {replicas[0]} and {replica} at "
-                    f"{settings.precision} differ in {differs}. Replicas must be bit-exact: run with one thread "
-                    "per context and nothing else on the device, or report the llama.cpp build (system_info)")
+                    f"{settings.precision} differ in {differs}. Replicas must be bit-exact; the rows record the "
+                    "llama.cpp build (system_info) and context that did not make them so")
         rows += [dict(ledger_row(item, settings, EXPERIMENT, name, replica, prompt_ids, res, decoder,
                                  Batch(None, (item,)), 0), **extra)
                  for replica, res in zip(replicas, runs)]
