@@ -107,13 +107,20 @@ def test_replicas_are_exact_on_bytes_and_rows_hold_the_ledger_schema(gguf):
     assert live["cache_fingerprint"].nunique() == 2
 
 
-def test_the_first_suffix_step_is_the_models_next_token(gguf):
-    """llama.cpp runs the model the file holds, fed the boundary state's ids at their positions: its first suffix
-    token is the written transformers model's greedy choice after the prefix, and its margin that model's fp32 margin
-    to 1e-4 (both fp32 with f32 KV; llama.cpp sums in another order, a few ulps of logits of size 0.1 to 1)."""
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama"])
+def test_the_first_suffix_step_is_the_models_next_token(gguf, tmp_path, architecture):
+    """llama.cpp reads what the test writer writes (its metadata suffices for llama.cpp's loader) and runs that
+    model, fed the boundary state's ids at their positions: its first suffix token is the written transformers
+    model's greedy choice after the prefix, and its margin that model's fp32 margin to 1e-4 (both fp32 with f32 KV;
+    llama.cpp sums in another order: a few ulps of logits of size 0.1 to 1)."""
     import torch
 
     path, model = gguf
+    if architecture != "qwen2":
+        path = tmp_path / f"{architecture}.gguf"
+        shape = dict(TINY, head_dim=16) if architecture == "qwen3" else dict(TINY)
+        model = write_gguf(path, shape, vocabulary=character_vocabulary(), architecture=architecture,
+                           from_model=True).model
     with open_engine(path, "f32") as e:
         for question in QUESTIONS:
             prompt, stage = ids_of(e, question)
