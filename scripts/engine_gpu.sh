@@ -12,6 +12,7 @@
 #                                      # docs out) and the build's own packages, into .whl/ (git-ignored: carry it)
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
 #   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the table (WORK=... to keep its folder)
+#   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
 # and cmake >= 3.21. CUDA_ARCH (default 90, the H200's) limits the CUDA build to one architecture (minutes, not
@@ -45,22 +46,33 @@ pack() {
 }
 
 build() {
-    if "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>/dev/null; then
+    local flags="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_CUDA_FA=${CUDA_FA:-OFF}"
+    if [ "${BACKEND:-cuda}" = cpu ]; then
+        flags=""  # BACKEND=cpu: the same offline build without CUDA, to check the step on a machine without a GPU
+    elif "$PY" -c "import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())" 2>/dev/null; then
         echo "llama-cpp-python with GPU offload is installed already"
         return
     fi
     [ -f "$CARRY/$SDIST_NAME" ] || { echo "no $CARRY/$SDIST_NAME: run 'bash scripts/engine_gpu.sh pack' where the" \
         "package index is reachable and carry .whl/" >&2; exit 1; }
-    command -v nvcc >/dev/null || { echo "nvcc is not on PATH: the CUDA build needs the CUDA toolkit" >&2; exit 1; }
+    if [ -n "$flags" ] && ! command -v nvcc >/dev/null; then
+        echo "nvcc is not on PATH: the CUDA build needs the CUDA toolkit" >&2
+        exit 1
+    fi
     "$PY" -m pip install -q --no-index --find-links "$CARRY" scikit-build-core pathspec diskcache
-    local start end
+    # a fixed source folder and a kept build folder: a build stopped part way (a 10-minute limit) resumes when
+    # called again instead of starting over
+    local src="$REPO/build/llama-src/llama_cpp_python-0.3.36" start end
+    [ -d "$src" ] || { mkdir -p "$REPO/build/llama-src" && tar xzf "$CARRY/$SDIST_NAME" -C "$REPO/build/llama-src"; }
     start=$(date +%s)
-    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" \
-        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CARRY/cuda" "$CARRY/$SDIST_NAME"
+    # flash attention's CUDA kernels are most of the compile time, and the engine runs with flash_attn off:
+    # CUDA_FA=ON builds them too
+    CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$PY" -m pip wheel -q --no-deps --no-build-isolation -C build-dir="$REPO/build/llama-cuda" \
+        -w "$REPO/build/llama-wheel" "$src"
     end=$(date +%s)
-    echo "CUDA build of llama-cpp-python: $((end - start)) s on $(nproc) cores (CUDA_ARCH ${CUDA_ARCH:-90})"
-    "$PY" -m pip install -q --no-deps --force-reinstall "$CARRY"/cuda/llama_cpp_python-0.3.36-*.whl
+    echo "build of llama-cpp-python: $((end - start)) s on $(nproc) cores (CMAKE_ARGS: ${flags:-none})"
+    "$PY" -m pip install -q --no-deps --force-reinstall "$REPO"/build/llama-wheel/llama_cpp_python-0.3.36-*.whl
     "$PY" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 }
 

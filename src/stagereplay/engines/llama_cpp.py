@@ -236,7 +236,8 @@ class _LogCapture:
         return "; ".join(wanted[-4:]) or "(llama.cpp logged no reason)"
 
 
-def _ggml_string(llama_cpp, name: str) -> str:
+def _ggml_string(name: str) -> str:
+    """ggml's ``ggml_version()`` or ``ggml_commit()`` (the vendored llama.cpp's commit), read from its library."""
     try:
         from llama_cpp import _ggml
 
@@ -274,12 +275,12 @@ class LlamaCppEngine:
             from stagereplay.models.gguf_files import gguf_architecture
 
             architecture = gguf_architecture(self.path)
-        return (f"llama.cpp ({BINDING} {self._lib.__version__}, llama.cpp {_ggml_string(self._lib, 'ggml_commit')}) "
+        return (f"llama.cpp ({BINDING} {self._lib.__version__}, llama.cpp {_ggml_string('ggml_commit')}) "
                 f"refuses {self.path} (general.architecture {architecture!r}): {reason} [{exc}]. llama.cpp must run "
                 "the file's architecture and find every tensor it needs, in a type it reads")
 
     def _probe(self) -> None:
-        """One token through the context before any work: the logits must be exposed and finite-sized."""
+        """One token through the context before any work: llama.cpp must expose its logits."""
         self._clear()
         self.llm.eval([0])
         self._logits()
@@ -300,8 +301,8 @@ class LlamaCppEngine:
         """What every row records of the engine and its context."""
         s = self.settings
         return {"engine": ENGINE, "binding_version": self._lib.__version__,
-                "llama_cpp_commit": _ggml_string(self._lib, "ggml_commit"),
-                "ggml_version": _ggml_string(self._lib, "ggml_version"),
+                "llama_cpp_commit": _ggml_string("ggml_commit"),
+                "ggml_version": _ggml_string("ggml_version"),
                 "system_info": self._lib.llama_print_system_info().decode("utf-8", "replace").strip(),
                 "kv_type": s.kv_type, "n_ctx": self.llm.n_ctx(), "n_batch": s.batch, "n_ubatch": s.ubatch,
                 "n_threads": s.threads, "n_gpu_layers": s.n_gpu_layers, "flash_attn": s.flash_attn,
