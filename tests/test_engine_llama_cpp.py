@@ -264,3 +264,15 @@ def test_the_workflow_plans_the_engine_rules_on_a_gguf_and_not_by_default(gguf, 
     assert "replay_on_llama_cpp" in planned and "audit_llama_cpp" in planned
     tiny_config(tmp_path / "off", model=str(gguf[0]), revisions=["tiny"])
     assert "llama_cpp" not in snakemake(tmp_path / "off", "-n", "--no-hooks").stdout
+
+
+def test_the_workflow_refuses_engines_without_the_binding_naming_the_install_command(gguf, tmp_path, monkeypatch):
+    from workflow_runner import snakemake, tiny_config
+
+    shadow = tmp_path / "shadow" / "llama_cpp"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no llama.cpp here')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")])))
+    tiny_config(tmp_path / "run", model=str(gguf[0]), revisions=["tiny"], engines=["llama_cpp"])
+    proc = snakemake(tmp_path / "run", "-n", "--no-hooks", check=False)
+    assert proc.returncode != 0 and 'install it with pip install -e ".[engines]"' in proc.stdout + proc.stderr

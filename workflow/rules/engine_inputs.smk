@@ -2,6 +2,9 @@
 # that an engine is one pair of files.
 ENGINES = list(config["engines"])
 if ENGINES:
+    from stagereplay.engines.llama_cpp import require_binding
+
+    require_binding()  # not installed: the error names the pip command, before any job
     for _slug, _name in REVISIONS.items():
         if source_kind(_name) not in ("gguf", None):  # None: the preflight names why the source does not resolve
             raise ValueError(
