@@ -107,7 +107,7 @@ def require_binding():
     except ImportError as exc:
         raise EngineUnavailableError(
             f"the llama.cpp engine needs {BINDING}=={BINDING_VERSION}, which is not installed ({exc}); install it "
-            f"with {INSTALL} (it builds llama.cpp from source: about 5 minutes on 2 CPU cores; with CUDA on a GPU "
+            f"with {INSTALL} (it builds llama.cpp from source: 5 to 14 minutes on 2 CPU cores; with CUDA on a GPU "
             'node: CMAKE_ARGS="-DGGML_CUDA=on" ' + INSTALL + "; docs/ENGINES.md)") from exc
     needed = ("llama_get_logits_ith", "llama_state_seq_get_size", "llama_state_seq_get_data", "llama_memory_clear",
               "llama_get_memory", "llama_vocab_is_eog", "llama_log_set")
