@@ -24,6 +24,8 @@ include: "workflow/rules/divergence_location.smk"
 include: "workflow/rules/controls.smk"
 include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/fidelity.smk"
+include: "workflow/rules/engine_inputs.smk"
+include: "workflow/rules/engine.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 include: "workflow/rules/compare.smk"
@@ -35,3 +37,4 @@ rule all:
     default_target: True
     input:
         all_outputs(),
+        engine_outputs(),

@@ -28,6 +28,7 @@ rule plot_figures:
 rule build_report:
     input:
         unpack(report_inputs),
+        unpack(engine_report_inputs),
         # The report is gated by the audit: check_audit writes audit_check.json only when every ledger row reproduced.
         audit_check=expand(f"{RESULTS}/{{revision}}/audit_check.json", revision=report_revisions().get("audit", [])),
         figures=figure_files("png"),

@@ -23,6 +23,8 @@ FILES = {
     "minimal_transplant": "minimal_transplant.parquet",
     "divergence_onset": "divergence_onset.parquet",
     "fidelity": "fidelity.parquet",
+    "engine_llama_cpp": "engine_llama_cpp.parquet",
+    "engine_llama_cpp_audit": "engine_llama_cpp_audit.parquet",
 }
 # Folders of results/<run>/ that are not revisions.
 NOT_REVISIONS = {"selection", "report"}

@@ -45,6 +45,7 @@ from stagereplay.analysis.audit_report import audit_banner, audit_section, audit
 from stagereplay.analysis.beyond_study import batch_invariance_section, cache_differences_section, margins_section
 from stagereplay.analysis.claims import bridge_section, exclusions_section, fixed_prefix_section, matched_section
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
+from stagereplay.analysis.engine_report import engine_section
 from stagereplay.analysis.fidelity import fidelity_section
 from stagereplay.analysis.findings import findings_section
 from stagereplay.analysis.inputs import merge_inputs
@@ -65,6 +66,7 @@ class Section:
     title: str | None  # a heading of its own, or None when the section brings its claim headings
     needs: tuple[str, ...]  # kinds of input files it reads
     build: Callable[[RevisionData], tuple[list[str], dict]]
+    opt_in: bool = False  # a stage the config turns on: not listed as "not produced" where it is off
 
 
 SECTIONS: list[Section] = [
@@ -83,6 +85,8 @@ SECTIONS: list[Section] = [
             cache_differences_section),
     Section("batch_invariance", "### Batch invariance (beyond the study)", ("batch_invariance",),
             batch_invariance_section),
+    Section("engine_llama_cpp", "### llama.cpp beside this pipeline's constructions (beyond the study)",
+            ("engine_llama_cpp",), engine_section, opt_in=True),
     Section("excluded", "### Items excluded and why", ("ledger",), exclusions_section),
 ]
 
@@ -200,7 +204,7 @@ def revision_section(data: RevisionData) -> tuple[list[str], dict]:
         absent = [kind for kind in section.needs if not data.has(kind)]
         undeclared = [kind for kind in absent if not data.declared(kind)]
         if undeclared:  # this revision never gets that input: nothing to say here
-            if has_ledger:
+            if has_ledger and not section.opt_in:
                 not_here.append(section.key)
             continue
         if section.title:

@@ -23,6 +23,8 @@ PRODUCERS = {
     "minimal_transplant": "minimal_transplant.parquet (rule find_minimal_transplants)",
     "divergence_onset": "divergence_onset.parquet (rule measure_divergence_onset)",
     "fidelity": "fidelity.parquet (rule measure_fidelity)",
+    "engine_llama_cpp": "engine_llama_cpp.parquet (rule replay_on_llama_cpp)",
+    "engine_llama_cpp_audit": "engine_llama_cpp_audit.parquet (rule audit_llama_cpp)",
 }
 
 

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# llama.cpp beside this pipeline's own constructions on one GPU, with no network on the GPU machine.
+#
+# A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (stagereplay.testing, Qwen2's vocabulary size; its outputs mean nothing) is
+# run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64, at least 48 reaching the boundary): the
+# pipeline's matched experiment and fixed-prefix constructions (incremental, prefill, prefix_cached) at bf16 and fp32,
+# llama.cpp's live, prefill, prompt_cache and chunked at KV f16 and f32 on every layer offloaded, both audits; then it
+# prints the engine's split counts beside the pipeline's prefill and prefix_cached, with Wilson intervals.
+#
+# Three steps; each skips what an earlier call left done, so they may run as separate commands on a warm machine:
+#   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed below 64 MiB (vocab test files and
+#                                      # docs out) and the build's own packages, into .whl/ (git-ignored: carry it)
+#   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
+#   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the table (WORK=... to keep its folder)
+#   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
+#   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
+# Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
+# and cmake >= 3.21. CUDA_ARCH (default 90, the H200's) limits the CUDA build to one architecture (minutes, not
+# tens of minutes).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STEP="${1:?give a step: pack, build or run}"
+CARRY="$REPO/.whl"
+SDIST_NAME="llama_cpp_python-0.3.36.tar.gz"
+PY="${PYTHON:-python}"
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+
+pack() {
+    mkdir -p "$CARRY"
+    if [ ! -f "$CARRY/$SDIST_NAME" ]; then
+        local tmp
+        tmp="$(mktemp -d)"
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
+        tar xzf "$tmp/$SDIST_NAME" -C "$tmp"
+        # vocabulary test files and documentation: read by no step of the build
+        rm -rf "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-* \
+            "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp/docs
+        tar czf "$CARRY/$SDIST_NAME" -C "$tmp" llama_cpp_python-0.3.36
+        rm -rf "$tmp"
+    fi
+    # the build backend and the binding's one dependency a torch environment lacks: installed offline on the GPU
+    "$PY" -m pip download -q --no-deps -d "$CARRY" "scikit-build-core>=0.9.2" pathspec diskcache
+    du -sh "$CARRY"
+    echo "carry .whl/ to the GPU machine (run's carry: [\".whl\"])"
+}
+
+build() {
+    local flags="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_CUDA_FA=${CUDA_FA:-OFF}"
+    if [ "${BACKEND:-cuda}" = cpu ]; then
+        flags=""  # BACKEND=cpu: the same offline build without CUDA, to check the step on a machine without a GPU
+    elif "$PY" -c "import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())" 2>/dev/null; then
+        echo "llama-cpp-python with GPU offload is installed already"
+        return
+    fi
+    [ -f "$CARRY/$SDIST_NAME" ] || { echo "no $CARRY/$SDIST_NAME: run 'bash scripts/engine_gpu.sh pack' where the" \
+        "package index is reachable and carry .whl/" >&2; exit 1; }
+    if [ -n "$flags" ] && ! command -v nvcc >/dev/null; then
+        echo "nvcc is not on PATH: the CUDA build needs the CUDA toolkit" >&2
+        exit 1
+    fi
+    "$PY" -m pip install -q --no-index --find-links "$CARRY" scikit-build-core pathspec diskcache
+    # a fixed source folder and a kept build folder: a build stopped part way (a 10-minute limit) resumes when
+    # called again instead of starting over
+    local src="$REPO/build/llama-src/llama_cpp_python-0.3.36" start end
+    [ -d "$src" ] || { mkdir -p "$REPO/build/llama-src" && tar xzf "$CARRY/$SDIST_NAME" -C "$REPO/build/llama-src"; }
+    start=$(date +%s)
+    # flash attention's CUDA kernels are most of the compile time, and the engine runs with flash_attn off:
+    # CUDA_FA=ON builds them too
+    CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$PY" -m pip wheel -q --no-deps --no-build-isolation -C build-dir="$REPO/build/llama-cuda" \
+        -w "$REPO/build/llama-wheel" "$src"
+    end=$(date +%s)
+    echo "build of llama-cpp-python: $((end - start)) s on $(nproc) cores (CMAKE_ARGS: ${flags:-none})"
+    "$PY" -m pip install -q --no-deps --force-reinstall "$REPO"/build/llama-wheel/llama_cpp_python-0.3.36-*.whl
+    "$PY" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+}
+
+run() {
+    local work="${WORK:-$REPO/build/engine-gpu}" shape="${SHAPE:-qwen2.5-0.5b}" device="${DEVICE:-cuda}"
+    local offload=-1 regime=cuda_graph gpus=1
+    if [ "$device" = cpu ]; then offload=0 regime=static gpus=0; fi
+    mkdir -p "$work"
+    if [ "$device" != cpu ]; then
+        "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 'llama-cpp-python
+is not built with CUDA here: bash scripts/engine_gpu.sh build')"
+        nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    fi
+    if [ ! -f "$work/model.gguf" ]; then
+        echo "== writing a RANDOM-WEIGHT $shape-shaped GGUF (F16) to $work/model.gguf"
+        "$PY" - "$work/model.gguf" "$shape" <<'EOF'
+import sys
+from stagereplay.testing.gguf import byte_level_vocabulary, write_gguf
+from stagereplay.testing.shapes import SHAPES
+
+path, shape = sys.argv[1:]
+written = write_gguf(path, shape, vocabulary=byte_level_vocabulary(SHAPES[shape]["vocab_size"]), quant="F16", seed=0)
+print(f"{written.parameters:,} parameters, {written.tensor_types}")
+EOF
+    fi
+    # A random model's greedy text holds no marker of ours: the boundary is the second occurrence of the token that
+    # llama.cpp's greedy continuation of a few prompts repeats most often (a pilot; items that miss it are counted).
+    if [ ! -f "$work/boundary.txt" ]; then
+        "$PY" - "$work/model.gguf" "$offload" > "$work/boundary.txt" <<'EOF'
+import sys
+from collections import Counter
+
+from stagereplay.data.datasets import load_synthetic
+from stagereplay.engines.llama_cpp import EngineSettings, LlamaCppEngine
+
+with LlamaCppEngine(sys.argv[1], EngineSettings(kv_type="f16", n_ctx=512, n_gpu_layers=int(sys.argv[2]))) as e:
+    counts = Counter()
+    for item in load_synthetic(16, 0):
+        text = f"<|im_start|>user\n{item['question']}<|im_end|>\n<|im_start|>assistant\n"
+        ids = e.llm.tokenize(text.encode(), add_bos=False, special=True)
+        res = e.replay("prefill", ids[:-1], ids[-1:], 48)
+        counts.update({t for t in res.suffix_ids if res.suffix_ids.count(t) >= 2})
+print(counts.most_common(1)[0][0])
+EOF
+    fi
+    local boundary
+    boundary="$(cat "$work/boundary.txt")"
+    echo "== boundary: the 2nd occurrence of token id $boundary"
+    cat > "$work/config.yaml" <<EOF
+# llama.cpp beside the pipeline, on a random-weight qwen2.5-0.5b-shaped GGUF (outputs mean nothing)
+run: engine-gpu
+n_items: ${N_ITEMS:-64}
+seed: 0
+dataset: {source: synthetic, size: 1000, seed: 0}
+model: $work/model.gguf
+revisions: [random-0.5b]
+precisions: [bf16, fp32]
+reference_precision: bf16
+boundary: {token_id: $boundary, occurrence: 2}
+max_stage_tokens: 64
+max_new_tokens: 32
+stage_end: null
+device: $device
+threads: ${THREADS:-4}
+gpus_per_job: $gpus
+decode_regime: $regime
+batch_size: 16
+fixed_prefix: {constructions: [incremental, prefill, prefix_cached]}
+engines: [llama_cpp]
+llama_cpp: {n_gpu_layers: $offload, kv_types: [f16, f32]}
+EOF
+    local start end
+    start=$(date +%s)
+    # (--configfile and --resources take every word after them: the targets come first)
+    "$PY" -m snakemake results/engine-gpu/random-0.5b/ledger.parquet results/engine-gpu/random-0.5b/audit_check.json \
+        results/engine-gpu/random-0.5b/engine_llama_cpp_audit.parquet -s "$REPO/Snakefile" --directory "$work" \
+        --configfile "$work/config.yaml" --cores 4 --resources gpu="$gpus"
+    end=$(date +%s)
+    echo "== workflow: $((end - start)) s"
+    "$PY" - "$work/results/engine-gpu/random-0.5b" <<'EOF'
+import sys
+from pathlib import Path
+
+from stagereplay.analysis.engine_report import engine_section
+from stagereplay.analysis.revision_data import RevisionData
+
+folder = Path(sys.argv[1])
+data = RevisionData("random-0.5b", {"ledger": str(folder / "ledger.parquet"),
+                                    "engine_llama_cpp": str(folder / "engine_llama_cpp.parquet"),
+                                    "engine_llama_cpp_audit": str(folder / "engine_llama_cpp_audit.parquet")})
+lines, numbers = engine_section(data)
+print("\n".join(lines))
+prefixes = data.ledger[(data.ledger["experiment"] == "matched") & (data.ledger["replica"] == 1)]
+print("items per precision that reached the boundary:",
+      prefixes[prefixes["status"] == "ok"].groupby("precision")["item_index"].nunique().to_dict())
+replayed = data.frame("engine_llama_cpp")["item_index"].nunique()
+if replayed < 48:
+    sys.exit(f"only {replayed} items reached the boundary at the reference precision, fewer than 48: rerun with a "
+             "larger N_ITEMS in a fresh WORK folder")
+EOF
+}
+
+case "$STEP" in
+    pack) pack ;;
+    build) build ;;
+    run) run ;;
+    *) echo "unknown step $STEP: give pack, build or run" >&2; exit 1 ;;
+esac
