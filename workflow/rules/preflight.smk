@@ -1,5 +1,6 @@
 # Before the first job (only when there is work to do, and in a dry run): every check of the inputs that needs no
 # weights, so that a bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
+from stagereplay.models.store import ModelStore
 from stagereplay.stages.preflight import PassedChecks, check_output_folders, check_run_once
 
 # A file where the run's folders go would fail Snakemake's own listing of them (NotADirectoryError), before any hook.
