@@ -15,7 +15,11 @@ if not workflow.overwrite_configfiles:
     configfile: "config.yaml"
 
 
-include: "workflow/rules/common.smk"
+# The helpers, before any rule: the config and its constants, the jobs' params, the input functions, the targets.
+include: "workflow/rules/config.smk"
+include: "workflow/rules/settings.smk"
+include: "workflow/rules/inputs.smk"
+include: "workflow/rules/targets.smk"
 include: "workflow/rules/select.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/reconstruct.smk"

@@ -61,6 +61,7 @@ def write_config(workdir, **overrides):
 def reconstruct(items, ledger, prefixes, **params):
     """The reconstruct_prefixes stage as its rule calls it (its bridge rows beside the ledger)."""
     bridge = Path(ledger).with_name(Path(ledger).stem + "_bridge.parquet")
+    params = {"bridge": {"n_rows": 0, "seed": 0}, **params}  # no bridge rows unless asked
     reconstruct_prefixes(str(items), str(ledger), str(prefixes), str(bridge), from_params(ReconstructSettings, params))
 
 

@@ -358,7 +358,7 @@ def reconstruct(items, out, **kwargs):
 
     common = dict(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
                   boundary={"marker": ";", "occurrence": 1}, max_stage_tokens=24, max_new_tokens=12, device="cpu",
-                  attn_implementation="sdpa", decode_regime="static", progress=False)
+                  attn_implementation="sdpa", decode_regime="static", progress=False, bridge={"n_rows": 0, "seed": 0})
     reconstruct_prefixes(str(items), str(out), str(out.with_name(out.stem + "_p.parquet")),
                          str(out.with_name(out.stem + "_b.parquet")), ReconstructSettings(**{**common, **kwargs}))
 

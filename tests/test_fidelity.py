@@ -94,7 +94,7 @@ def toy_run(tmp_path_factory):
                   max_stage_tokens=32, max_new_tokens=N_NEW, device="cpu", attn_implementation="sdpa",
                   progress=False)
     reconstruct_prefixes(str(chosen), str(ledger), str(folder / "prefixes.parquet"), str(folder / "bridge.parquet"),
-                         ReconstructSettings(**common))
+                         ReconstructSettings(**common, bridge={"n_rows": 0, "seed": 0}))
     return {"folder": folder, "items": str(chosen), "ledger": str(ledger), "common": common,
             "divergent": divergent, "agreeing": agreeing}
 

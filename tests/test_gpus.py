@@ -95,7 +95,7 @@ def test_reconstruct_prefixes_runs_on_its_claimed_gpu_and_records_it(tmp_path, t
     select_items({"source": "synthetic", "size": 20, "seed": 0}, 1, 0, str(tmp_path / "items.parquet"))
     settings = from_params(ReconstructSettings, dict(
         model=str(tiny_model_dir), revision="local", precision="fp32", boundary={"marker": ";"}, max_stage_tokens=4,
-        max_new_tokens=2, device="auto", progress=False))
+        max_new_tokens=2, device="auto", progress=False, bridge={"n_rows": 0, "seed": 0}))
     reconstruct_prefixes(str(tmp_path / "items.parquet"), str(tmp_path / "ledger.parquet"),
                          str(tmp_path / "prefixes.parquet"), str(tmp_path / "bridge.parquet"), settings)
     assert asked == ["cuda:1"]

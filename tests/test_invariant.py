@@ -261,7 +261,8 @@ def batched_and_single_ledgers(tmp_path, precision, numerics):
     select_items({"source": "synthetic", "size": 50, "seed": 0}, 4, 0, str(items))
     common = dict(model=str(REPO / "data/toy"), revision="primary", precision=precision,
                   boundary={"marker": ";", "occurrence": 1}, max_stage_tokens=24, max_new_tokens=8, device="cpu",
-                  attn_implementation="sdpa", decode_regime="static", numerics=numerics, progress=False)
+                  attn_implementation="sdpa", decode_regime="static", numerics=numerics, progress=False,
+                  bridge={"n_rows": 0, "seed": 0})
     ledgers = {}
     for batch_size in (1, 3):
         out = tmp_path / f"ledger{batch_size}.parquet"

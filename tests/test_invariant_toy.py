@@ -39,7 +39,7 @@ def run_matched(selection, indexes: list[int], numerics: str):
         ReconstructSettings(model=str(REPO / "data/toy"), revision="primary", precision="bf16",
                             boundary=DEFAULT_BOUNDARY, max_stage_tokens=32,
                             max_new_tokens=48, device="cpu", attn_implementation="sdpa", stage_end="</think>",
-                            numerics=numerics, progress=False))
+                            numerics=numerics, progress=False, bridge={"n_rows": 0, "seed": 0}))
     return read_parquet(ledger), read_provenance(ledger)
 
 

@@ -124,7 +124,7 @@ def divergent_ledger(tmp_path_factory):
     reconstruct_prefixes(str(folder / "items.parquet"), str(folder / "part.parquet"), str(folder / "prefixes.parquet"),
                          str(folder / "bridge.parquet"), from_params(ReconstructSettings, dict(
                              model, precision="bf16", boundary=DEFAULT_BOUNDARY, max_stage_tokens=32,
-                             max_new_tokens=N_NEW)))
+                             max_new_tokens=N_NEW, bridge={"n_rows": 0, "seed": 0})))
     gather_ledger([str(folder / "part.parquet")], str(folder / "ledger.parquet"))
     return folder, model, divergent
 

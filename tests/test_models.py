@@ -148,7 +148,8 @@ def test_gguf_runs_through_the_reconstruct_stage(gguf_dir, tmp_path):
                          str(tmp_path / "prefixes.parquet"), str(tmp_path / "bridge.parquet"),
                          ReconstructSettings(model=str(folder), revision="tiny-qwen2.gguf", precision="bf16",
                                              boundary={"marker": "</think>", "occurrence": 1}, max_stage_tokens=4,
-                                             max_new_tokens=4, device="cpu", progress=False))
+                                             max_new_tokens=4, device="cpu", progress=False,
+                                             bridge={"n_rows": 0, "seed": 0}))
     import pandas as pd
 
     ledger = pd.read_parquet(tmp_path / "ledger.parquet")

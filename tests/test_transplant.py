@@ -408,7 +408,7 @@ def toy_ledger(tmp_path_factory):
     reconstruct_prefixes(str(folder / "items.parquet"), str(folder / "part.parquet"), str(folder / "prefixes.parquet"),
                          str(folder / "bridge.parquet"), from_params(ReconstructSettings, dict(
                              model, precision="bf16", boundary={"marker": ";"}, max_stage_tokens=32,
-                             max_new_tokens=N_NEW)))
+                             max_new_tokens=N_NEW, bridge={"n_rows": 0, "seed": 0})))
     gather_ledger([str(folder / "part.parquet")], str(folder / "ledger.parquet"))
     return folder, model
 
@@ -445,7 +445,8 @@ def test_transplant_caches_all_layer_transplants_follow_the_donor(toy_ledger, tm
     assert len(chosen) == 2
     df = transplant_caches(str(tmp_path / "selection.parquet"), str(folder / "ledger.parquet"),
                            str(tmp_path / "transplant.parquet"),
-                           from_params(TransplantSettings, dict(model, precision="bf16", max_new_tokens=N_NEW)))
+                           from_params(TransplantSettings, dict(model, precision="bf16", max_new_tokens=N_NEW,
+                                                                      sweeps=("all",))))
     assert len(df) == 2 * 2 and len(read_parquet(tmp_path / "transplant.parquet")) == 4
     assert set(df["direction"]) == {"live->prefill", "prefill->live"}
     assert (df["outcome"] == "donor").all()

@@ -5,12 +5,45 @@ with YAML's base loader, which leaves every scalar inside it a string; :func:`ty
 strings by the schema before validation. And validation with defaults fills in every key a config leaves out, after
 which a key the user set cannot be told from its default; :func:`check_boundary` runs on the values the user gave.
 
+The schema itself (:func:`schema`, :func:`schema_default`) is read from the checkout this package sits in, as the
+workflow reads it: its defaults are the only spelling of a setting's default (stagereplay.stages.settings).
+
 Knows nothing of Snakemake's objects: the workflow passes plain dicts.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml"
+
+
+@functools.cache
+def schema() -> dict:
+    """The workflow's config schema, parsed once per process (the C loader where PyYAML has it: a few ms)."""
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def schema_node(key: str) -> dict:
+    """The schema's node of a dotted config key (``transplant.minimal.budget``), refusing an unknown key by name."""
+    node = schema()
+    for part in key.split("."):
+        properties = node.get("properties", {})
+        if part not in properties:
+            raise KeyError(f"config key {key!r}: the schema ({SCHEMA_PATH.name}) has no {part!r} there")
+        node = properties[part]
+    return node
+
+
+def schema_default(key: str):
+    """The schema's default of a dotted config key, which ``validate(config, schema, set_default=True)`` fills in."""
+    node = schema_node(key)
+    if "default" not in node:
+        raise KeyError(f"config key {key!r} has no default in the schema")
+    return node["default"]
 
 # The spellings YAML reads as null; a string of one of them, where the schema allows null, means null.
 _NULLS = ("null", "Null", "NULL", "~")
