@@ -1,5 +1,5 @@
-# The engines' config check, params and targets (their rules: engine.smk; docs/ENGINES.md), apart from common.smk so
-# that an engine is one pair of files.
+# The engines' config check, params and targets (their rules: engine.smk; docs/ENGINES.md), apart from the config,
+# settings, inputs and targets files so that an engine is one pair of files.
 ENGINES = list(config["engines"])
 if ENGINES:
     from stagereplay.engines.llama_cpp import require_binding
