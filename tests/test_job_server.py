@@ -69,10 +69,12 @@ sys.exit(int(os.environ.get("CODE", "0")))
 
 
 def make_tree(tmp_path, servers=None):
-    """A copy of the package (its files can change under a running server) and a job script, with the
-    environment that runs them."""
+    """A copy of the package (its files can change under a running server) and the workflow's schema beside it,
+    as in a checkout (the stages read their defaults from it), and a job script, with the environment that runs
+    them."""
     shutil.copytree(REPO / "src/stagereplay", tmp_path / "src/stagereplay",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "workflow/schemas", tmp_path / "workflow/schemas")
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "work").mkdir()
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"), JOB_VAR="from the job",

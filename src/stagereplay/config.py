@@ -24,7 +24,14 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow/schemas/config.sch
 @functools.cache
 def schema() -> dict:
     """The workflow's config schema, parsed once per process (the C loader where PyYAML has it: a few ms)."""
-    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    try:
+        text = SCHEMA_PATH.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the workflow's config schema {SCHEMA_PATH} is not there: the workflow's stages read their defaults from "
+            "it, beside the package in a checkout of this repository; install from a checkout (pip install -e .), "
+            "or use the library (stagereplay.replay, stagereplay.transplant), which needs no workflow") from None
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def schema_node(key: str) -> dict:
