@@ -357,8 +357,9 @@ def test_a_passed_preflight_holds_after_the_store_got_a_snapshot_of_the_model(tm
 
 def test_a_remembered_preflight_leaves_the_jobs_the_environment_of_a_check_made_again(tmp_path, monkeypatch):
     """An offline run's jobs inherit HF_HUB_OFFLINE and the like from Snakemake's process, which the check sets: a
-    remembered check must set them too, or a run's jobs get another environment than the run before's (and
-    another job server key: the second run's jobs found no server)."""
+    remembered check must set them too; and what the check's imports set (torch's inductor its cache folder) must
+    not reach them. Else a run's jobs get another environment than the run before's (and another job server key:
+    the second run's jobs found no server)."""
     from stagereplay.io.file_hashes import HashCache
     from stagereplay.stages import preflight
     from stagereplay.stages.input_fingerprints import model_fingerprint
@@ -368,12 +369,22 @@ def test_a_remembered_preflight_leaves_the_jobs_the_environment_of_a_check_made_
     cfg = valid_config(n_items=3)
     fingerprints = {"primary": model_fingerprint(cfg["model"], "primary", cache=HashCache(None))}
     environments = []
+    check_run_itself = preflight.check_run
+
+    def check_importing_a_library_that_sets_a_variable(*args, **kwargs):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # as torch._inductor's import does
+        return check_run_itself(*args, **kwargs)
+
+    monkeypatch.setattr(preflight, "check_run", check_importing_a_library_that_sets_a_variable)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    names = (*offline, "TORCHINDUCTOR_CACHE_DIR")
     for _ in range(2):
         for name in offline:
             monkeypatch.delenv(name, raising=False)
         summary = preflight.check_run_once(cfg, jobs_run_here=False, fingerprints=fingerprints, passed=passed)
-        environments.append({name: os.environ.get(name) for name in offline})
-    assert "passed_at" in summary and environments[1] == environments[0] == dict.fromkeys(offline, "1")
+        environments.append({name: os.environ.get(name) for name in names})
+    assert "passed_at" in summary and environments[1] == environments[0]
+    assert environments[0] == {**dict.fromkeys(offline, "1"), "TORCHINDUCTOR_CACHE_DIR": None}
 
 
 def test_a_second_dry_run_on_the_same_inputs_reads_none_of_them_again(tmp_path):

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from stagereplay.config import check_boundary_set
@@ -269,6 +269,20 @@ class PassedChecks:
             pass  # a read-only working directory: the check is made again next time
 
 
+@contextmanager
+def environment_kept():
+    """This process's environment as it was, after what the block imports: a library may set a variable as it is
+    imported (torch's inductor sets ``TORCHINDUCTOR_CACHE_DIR``), and the jobs inherit this process's environment,
+    so a check made again must leave the jobs the environment of a remembered one (and the job server's key)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        os.environ.update(before)
+
+
 def check_run_once(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True,
                    prepared: dict | None = None, fingerprints: dict | None = None,
                    dataset_fingerprint: dict | None = None, passed: PassedChecks | None = None) -> dict:
@@ -284,7 +298,8 @@ def check_run_once(config: dict, base_dir: str | Path = ".", jobs_run_here: bool
     remembered = passed.get(key) if passed is not None else None
     if remembered is not None:
         return remembered
-    summary = check_run(config, base_dir, jobs_run_here=False, prepared=prepared, fingerprints=fingerprints)
+    with environment_kept():
+        summary = check_run(config, base_dir, jobs_run_here=False, prepared=prepared, fingerprints=fingerprints)
     if passed is not None:
         passed.add(key, summary)
     return summary
