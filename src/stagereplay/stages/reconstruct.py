@@ -51,15 +51,18 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     prompter = Prompter(tokenizer, **(s.prompt or {}))
     matcher = matcher_from_config(s.boundary, tokenizer)
     settings = job.run_settings()
+    # Every prompt of this shard, each checked against the model's context before any batch is decoded.
     context = getattr(job.loaded.model.config, "max_position_embeddings", None)
+    prompts_of = [[prompter(item["question"]) for item in batch.items] for batch in batches]
+    for batch, prompts in zip(batches, prompts_of):
+        for item, prompt in zip(batch.items, prompts):
+            check_context(item["item_id"], len(prompt), s.max_stage_tokens, s.max_new_tokens, context)
     chosen = set(choose_bridge_items(selection["item_index"], int(s.bridge["n_rows"]), int(s.bridge["seed"]))
                  if s.bridge else [])
     rows, prefix_rows, bridge_rows = [], [], []
-    for batch in progress(batches, f"reconstruct_prefixes {s.revision}/{s.precision} shard {s.shard}",
-                          enabled=s.progress):
-        prompts = [prompter(item["question"]) for item in batch.items]
-        for item, prompt in zip(batch.items, prompts):
-            check_context(item["item_id"], len(prompt), s.max_stage_tokens, s.max_new_tokens, context)
+    for batch, prompts in progress(list(zip(batches, prompts_of)),
+                                   f"reconstruct_prefixes {s.revision}/{s.precision} shard {s.shard}",
+                                   enabled=s.progress, items=lambda pair: len(pair[0].items)):
         wanted = bridge_rows_of(batch, chosen)
         result = matched(job.decoder, batch, prompts, settings, tokenizer, matcher, keep=wanted)
         rows += result.rows
