@@ -61,6 +61,22 @@ def tell(message: str, level: int = logging.WARNING) -> None:
     log.log(level, "job server not used, this job runs in its own process: %s", message)
 
 
+def server_place(config: dict | None,
+                 preload: tuple[str, ...] = ()) -> tuple[str | None, Path | None, str | None] | None:
+    """Where the server of this config's jobs that import ``preload`` is: (key, socket path, None); (None, None, why
+    no server can run here) where its folder or socket path cannot serve; None where the config turns the server
+    off, or in a child of a server."""
+    if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
+        return None
+    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
+        return None, None, problem
+    key = server_key(preload=preload)
+    path = socket_path(key)
+    if problem := socket_problem(path):  # no server could bind it: start none
+        return None, None, problem
+    return key, path, None
+
+
 def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
     """Run this job in the child of a warm server that imported ``preload`` (module names: what the caller's jobs
     import) when the config asks for it and one answers; else return and let the caller run the job in this
@@ -68,14 +84,11 @@ def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
 
     The child runs the file this interpreter was started on (``sys.argv[0]``: for a rule script, the file Snakemake
     wrote with its preamble, not the script's ``__file__``, which the preamble points at the workflow's copy)."""
-    if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
+    place = server_place(config, preload)
+    if place is None:
         return
-    if problem := folder_problem(folder()) or folder_problem(socket_folder()):
-        tell(problem)
-        return
-    key = server_key(preload=preload)
-    path = socket_path(key)
-    if problem := socket_problem(path):  # no server could bind it: start none
+    key, path, problem = place
+    if problem:
         tell(problem)
         return
     timeout_s = float((config or {}).get("job_server_timeout_s", HAND_OVER_TIMEOUT_S))

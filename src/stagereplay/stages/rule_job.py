@@ -66,19 +66,13 @@ def start_job_server(config: dict) -> str | None:
     (selecting items, preparing the model) run and its model jobs fork from it instead of importing on their own.
     Returns what it did, for the run's log; None where the config turns the server off or it cannot run here (the
     first job that would use it says why)."""
-    from stagereplay.runtime.hand_over import connect, start_server
-    from stagereplay.runtime.server_folder import folder, folder_problem, socket_folder, socket_path, socket_problem
-    from stagereplay.runtime.server_key import server_key
+    from stagereplay.runtime.hand_over import connect, server_place, start_server
     from stagereplay.runtime.server_protocol import DEFAULT_IDLE_S
 
-    if os.environ.get(CHILD_ENV) or not (config or {}).get("job_server"):
+    place = server_place(config, PRELOAD)
+    if place is None or place[2]:
         return None
-    if folder_problem(folder()) or folder_problem(socket_folder()):
-        return None
-    key = server_key(preload=PRELOAD)
-    path = socket_path(key)
-    if socket_problem(path):
-        return None
+    key, path, _ = place
     try:
         connect(path, 1.0).close()
         return f"job server {key} answers already"
