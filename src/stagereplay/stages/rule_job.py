@@ -8,6 +8,7 @@ Imports nothing heavy itself: a table job that starts with it imports no torch (
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -46,9 +47,11 @@ def start_job(snakemake, warm: bool = False) -> None:
         hand_over(snakemake.config, PRELOAD)
 
 
+@functools.cache
 def starts_warm(script: str | os.PathLike) -> bool:
     """Whether the rule script ``script`` starts its job with ``start_job(snakemake, warm=True)`` (its second
-    statement, tests/test_rule_scripts.py checks): whether its job runs in the job server."""
+    statement, tests/test_rule_scripts.py checks): whether its job runs in the job server. Read once per script: a
+    run asks it of each of its jobs."""
     import ast
 
     try:
