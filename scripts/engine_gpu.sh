@@ -21,7 +21,8 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEP="${1:?give a step: pack, build or run}"
-CARRY="$REPO/.whl"
+CARRY="${CARRY:-$REPO/.whl}"  # CARRY=... for another folder (a carry has a size limit)
+TARGET="${INSTALL_TARGET:+--target $INSTALL_TARGET}"  # INSTALL_TARGET=... where site-packages is read-only
 SDIST_NAME="llama_cpp_python-0.3.36.tar.gz"
 PY="${PYTHON:-python}"
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,7 +47,10 @@ pack() {
 }
 
 build() {
+    # --exclude-libs,ALL: without it, the CUDA 13.0 build exported C++ library code from libggml-cuda, and a process that
+    # had loaded pyarrow, pandas or torch crashed in llama_model_load_from_file (seen on the H200 image, 2026-12-03)
     local flags="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_CUDA_FA=${CUDA_FA:-OFF}"
+    flags="$flags -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
     if [ "${BACKEND:-cuda}" = cpu ]; then
         flags=""  # BACKEND=cpu: the same offline build without CUDA, to check the step on a machine without a GPU
     elif "$PY" -c "import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())" 2>/dev/null; then
@@ -59,7 +63,7 @@ build() {
         echo "nvcc is not on PATH: the CUDA build needs the CUDA toolkit" >&2
         exit 1
     fi
-    "$PY" -m pip install -q --no-index --find-links "$CARRY" scikit-build-core pathspec diskcache
+    "$PY" -m pip install -q $TARGET --no-deps --no-index --find-links "$CARRY" scikit-build-core pathspec diskcache
     # a fixed source folder and a kept build folder: a build stopped part way (a 10-minute limit) resumes when
     # called again instead of starting over
     local src="$REPO/build/llama-src/llama_cpp_python-0.3.36" start end
@@ -72,8 +76,10 @@ build() {
         -w "$REPO/build/llama-wheel" "$src"
     end=$(date +%s)
     echo "build of llama-cpp-python: $((end - start)) s on $(nproc) cores (CMAKE_ARGS: ${flags:-none})"
-    "$PY" -m pip install -q --no-deps --force-reinstall "$REPO"/build/llama-wheel/llama_cpp_python-0.3.36-*.whl
+    "$PY" -m pip install -q $TARGET --no-deps --force-reinstall "$REPO"/build/llama-wheel/llama_cpp_python-0.3.36-*.whl
     "$PY" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    # the engine shares its process with pyarrow and torch: a build whose libraries clash with theirs fails here
+    "$PY" -c "import pyarrow, torch, llama_cpp; print('llama.cpp loads beside pyarrow and torch')"
 }
 
 run() {
@@ -82,8 +88,7 @@ run() {
     if [ "$device" = cpu ]; then offload=0 regime=static gpus=0; fi
     mkdir -p "$work"
     if [ "$device" != cpu ]; then
-        "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 'llama-cpp-python
-is not built with CUDA here: bash scripts/engine_gpu.sh build')"
+        "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 'llama-cpp-python is not built with CUDA here: bash scripts/engine_gpu.sh build')"
         nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     fi
     if [ ! -f "$work/model.gguf" ]; then
@@ -100,8 +105,8 @@ EOF
     fi
     # A random model's greedy text holds no marker of ours: the boundary is the second occurrence of the token that
     # llama.cpp's greedy continuation of a few prompts repeats most often (a pilot; items that miss it are counted).
-    if [ ! -f "$work/boundary.txt" ]; then
-        "$PY" - "$work/model.gguf" "$offload" > "$work/boundary.txt" <<'EOF'
+    if [ ! -s "$work/boundary.txt" ]; then  # written only when the pilot printed an id (a crash leaves none)
+        "$PY" - "$work/model.gguf" "$offload" > "$work/boundary.txt.part" <<'EOF'
 import sys
 from collections import Counter
 
@@ -117,6 +122,8 @@ with LlamaCppEngine(sys.argv[1], EngineSettings(kv_type="f16", n_ctx=512, n_gpu_
         counts.update({t for t in res.suffix_ids if res.suffix_ids.count(t) >= 2})
 print(counts.most_common(1)[0][0])
 EOF
+        grep -qx '[0-9][0-9]*' "$work/boundary.txt.part" || { echo "the pilot printed no token id" >&2; exit 1; }
+        mv "$work/boundary.txt.part" "$work/boundary.txt"
     fi
     local boundary
     boundary="$(cat "$work/boundary.txt")"
