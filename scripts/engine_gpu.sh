@@ -53,8 +53,9 @@ build() {
     flags="$flags -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
     if [ "${BACKEND:-cuda}" = cpu ]; then
         flags=""  # BACKEND=cpu: the same offline build without CUDA, to check the step on a machine without a GPU
-    elif "$PY" -c "import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())" 2>/dev/null; then
-        echo "llama-cpp-python with GPU offload is installed already"
+    elif "$PY" -c "import pyarrow, torch, llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())" \
+            2>/dev/null; then  # a build that crashes beside pyarrow and torch is built again
+        echo "llama-cpp-python with GPU offload is installed already, and loads beside pyarrow and torch"
         return
     fi
     [ -f "$CARRY/$SDIST_NAME" ] || { echo "no $CARRY/$SDIST_NAME: run 'bash scripts/engine_gpu.sh pack' where the" \
