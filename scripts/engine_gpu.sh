@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # llama.cpp beside this pipeline's own constructions on one GPU, with no network on the GPU machine.
 #
-# A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (stagereplay.testing, Qwen2's vocabulary size; its outputs mean nothing) is
-# run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64, at least 48 reaching the boundary): the
-# pipeline's matched experiment and fixed-prefix constructions (incremental, prefill, prefix_cached) at bf16 and fp32,
-# llama.cpp's live, prefill, prompt_cache and chunked at KV f16 and f32 on every layer offloaded, both audits; then it
-# prints the engine's split counts beside the pipeline's prefill and prefix_cached, with Wilson intervals.
+# A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (bench/turnaround.py's: the prompts' characters, then filler tokens; its
+# outputs mean nothing) is run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64; at least 48 must
+# reach the boundary): the pipeline's matched experiment and fixed-prefix constructions (incremental, prefill,
+# prefix_cached) at bf16 and fp32, llama.cpp's live, prefill, prompt_cache and chunked at KV f16 and f32 on every
+# layer offloaded, both audits; then it prints the engine's split counts beside the pipeline's prefill and
+# prefix_cached, with Wilson intervals.
 #
 # Three steps; each skips what an earlier call left done, so they may run as separate commands on a warm machine:
 #   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed below 64 MiB (vocab test files and
@@ -94,41 +95,22 @@ run() {
     fi
     if [ ! -f "$work/model.gguf" ]; then
         echo "== writing a RANDOM-WEIGHT $shape-shaped GGUF (F16) to $work/model.gguf"
-        "$PY" - "$work/model.gguf" "$shape" <<'EOF'
+        # bench/turnaround.py's file: its vocabulary is the prompts' characters padded with fillers ~0, ~1, ..., which
+        # a random model emits almost only, so the stage boundary is the 64th "~" and every item reaches it (as in
+        # the 48-item turnaround); a boundary token picked from a pilot may never appear in the pipeline's own decode
+        "$PY" - "$work/model.gguf" "$shape" "$REPO/bench" <<'EOF'
 import sys
-from stagereplay.testing.gguf import byte_level_vocabulary, write_gguf
-from stagereplay.testing.shapes import SHAPES
+from pathlib import Path
 
-path, shape = sys.argv[1:]
-written = write_gguf(path, shape, vocabulary=byte_level_vocabulary(SHAPES[shape]["vocab_size"]), quant="F16", seed=0)
-print(f"{written.parameters:,} parameters, {written.tensor_types}")
+path, shape, bench = sys.argv[1:]
+sys.path.insert(0, bench)
+from turnaround import write_random_gguf  # noqa: E402
+
+info = write_random_gguf(Path(path), shape, quant="F16", seed=0)
+print(f"{info['parameters']:,} parameters, {info['fillers']:,} filler tokens, {info['tensor_types']['counts']}")
 EOF
     fi
-    # A random model's greedy text holds no marker of ours: the boundary is the second occurrence of the token that
-    # llama.cpp's greedy continuation of a few prompts repeats most often (a pilot; items that miss it are counted).
-    if [ ! -s "$work/boundary.txt" ]; then  # written only when the pilot printed an id (a crash leaves none)
-        "$PY" - "$work/model.gguf" "$offload" > "$work/boundary.txt.part" <<'EOF'
-import sys
-from collections import Counter
-
-from stagereplay.data.datasets import load_synthetic
-from stagereplay.engines.llama_cpp import EngineSettings, LlamaCppEngine
-
-with LlamaCppEngine(sys.argv[1], EngineSettings(kv_type="f16", n_ctx=512, n_gpu_layers=int(sys.argv[2]))) as e:
-    counts = Counter()
-    for item in load_synthetic(16, 0):
-        text = f"<|im_start|>user\n{item['question']}<|im_end|>\n<|im_start|>assistant\n"
-        ids = e.llm.tokenize(text.encode(), add_bos=False, special=True)
-        res = e.replay("prefill", ids[:-1], ids[-1:], 48)
-        counts.update({t for t in res.suffix_ids if res.suffix_ids.count(t) >= 2})
-print(counts.most_common(1)[0][0])
-EOF
-        grep -qx '[0-9][0-9]*' "$work/boundary.txt.part" || { echo "the pilot printed no token id" >&2; exit 1; }
-        mv "$work/boundary.txt.part" "$work/boundary.txt"
-    fi
-    local boundary
-    boundary="$(cat "$work/boundary.txt")"
-    echo "== boundary: the 2nd occurrence of token id $boundary"
+    echo "== boundary: the 64th filler (marker ~)"
     cat > "$work/config.yaml" <<EOF
 # llama.cpp beside the pipeline, on a random-weight qwen2.5-0.5b-shaped GGUF (outputs mean nothing)
 run: engine-gpu
@@ -139,8 +121,8 @@ model: $work/model.gguf
 revisions: [random-0.5b]
 precisions: [bf16, fp32]
 reference_precision: bf16
-boundary: {token_id: $boundary, occurrence: 2}
-max_stage_tokens: 64
+boundary: {marker: "~", occurrence: 64}
+max_stage_tokens: 96
 max_new_tokens: 32
 stage_end: null
 device: $device
