@@ -49,55 +49,21 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pipeline_run import GpuSampler, add_run_options, write_config  # noqa: E402
 from run_summary import compare, device_name, run_summary, store_entries, versions  # noqa: E402
-from stagereplay.testing.gguf import CHAT_TEMPLATE, CONTROL, USER_DEFINED, Vocabulary, write_gguf  # noqa: E402
+from stagereplay.testing.gguf import filler_vocabulary, prompt_characters, write_gguf  # noqa: E402
 from stagereplay.testing.shapes import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
 
 REVISION = "local"  # the config's revisions: a GGUF file named by model needs no revision; its slug names folders
 QUANTS = ("Q8_0", "Q4_0")
-# Two merges (runs of two and four spaces, which no prompt holds): a file without merges reads back as having none to
-# give, and transformers then derives them from scores this file does not have; one merge alone reads back in
-# transformers 5.17 as a string, not a list of one. Every prompt character is its own token.
-MERGES = ["\u0120 \u0120", "\u0120\u0120 \u0120\u0120"]
-MERGED = ["\u0120\u0120", "\u0120\u0120\u0120\u0120"]
 
 
 # ---- The source: a random-weight GGUF file of a real shape -----------------------------------------------------------
-def prompt_characters() -> list[str]:
-    """The characters a prompt holds: the toy's (its questions) and the chat template's text around a user
-    message with the generation prompt (the role names, newlines), and a space."""
-    import jinja2
-
-    from stagereplay.data.toy import CHARS
-
-    text = jinja2.Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": ""}],
-                                                 add_generation_prompt=True)
-    for special in CONTROL + USER_DEFINED:
-        text = text.replace(special, "")
-    return sorted(set(CHARS) | set(text) | {" "})
-
-
-def vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
-    """Tokens and their GGUF types: the prompt characters in GPT-2's byte alphabet (a space is ``Ġ``, a newline
-    ``Ċ``), the special tokens, then fillers ``~0``, ``~1``, ... up to ``vocab_size``."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    spelling = bytes_to_unicode()
-    chars = ["".join(spelling[b] for b in c.encode()) for c in prompt_characters()] + MERGED
-    base = chars + CONTROL + USER_DEFINED
-    tokens = base + [f"~{i}" for i in range(vocab_size - len(base))]
-    types = ([gguf.TokenType.NORMAL] * len(chars) + [gguf.TokenType.CONTROL] * len(CONTROL)
-             + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED) + [gguf.TokenType.NORMAL] * (len(tokens) - len(base)))
-    return tokens, types
-
-
 def write_random_gguf(path: Path, shape_name: str, quant: str = "Q8_0", seed: int = 0) -> dict:
     """Write a random-weight Qwen2 GGUF of ``shape_name`` (stagereplay.testing.gguf: weights drawn as transformers
     initialises a Qwen2, normal with std 0.02, norms one, biases zero; every 2-D weight quantised as ``quant``, norms
-    and biases F32) with :func:`vocabulary`; return what the report says of it."""
-    tokens, types = vocabulary(SHAPES[shape_name]["vocab_size"])
-    written = write_gguf(path, shape_name, vocabulary=Vocabulary(tokens, MERGES, types), tied=False, quant=quant,
-                         seed=seed)
+    and biases F32) with :func:`stagereplay.testing.gguf.filler_vocabulary`; return what the report says of it."""
+    vocabulary = filler_vocabulary(SHAPES[shape_name]["vocab_size"])
+    tokens = vocabulary.tokens
+    written = write_gguf(path, shape_name, vocabulary=vocabulary, tied=False, quant=quant, seed=seed)
     return {"file": path.name, "bytes": path.stat().st_size, "shape": shape_name, "parameters": written.parameters,
             "seed": seed, "vocab_size": len(tokens), "characters": "".join(prompt_characters()),
             "fillers": sum(t.startswith("~") for t in tokens),

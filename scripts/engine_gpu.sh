@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp beside this pipeline's own constructions on one GPU, with no network on the GPU machine.
 #
-# A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (bench/turnaround.py's: the prompts' characters, then filler tokens; its
+# A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (stagereplay.testing: the prompts' characters, then filler tokens; its
 # outputs mean nothing) is run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64; at least 48 must
 # reach the boundary): the pipeline's matched experiment and fixed-prefix constructions (incremental, prefill,
 # prefix_cached) at bf16 and fp32, llama.cpp's live, prefill, prompt_cache and chunked at KV f16 and f32 on every
@@ -44,7 +44,7 @@ pack() {
     # the build backend and the binding's one dependency a torch environment lacks: installed offline on the GPU
     "$PY" -m pip download -q --no-deps -d "$CARRY" "scikit-build-core>=0.9.2" pathspec diskcache
     du -sh "$CARRY"
-    echo "carry .whl/ to the GPU machine (run's carry: [\".whl\"])"
+    echo "carry $CARRY to the GPU machine"
 }
 
 build() {
@@ -95,19 +95,20 @@ run() {
     fi
     if [ ! -f "$work/model.gguf" ]; then
         echo "== writing a RANDOM-WEIGHT $shape-shaped GGUF (F16) to $work/model.gguf"
-        # bench/turnaround.py's file: its vocabulary is the prompts' characters padded with fillers ~0, ~1, ..., which
-        # a random model emits almost only, so the stage boundary is the 64th "~" and every item reaches it (as in
-        # the 48-item turnaround); a boundary token picked from a pilot may never appear in the pipeline's own decode
-        "$PY" - "$work/model.gguf" "$shape" "$REPO/bench" <<'EOF'
+        # the filler vocabulary (stagereplay.testing): the prompts' characters, then fillers ~0, ~1, ..., which a
+        # random model emits almost only, so the stage boundary is the 64th "~" and nearly every item reaches it (as
+        # in the 48-item turnaround); a boundary token picked from a pilot may never appear in the pipeline's decode
+        "$PY" - "$work/model.gguf" "$shape" <<'EOF'
 import sys
-from pathlib import Path
 
-path, shape, bench = sys.argv[1:]
-sys.path.insert(0, bench)
-from turnaround import write_random_gguf  # noqa: E402
+from stagereplay.testing.gguf import filler_vocabulary, write_gguf
+from stagereplay.testing.shapes import SHAPES
 
-info = write_random_gguf(Path(path), shape, quant="F16", seed=0)
-print(f"{info['parameters']:,} parameters, {info['fillers']:,} filler tokens, {info['tensor_types']['counts']}")
+path, shape = sys.argv[1:]
+vocabulary = filler_vocabulary(SHAPES[shape]["vocab_size"])
+written = write_gguf(path, shape, vocabulary=vocabulary, tied=False, quant="F16", seed=0)
+print(f"{written.parameters:,} parameters, {sum(t.startswith('~') for t in vocabulary.tokens):,} filler tokens, "
+      f"{written.tensor_types}")
 EOF
     fi
     echo "== boundary: the 64th filler (marker ~)"

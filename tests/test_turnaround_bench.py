@@ -14,6 +14,7 @@ import yaml
 from snakemake.utils import validate
 
 from bench_scripts import load_bench
+from stagereplay.testing.gguf import filler_vocabulary
 
 REPO = Path(__file__).resolve().parents[1]
 turnaround = load_bench("turnaround")
@@ -30,7 +31,8 @@ def test_the_source_is_a_quantised_qwen2_gguf_with_a_byte_level_vocabulary(tmp_p
     assert types["blk.1.ffn_down.weight"] == types["blk.0.attn_q.weight"] == "Q8_0"
     assert types["blk.0.attn_q.bias"] == types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
     assert len(reader.tensors) == 3 + 2 * 12
-    tokens, kinds = turnaround.vocabulary(512)
+    vocabulary = filler_vocabulary(512)
+    tokens, kinds = vocabulary.tokens, vocabulary.types
     assert len(tokens) == info["vocab_size"] == 512
     assert "\u0120" in tokens and "\u010a" in tokens and " " not in tokens  # a space is Ġ, a newline Ċ
     assert tokens[-1] == f"~{info['fillers'] - 1}" and info["fillers"] > 400

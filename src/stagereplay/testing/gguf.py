@@ -99,6 +99,41 @@ def byte_level_vocabulary(size: int, regular: int | None = None, seed: int = 0) 
     return Vocabulary(tokens, merges, qwen2_token_types(regular, padding))
 
 
+# Two merges (runs of two and four spaces, which no prompt holds): a file without merges reads back as having none to
+# give, and transformers then derives them from scores this file does not have; one merge alone reads back in
+# transformers 5.17 as a string, not a list of one.
+FILLER_MERGES = ["\u0120 \u0120", "\u0120\u0120 \u0120\u0120"]
+
+
+def prompt_characters() -> list[str]:
+    """The characters a prompt holds: the toy's (its questions) and the chat template's text around a user
+    message with the generation prompt (the role names, newlines), and a space."""
+    import jinja2
+
+    from stagereplay.data.toy import CHARS
+
+    text = jinja2.Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": ""}],
+                                                 add_generation_prompt=True)
+    for special in SPECIALS:
+        text = text.replace(special, "")
+    return sorted(set(CHARS) | set(text) | {" "})
+
+
+def filler_vocabulary(size: int) -> Vocabulary:
+    """The prompt characters in GPT-2's byte alphabet (a space is ``Ġ``, a newline ``Ċ``; every one a token of its
+    own), the merged space runs, the specials, then fillers ``~0``, ``~1``, ... up to ``size``: a random model's
+    greedy tokens are almost all fillers, so ``{marker: "~", occurrence: N}`` ends a stage at about N tokens."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    chars = ["".join(spelling[b] for b in c.encode()) for c in prompt_characters()]
+    chars += [m.replace(" ", "") for m in FILLER_MERGES]
+    base = chars + SPECIALS
+    tokens = base + [f"~{i}" for i in range(size - len(base))]
+    types = qwen2_token_types(len(chars)) + [gguf.TokenType.NORMAL] * (len(tokens) - len(base))
+    return Vocabulary(tokens, list(FILLER_MERGES), types)
+
 def model_class(architecture: str):
     """The transformers causal-LM and config classes of ``architecture``."""
     import transformers
