@@ -9,8 +9,8 @@
 # prefix_cached, with Wilson intervals.
 #
 # Three steps; each skips what an earlier call left done, so they may run as separate commands on a warm machine:
-#   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed below 64 MiB (vocab test files and
-#                                      # docs out) and the build's own packages, into .whl/ (git-ignored: carry it)
+#   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed to 44 MiB (what the build reads:
+#                                      # CPU and CUDA) and the build's own packages, into .whl/ (git-ignored: carry it)
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
 #   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the table (WORK=... to keep its folder)
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
@@ -35,9 +35,11 @@ pack() {
         tmp="$(mktemp -d)"
         "$PY" -m pip download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
         tar xzf "$tmp/$SDIST_NAME" -C "$tmp"
-        # vocabulary test files and documentation: read by no step of the build
-        rm -rf "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-* \
-            "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp/docs
+        # read by no step of this build: vocabulary test files, documentation, tests, benches, media, the server's
+        # web UI and the ggml backends other than CPU and CUDA (the .git folder stays: llama.cpp's commit comes from it)
+        local vendor="$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp
+        rm -rf "$vendor"/models/ggml-vocab-* "$vendor"/docs "$vendor"/tests "$vendor"/benches "$vendor"/media \
+            "$vendor"/tools/ui "$vendor"/ggml/src/ggml-{vulkan,sycl,opencl,hexagon,openvino,webgpu,et,metal}
         tar czf "$CARRY/$SDIST_NAME" -C "$tmp" llama_cpp_python-0.3.36
         rm -rf "$tmp"
     fi
