@@ -1,6 +1,7 @@
 # Before the first job (only when there is work to do, and in a dry run): every check of the inputs that needs no
 # weights, so that a bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
 from stagereplay.models.store import ModelStore
+from stagereplay.runtime.bytecode import uncompiled_note
 from stagereplay.stages.preflight import PassedChecks, check_output_folders, check_run_once
 from stagereplay.stages.rule_job import start_job_server, starts_warm
 
@@ -17,6 +18,9 @@ def jobs_run_here():
 
 
 def preflight():
+    note = uncompiled_note("torch")
+    if note:
+        logger.warning(note)
     checked = dict(
         config,
         model=resolve_path(config["model"]),
