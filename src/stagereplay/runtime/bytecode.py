@@ -14,7 +14,8 @@ import sys
 def uncompiled_note(package: str = "torch", dont_write: bool | None = None) -> str | None:
     """A one-line note for the run's log when ``package`` is compiled again in every process, else None.
 
-    ``dont_write``: whether Python writes no bytecode (``sys.flags.dont_write_bytecode`` when None)."""
+    ``dont_write``: whether Python writes no bytecode (``sys.dont_write_bytecode``, set by ``-B`` and
+    ``PYTHONDONTWRITEBYTECODE``, when None)."""
     if not (sys.dont_write_bytecode if dont_write is None else dont_write):
         return None
     spec = importlib.util.find_spec(package)

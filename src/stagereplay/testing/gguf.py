@@ -134,6 +134,7 @@ def filler_vocabulary(size: int) -> Vocabulary:
     types = qwen2_token_types(len(chars)) + [gguf.TokenType.NORMAL] * (len(tokens) - len(base))
     return Vocabulary(tokens, list(FILLER_MERGES), types)
 
+
 def model_class(architecture: str):
     """The transformers causal-LM and config classes of ``architecture``."""
     import transformers
