@@ -100,7 +100,9 @@ def synthetic_transplant(revision="primary", n_items=6) -> pd.DataFrame:
                              "direction": direction, "layer_set": layer_set, "layers": layers, "component": component,
                              "positions": positions, "outcome": outcome,
                              "first_divergence_donor": None if outcome == "donor" else 3,
-                             "first_divergence_recipient": 2 if outcome != "recipient" else None})
+                             "first_divergence_recipient": 2 if outcome != "recipient" else None,
+                             "noop": False,
+                             "placebo_outcome": ["recipient", "donor", "neither"][(item + len(layers)) % 3]})
     return pd.DataFrame(rows)
 
 

@@ -136,7 +136,7 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     from stagereplay.analysis.revision_data import RevisionData
     from stagereplay.experiments.minimal_transplant import Box
     from stagereplay.stages.divergence_onset import ONSET_SCHEMA, measure_divergence_onset
-    from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA, find_minimal_transplants
+    from stagereplay.stages.minimal_transplant import MINIMAL_TRANSPLANT_SCHEMA, VERDICTS, find_minimal_transplants
     from stagereplay.stages.settings import MinimalTransplantSettings, OnsetSettings, from_params
     from stagereplay.stages.transplant_selection import select_transplant_items
 
@@ -151,12 +151,21 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
     assert list(pd.read_parquet(out).columns) == MINIMAL_TRANSPLANT_SCHEMA.names
     assert len(df) == 2 * len(divergent) and set(df["item_index"]) == set(divergent)  # the agreeing item is not searched
     assert df["full_sufficient"].all() and (df["runs"] <= 24).all() and (df["runs"] == df["trials"].map(len)).all()
+    assert set(df["verdict"]) <= set(VERDICTS) and (df["verdict"] != VERDICTS[2]).all()
+    assert (df["sham_cache_fingerprint"].notna()).all()
     for r in df.itertuples():
         assert r.trial_outcomes[0] == "donor" and r.trials[0].startswith("layers all · KV")
+        assert len(r.trial_placebo_outcomes) == len(r.trial_noops) == r.runs
+        assert r.whole_placebo_follows == (r.trial_placebo_outcomes[0] == "donor")
+        if r.verdict != "localised":  # the whole cache's placebo carried too: no box can be told from a push
+            assert r.whole_placebo_follows and pd.isna(r.layer_lo) and r.runs == 1
+            continue
         assert r.locally_minimal != r.budget_exhausted
-        # the set found was run and carried the donor (the last trial that did is the set)
+        # the set found was run, carried the donor, and its placebo did not
         box = Box(r.layer_lo, r.layer_hi, r.component, r.position_lo, r.position_hi)
-        assert box.label(r.num_layers) in [t for t, o in zip(r.trials, r.trial_outcomes) if o == "donor"]
+        carried = [t for t, o, p in zip(r.trials, r.trial_outcomes, r.trial_placebo_outcomes)
+                   if o == "donor" and p != "donor"]
+        assert box.label(r.num_layers) in carried
         assert 0 < r.share_of_state <= 1
     off = find_minimal_transplants(str(tmp_path / "selection.parquet"), ledger, str(tmp_path / "off.parquet"),
                                    from_params(MinimalTransplantSettings, dict(model, precision="bf16",

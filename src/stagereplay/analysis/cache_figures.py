@@ -92,7 +92,9 @@ TRANSPLANT_SIDE_MARGIN = 0.45
 
 def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
     """Figure 5: share of transplanted continuations that follow their cache donor, per layer set / component /
-    positions (rows) and direction (columns), one panel per revision and precision, with k/n in each cell."""
+    positions (rows) and direction (columns), each direction's column beside its placebo's (where the file has the
+    controls), one panel per revision and precision, with k/n in each cell (no-op items left out; "no-op" where
+    every item was one)."""
     if matrix is None or matrix.empty:
         return placeholder_figure(paths, "No data yet for figure 5: transplant.parquet is absent or empty "
                                   "(the transplant stage has not run).")
@@ -107,14 +109,21 @@ def plot_transplant(matrix: pd.DataFrame, paths: dict[str, str], revision_order=
                            .itertuples(index=False), key=analysis.transplant_row_key)
             labels = list(dict.fromkeys(r.label for r in order))
             directions = sorted(sub["direction"].unique())
-            grid = np.full((len(labels), len(directions)), np.nan)
+            controlled = sub["placebo"].notna().any() if "placebo" in sub.columns else False
+            arms = ("donor", "placebo") if controlled else ("donor",)
+            columns = [(d, arm) for d in directions for arm in arms]
+            grid = np.full((len(labels), len(columns)), np.nan)
             for r in sub.itertuples(index=False):
-                i, j = labels.index(r.label), directions.index(r.direction)
-                grid[i, j] = np.nan if r.rate is None else r.rate
-                ax.text(j, i, f"{r.donor}/{r.n}", ha="center", va="center", fontsize=5.5,
-                        color="white" if (r.rate or 0) > 0.6 else "black")
+                for arm in arms:
+                    i, j = labels.index(r.label), columns.index((r.direction, arm))
+                    k = r.donor if arm == "donor" else r.placebo
+                    rate = None if not r.n else k / r.n
+                    grid[i, j] = np.nan if rate is None else rate
+                    ax.text(j, i, f"{int(k)}/{r.n}" if r.n else "no-op", ha="center", va="center", fontsize=5.5,
+                            color="white" if (rate or 0) > 0.6 else "black")
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_xticks(range(len(directions)), [d.replace("->", "\n→ ") for d in directions])
+            ax.set_xticks(range(len(columns)), [d.replace("->", "\n→ ") + ("" if arm == "donor" else "\nplacebo")
+                                                for d, arm in columns])
             ax.xaxis.tick_top()
             ax.tick_params(axis="x", length=0)
             names = [re.sub(r"^layers? ", "", lab) + (" (whole state)" if lab == "layers all · KV" else "")

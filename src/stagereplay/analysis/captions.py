@@ -63,8 +63,11 @@ CAPTIONS = {
         "construction's own continuation) after the donor's K/V replace the recipient's in the layers, components "
         "(K, V or both) and positions of each row, per direction (column); each cell gives donor-following "
         "runs / transplants. The top row (all layers, K and V, all positions) hands over the donor's whole "
-        "boundary state and is a check of the construction; the rows below it localise the divergence. One panel "
-        "per revision and precision.",
+        "boundary state and is a check of the construction; the rows below it localise the divergence. Beside each "
+        "direction, its placebo: the same transplant with the donor-minus-recipient difference shifted within its "
+        "span; a part carries the divergence only where its donor column exceeds its placebo column (the report "
+        "gives McNemar's exact test). No-op items (identical bytes) are left out. One panel per revision and "
+        "precision.",
     ),
     "fig6_accuracy": (
         "Paired accuracy difference between constructions.",

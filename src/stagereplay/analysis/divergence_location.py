@@ -16,6 +16,8 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import format_ids, format_proportion, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 
+VERDICT_NOT_SEPARABLE = "not separable from its placebo"  # stages.minimal_transplant.VERDICTS[1]
+
 GUARANTEE = ("The search is a greedy bisection (K alone, then V alone; the lower, then the upper half of the layer "
              "band; the same for the span of cache positions; in passes until none narrows), within a budget of "
              "transplant runs per item and direction. The set it returns was run and carried the donor's "
@@ -24,8 +26,24 @@ GUARANTEE = ("The search is a greedy bisection (K alone, then V alone; the lower
              "part, a union of pieces or a part that is no half of a half may be smaller and suffice.")
 
 
+PLACEBO_RULE = ("Every box the search tries also runs its placebo in the same batch layout: the donor-minus-recipient "
+                "difference over the box, its positions shifted cyclically by half the box's span (a one-position "
+                "span: negated), written onto the recipient. A box counts as sufficient only where the donor's bytes "
+                "carry the donor's continuation and its placebo does not; where the whole cache's placebo carries it "
+                "too, the item is *not separable from its placebo*: any push of that size tips it, so no part of the "
+                "cache can be said to carry the divergence.")
+
+
 def _rows(frame: pd.DataFrame | None) -> pd.DataFrame:
     return frame if frame is not None else pd.DataFrame()
+
+
+def localised(frame: pd.DataFrame) -> pd.Series:
+    """Rows whose search returned a box that carried the donor's continuation beyond its placebo (files written
+    before the placebo control: every row whose whole cache sufficed)."""
+    if "verdict" in frame.columns:
+        return frame["verdict"] == "localised"
+    return frame["full_sufficient"].astype(bool)
 
 
 def minimal_coverage(minimal: pd.DataFrame | None) -> pd.DataFrame:
@@ -34,10 +52,10 @@ def minimal_coverage(minimal: pd.DataFrame | None) -> pd.DataFrame:
     position minus the prompt's length: negative in the prompt, 0 at the first stage token."""
     cols = ["revision", "precision", "component", "layer", "offset", "n", "included", "share"]
     frame = _rows(minimal)
-    if frame.empty or not frame["full_sufficient"].any():
+    if frame.empty or not localised(frame).any():
         return pd.DataFrame(columns=cols)
     analysis.check_unique(frame, "minimal_transplant")
-    found = frame[frame["full_sufficient"].astype(bool)]
+    found = frame[localised(frame)]
     counts: dict[tuple, list[int]] = {}
     for r in found.itertuples(index=False):
         for component in ("k", "v"):
@@ -116,20 +134,25 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     if frame.empty:
         return ["_No divergent item among the transplant selection: nothing to search._", ""], {
             "status": "no divergent item", "budget": budget}
-    lines = [GUARANTEE, "",
-             f"Budget: {budget} transplant runs per item and direction, the whole-cache one included. Proportions "
-             "are per direction, over divergent items (Wilson 95%).", "",
-             *table_head("precision", "direction", "items", "whole cache suffices", "budget ran out",
+    controlled = "verdict" in frame.columns
+    lines = [GUARANTEE, "", *([PLACEBO_RULE, ""] if controlled else []),
+             f"Budget: {budget} transplant runs per item and direction (each with its placebo), the whole-cache one "
+             "included. Proportions are per direction, over divergent items (Wilson 95%).", "",
+             *table_head("precision", "direction", "items", "whole cache suffices", "its placebo too (not separable)",
+                         "localised beyond placebo", "budget ran out",
                          "minimal against halving", "K or V alone", "one layer", "stage positions only",
                          "prompt positions only", "share of the K/V state, median [IQR]", "runs, median [IQR]")]
     out: dict = {"status": "searched", "budget": budget, "guarantee": GUARANTEE, "cells": {}}
     for (precision, direction), g in frame.groupby(["precision", "direction"], sort=True):
-        found = g[g["full_sufficient"].astype(bool)]
+        found = g[localised(g)]
+        inseparable = (g["verdict"] == VERDICT_NOT_SEPARABLE) if controlled else pd.Series(False, index=g.index)
         prompt = found["prompt_length"].astype(int)
         stage_only = found["position_lo"].astype(int) >= prompt
         prompt_only = found["position_hi"].astype(int) <= prompt
         cell = {
             "n": len(g), "whole_cache_sufficient": _share(g, g["full_sufficient"]),
+            "not_separable": _share(g, inseparable) if controlled else None,
+            "localised": _share(g, localised(g)),
             "budget_exhausted": _share(g, g["budget_exhausted"]),
             "locally_minimal": _share(found, found["locally_minimal"]),
             "k_or_v_alone": _share(found, found["component"] != "kv"),
@@ -149,6 +172,8 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                 cell["layer_included"][str(layer)] = _share(found, inside)
         out["cells"].setdefault(precision, {})[direction] = cell
         lines.append(table_row(precision, direction, len(g), format_proportion(cell["whole_cache_sufficient"]),
+                               format_proportion(cell["not_separable"]) if controlled else "not run",
+                               format_proportion(cell["localised"]),
                                f"{cell['budget_exhausted']['k']} / {len(g)}",
                                format_proportion(cell["locally_minimal"]),
                                format_proportion(cell["k_or_v_alone"]), format_proportion(cell["single_layer"]),
@@ -178,7 +203,16 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     if len(missed):
         lines += ["", "**Finding:** the whole-cache transplant did not carry the donor's continuation (no search "
                   f"possible; a fault of the construction or layout): {format_ids(out['whole_cache_insufficient'])}."]
-    found = frame[frame["full_sufficient"].astype(bool)].sort_values(["precision", "item_index", "direction"])
+    if controlled:
+        tied = frame[frame["verdict"] == VERDICT_NOT_SEPARABLE]
+        out["not_separable"] = [f"{r.item_id} {r.direction}" for r in tied.itertuples(index=False)]
+        if len(tied):
+            lines += ["", "Not separable from its placebo (the whole cache's placebo carried the donor's continuation "
+                      f"too, so the search could not tell): {format_ids(out['not_separable'])}."]
+    else:
+        lines += ["", "_This file predates the placebo control: its boxes are sufficient, not shown to carry more "
+                  "than any push of their size._"]
+    found = frame[localised(frame)].sort_values(["precision", "item_index", "direction"])
     lines += ["", *table_head("item", "precision", "direction", "minimal set",
                               "positions (cache; prompt / stage share)", "runs")]
     for r in found.head(40).itertuples(index=False):

@@ -22,7 +22,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from stagereplay.analysis import stats
+from stagereplay.analysis import placebo, stats
 from stagereplay.io.ids import first_divergence
 from stagereplay.io.keys import ITEM_KEY, LEDGER_KEY
 
@@ -323,9 +323,12 @@ def transplant_label(row) -> str:
 
 
 def transplant_matrix(transplant: pd.DataFrame) -> pd.DataFrame:
-    """Share of transplants following the donor per (revision, layer set/component/positions, direction)."""
+    """Share of transplants following the donor per (revision, layer set/component/positions, direction), beside
+    its placebo's (:mod:`stagereplay.analysis.placebo`; None where the file predates the controls): no-op rows are
+    counted in ``noop`` and left out of ``n`` and of both rates."""
     cols = ["revision", "precision", "label", "layer_set", "component", "positions", "direction", "n", "donor",
-            "recipient", "neither", "rate", "wilson_low", "wilson_high"]
+            "recipient", "neither", "rate", "wilson_low", "wilson_high", "noop", "placebo", "placebo_rate",
+            "only_donor", "only_placebo", "p_value"]
     if transplant is None or transplant.empty:
         return pd.DataFrame(columns=cols)
     check_unique(transplant, "transplant")
@@ -334,15 +337,24 @@ def transplant_matrix(transplant: pd.DataFrame) -> pd.DataFrame:
         df = df[df["divergent"].astype(bool)]
     if "positions" not in df.columns:
         df["positions"] = "all"
+    controlled = placebo.has_controls(df)
     rows = []
     keys = ["revision", "precision", "layer_set", "component", "positions", "direction"]
     for key, g in df.groupby(keys, sort=False):
-        fr = stats.follow_rate(g["outcome"].tolist())
         d = dict(zip(keys, key))
+        control = {"noop": 0, "placebo": None, "placebo_rate": None, "only_donor": None, "only_placebo": None,
+                   "p_value": None}
+        if controlled:
+            cell = placebo.controlled_rates(g)
+            control = {"noop": cell["noop"], "placebo": cell["placebo"], "placebo_rate": cell["placebo_rate"]["rate"],
+                       "only_donor": cell["only_donor"], "only_placebo": cell["only_placebo"],
+                       "p_value": cell["p_value"]}
+            g = g[~g["noop"].fillna(False).astype(bool)]
+        fr = stats.follow_rate(g["outcome"].tolist())
         rows.append({**d, "label": transplant_label(d), "n": fr["n"], "donor": fr["donor"],
                      "recipient": fr["recipient"], "neither": fr["neither"], "rate": fr["follows_donor"]["rate"],
                      "wilson_low": fr["follows_donor"]["wilson_low"],
-                     "wilson_high": fr["follows_donor"]["wilson_high"]})
+                     "wilson_high": fr["follows_donor"]["wilson_high"], **control})
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from stagereplay.analysis import stats, study
+from stagereplay.analysis import placebo, stats, study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import format_percent, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
@@ -57,36 +57,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
               + (f", between `{constructions[0]}` and `{constructions[1]}`" if len(constructions) == 2 else "")
               + ", each in both directions.", ""]
     if len(rest):
-        lines += ["#### Localisation: which part of the cache carries the divergence (beyond the study)", "",
-                  "Share of divergent continuations that follow the donor when only part of its boundary cache is "
-                  "handed over.", "",
-                  *table_head("precision", "layers · component · positions", "direction", "follows donor",
-                              "recipient", "neither", "Wilson 95%")]
-        ordered = sorted(rest.itertuples(index=False), key=lambda r: (r.precision, analysis.transplant_row_key(r),
-                                                                      r.direction))
-        for r in ordered:
-            lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", r.recipient, r.neither,
-                                   f"[{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]%"))
-            out["sweep"].append({"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
-                                 "positions": r.positions, "direction": r.direction, "n": int(r.n),
-                                 "donor": int(r.donor), "recipient": int(r.recipient), "neither": int(r.neither),
-                                 "method": "outcome counts; wilson interval on the donor share",
-                                 "follows_donor": stats.proportion(int(r.donor), int(r.n))})
-        by_label = rest.groupby("label", sort=False).agg(donor=("donor", "sum"), n=("n", "sum"))
-        carries = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == r["n"]]
-        never = [label for label, r in by_label.iterrows() if r["n"] and r["donor"] == 0]
-        partial = [label for label in by_label.index if label not in carries and label not in never]
-        reading = []
-        if carries:
-            reading.append(f"Partial transplants carrying the donor's continuation on every divergent row, both "
-                           f"directions: {join_words(carries)}.")
-        else:
-            reading.append("No partial transplant carries the donor's continuation on every divergent row.")
-        if never:
-            reading.append(f"Carrying it on no row: {join_words(never)}.")
-        if partial:
-            reading.append(f"Carrying it on some rows only: {join_words(partial)}.")
-        lines += ["", " ".join(reading), ""]
+        lines += localisation_lines(rest, out)
     lines += ["#### Claim: bidirectional transplant of all K/V layers (a consistency check)", "",
               "The boundary state is the whole decoder state (docs/STUDY.md), so handing the recipient the donor's K "
               "and V at every layer and position makes its cache the donor's cache: following the donor is what the "
@@ -123,3 +94,62 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                       f"{int(known.astype(bool).sum())} / {len(known)} items (those are labelled `live`)."]
             out["live_fingerprint_match"] = {"k": int(known.astype(bool).sum()), "n": int(len(known))}
     return lines + [""], out
+
+
+CONTROLS = ("Each row's control: the same transplant with its **placebo** (the donor-minus-recipient difference over "
+            "the same layers, component and positions, shifted cyclically by half the span, or negated where the "
+            "span is one position), run in the same batch layout. At a near-tie any push may tip the choice, so a "
+            "part of the cache is said to carry the divergence only where the donor's bytes follow the donor more "
+            "often than their placebo (McNemar's exact test over items, on the pairs where exactly one of them "
+            "did). A **no-op** (the transplanted bytes identical in donor and recipient, e.g. prompt positions "
+            "that both constructions prefill alike) is counted apart and is evidence of nothing. A **sham** (the "
+            "recipient's own bytes written back through the same edit) reproduced the recipient byte for byte on "
+            "every item and direction, or the stage would have stopped.")
+
+
+def localisation_lines(rest: pd.DataFrame, out: dict) -> list[str]:
+    """The localisation sweep's table, each row beside its placebo and no-ops, and what it shows net of placebo."""
+    controlled = rest["placebo"].notna().any()
+    lines = ["#### Localisation: which part of the cache carries the divergence (beyond the study)", "",
+             "Share of divergent continuations that follow the donor when only part of its boundary cache is "
+             "handed over" + (", beside the same share for its placebo." if controlled else "."), ""]
+    if controlled:
+        lines += [CONTROLS, "", *table_head("precision", "layers · component · positions", "direction",
+                                            "follows donor", "placebo follows donor", "only donor / only placebo",
+                                            "McNemar exact p", "no-ops", "reading")]
+    else:
+        lines += ["_This file predates the placebo control: its rates are not shown to exceed what any push of "
+                  "their size does._", "",
+                  *table_head("precision", "layers · component · positions", "direction", "follows donor",
+                              "recipient", "neither", "Wilson 95%")]
+    ordered = sorted(rest.itertuples(index=False), key=lambda r: (r.precision, analysis.transplant_row_key(r),
+                                                                  r.direction))
+    readings: dict[str, list[str]] = {}
+    for r in ordered:
+        row = {"precision": r.precision, "layer_set": r.layer_set, "component": r.component,
+               "positions": r.positions, "direction": r.direction, "n": int(r.n), "donor": int(r.donor),
+               "recipient": int(r.recipient), "neither": int(r.neither),
+               "method": "outcome counts; wilson interval on the donor share",
+               "follows_donor": stats.proportion(int(r.donor), int(r.n))}
+        if controlled:
+            cell = {"n": int(r.n), "donor": int(r.donor), "placebo": int(r.placebo), "p_value": float(r.p_value),
+                    "only_donor": int(r.only_donor), "only_placebo": int(r.only_placebo)}
+            said = placebo.reading(cell)
+            readings.setdefault(said, []).append(f"{r.label} ({r.precision}, {r.direction})")
+            row.update(placebo=int(r.placebo), only_donor=int(r.only_donor), only_placebo=int(r.only_placebo),
+                       p_value=float(r.p_value), noop=int(r.noop), reading=said, control_method=placebo.METHOD)
+            lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", f"{r.placebo} / {r.n}",
+                                   f"{r.only_donor} / {r.only_placebo}", f"{r.p_value:.3g}", int(r.noop), said))
+        else:
+            lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", r.recipient, r.neither,
+                                   f"[{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]%"))
+        out["sweep"].append(row)
+    if controlled:
+        out["localisation_net_of_placebo"] = {k: len(v) for k, v in readings.items()}
+        lines += ["", f"Rows tested: {len(ordered)}, each at alpha 0.05 unadjusted (expect about "
+                  f"{0.05 * len(ordered):.1f} false 'carries' among them by chance alone)."]
+        for said in ("carries beyond its placebo", "not separable from its placebo", "carries on no item",
+                     "no-op: the transplanted bytes are identical in donor and recipient on every item"):
+            if readings.get(said):
+                lines.append(f"- {said[0].upper() + said[1:]}: {join_words(readings[said])}.")
+    return lines + [""]

@@ -37,6 +37,7 @@ from stagereplay.io.fingerprints import fingerprint_ids
 SWEEPS = ("all", "single_layers", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions")
 COMPONENTS = ("kv", "k", "v")
 POSITIONS = ("all", "prompt", "stage")
+ARMS = ("donor", "placebo", "sham")  # what a transplant writes: the donor's bytes, their placebo, the recipient's own
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,52 @@ def rebuilt_as(construction: str) -> str:
     return "incremental" if construction == "live" else construction
 
 
-def transplant_edit(row: int, spec: TransplantSpec, donor: Layers, prompt_len: int):
-    """The edit that writes the donor's K and/or V of ``spec`` into row ``row``'s boundary cache, in place."""
+PLACEBO_KINDS = ("shifted", "negated")
+
+
+def span_of(spec: TransplantSpec, prompt_len: int, k) -> tuple[int, int]:
+    """Cache positions [lo, hi) of ``spec`` in a layer's K of shape (1, kv_heads, seq, head_dim)."""
+    return position_range(spec.positions, prompt_len, k.shape[2])
+
+
+def placebo_bytes(donor, recipient):
+    """The placebo of a transplant over one span: the recipient's bytes plus the donor-minus-recipient difference
+    with its positions shifted cyclically by half the span (axis 2), so the same differences, of the same size, land
+    on other positions of the same span, layers and component. A span of one position, or a difference the shift
+    leaves in place, takes the negated difference instead. Returns (bytes, kind of :data:`PLACEBO_KINDS`).
+
+    The sum is taken in float32 and cast back to the cache's dtype."""
+    diff = donor.float() - recipient.float()
+    n = int(diff.shape[2])
+    if n >= 2:
+        moved = diff.roll(shifts=n // 2, dims=2)
+        if not moved.equal(diff):
+            return (recipient.float() + moved).to(recipient.dtype), "shifted"
+    return (recipient.float() - diff).to(recipient.dtype), "negated"
+
+
+def _components(spec: TransplantSpec) -> tuple[int, ...]:
+    """Which of (K, V) ``spec`` transplants, as indices into a layer's (k, v)."""
     if spec.component not in COMPONENTS:
         raise ValueError(f"component must be one of {COMPONENTS}, got {spec.component!r}")
+    return {"kv": (0, 1), "k": (0,), "v": (1,)}[spec.component]
+
+
+def transplant_edit(row: int, spec: TransplantSpec, donor: Layers, prompt_len: int, arm: str = "donor"):
+    """The edit that writes, in place, into row ``row``'s boundary cache over ``spec``: the donor's K and/or V (arm
+    ``donor``; ``sham`` is the same edit with the recipient's own layers as ``donor``) or their placebo (arm
+    ``placebo``, :func:`placebo_bytes`). ``edit.placebo_kind`` says which placebo was written (None for the
+    others, or before the decode ran)."""
+    parts = _components(spec)
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
 
     def edit(r: int, layers: Layers) -> None:
         if r != row:
             return
         if len(donor) != len(layers):
             raise ValueError(f"donor has {len(donor)} layers, recipient {len(layers)}: not the same model")
+        kinds = set()
         for i in spec.layers:
             if not 0 <= i < len(layers):
                 raise ValueError(f"layer {i} is outside the model's {len(layers)} layers")
@@ -149,13 +186,30 @@ def transplant_edit(row: int, spec: TransplantSpec, donor: Layers, prompt_len: i
                 raise ValueError(
                     f"layer {i}: donor K/V {tuple(dk.shape)} {dk.dtype} and recipient {tuple(k.shape)} {k.dtype} do "
                     "not match; donor and recipient must be boundary caches of the same prefix at the same precision")
-            lo, hi = position_range(spec.positions, prompt_len, k.shape[2])  # (1, kv_heads, seq, head_dim)
-            if spec.component in ("kv", "k"):
-                k[:, :, lo:hi].copy_(dk[:, :, lo:hi])
-            if spec.component in ("kv", "v"):
-                v[:, :, lo:hi].copy_(dv[:, :, lo:hi])
+            lo, hi = span_of(spec, prompt_len, k)  # (1, kv_heads, seq, head_dim)
+            for part in parts:
+                src, dst = (dk, dv)[part][:, :, lo:hi], (k, v)[part][:, :, lo:hi]
+                if arm == "placebo":
+                    src, kind = placebo_bytes(src, dst)
+                    kinds.add(kind)
+                dst.copy_(src)
+        edit.placebo_kind = "+".join(sorted(kinds)) if kinds else None
 
+    edit.placebo_kind = None
     return edit
+
+
+def transplanted_bytes_equal(spec: TransplantSpec, donor: Layers, recipient: Layers, prompt_len: int) -> bool:
+    """Whether the donor's bytes that ``spec`` would write equal the recipient's there: such a transplant is a
+    no-op by construction (e.g. the prompt positions of ``live`` and ``prefill``, which both prefill the prompt) and
+    is evidence of nothing."""
+    parts = _components(spec)
+    for i in spec.layers:
+        lo, hi = span_of(spec, prompt_len, recipient[i][0])
+        for part in parts:
+            if not donor[i][part][:, :, lo:hi].equal(recipient[i][part][:, :, lo:hi]):
+                return False
+    return True
 
 
 @dataclass
@@ -173,18 +227,32 @@ def classify(suffix: list[int], donor_suffix: list[int], recipient_suffix: list[
     return Outcome(outcome, fd_donor, fd_recipient)
 
 
+class PlaceboError(ReplicaMismatchError):
+    """A control that is not one: a placebo whose transplanted cache is the donor's transplant's, or a sham (the
+    recipient's own bytes written back) that does not reproduce the recipient byte for byte."""
+
+
+class TransplantResults(dict):
+    """Row -> (result, outcome) of one transplant decode, with ``placebo_kinds`` (row -> kind or None)."""
+
+    placebo_kinds: dict[int, str | None]
+
+
 def transplant_rows(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
                     settings: DecodeSettings, own: dict[str, list[RowResult]], donor: str, recipient: str,
-                    specs: dict[int, TransplantSpec]) -> dict[int, tuple[RowResult, Outcome]]:
+                    specs: dict[int, TransplantSpec], arm: str = "donor") -> dict[int, tuple[RowResult, Outcome]]:
     """Transplants of several rows of one batch in one decode: the recipient's whole batch decoded again (the one
     recipe, the batch's own layout) with row ``r``'s boundary cache edited by ``specs[r]`` from the donor's row
-    ``r``; each edited row's result and outcome.
+    ``r`` (``arm``: the donor's bytes, their placebo, or ``sham``: the recipient's own bytes through the same edit);
+    each edited row's result and outcome (against the donor's and the recipient's own continuations). A placebo
+    row's result carries the placebo's kind in ``placebo_kinds[r]`` (the returned dict's attribute).
 
     A row's bits may depend on its batch's layout (rows, padding, buffer length), which every transplant keeps, but
     never on the values in the other rows: every row decoded here without an edit is checked to reproduce the
     recipient's own result bit for bit (cache fingerprint and suffix ids), so a transplant that leaked into another
-    row would stop the stage, not pass as data."""
-    edits = {r: transplant_edit(r, spec, own[donor][r].layers, len(prompts[r])) for r, spec in specs.items()}
+    row would stop the stage, not pass as data. A sham row must reproduce its own result the same way."""
+    source = recipient if arm == "sham" else donor
+    edits = {r: transplant_edit(r, spec, own[source][r].layers, len(prompts[r]), arm) for r, spec in specs.items()}
 
     def edit(r: int, layers: Layers) -> None:
         if r in edits:
@@ -192,16 +260,32 @@ def transplant_rows(decoder: Decoder, prompts: list[list[int]], stages: list[lis
 
     results = run(decoder, rebuilt_as(recipient), prompts, settings, stages=stages, edit=edit)
     for r, res in enumerate(results):
-        if r in specs or stages[r] is None:
+        if (r in specs and arm != "sham") or stages[r] is None:
             continue
         mine = own[recipient][r]
         if res.fingerprints[0] != mine.fingerprints[0] or res.suffix_ids != mine.suffix_ids:
+            if r in specs:
+                raise PlaceboError(
+                    f"batch row {r}: the sham transplant (the {recipient} cache's own bytes written back through the "
+                    "transplant's edit) does not reproduce the recipient's own result byte for byte: the edit path "
+                    "changes what it should only copy")
             raise ReplicaMismatchError(
                 f"batch row {r}, decoded without an edit beside {len(specs)} transplanted rows, differs from the "
                 f"{recipient} construction's own result: a row's continuation must not depend on the values in the "
                 "other rows of its batch")
-    return {r: (results[r], classify(results[r].suffix_ids, own[donor][r].suffix_ids, own[recipient][r].suffix_ids))
-            for r in specs}
+    done = TransplantResults(
+        {r: (results[r], classify(results[r].suffix_ids, own[donor][r].suffix_ids, own[recipient][r].suffix_ids))
+         for r in specs})
+    done.placebo_kinds = {r: e.placebo_kind for r, e in edits.items()}
+    return done
+
+
+def check_placebo(item: str, placebo: RowResult, transplanted: RowResult, noop: bool) -> None:
+    """A placebo must not hand the recipient the donor's transplant: its transplanted cache may equal the donor
+    transplant's only where the transplant is a no-op (no bytes differ, so both are the recipient's)."""
+    if not noop and placebo.fingerprints[0] == transplanted.fingerprints[0]:
+        raise PlaceboError(f"{item}: the placebo's transplanted cache is byte-identical to the donor transplant's; a "
+                           "placebo that is the real donor controls for nothing")
 
 
 def directions(own: dict) -> list[tuple[str, str]]:
@@ -212,39 +296,74 @@ def directions(own: dict) -> list[tuple[str, str]]:
     return [(names[0], names[1]), (names[1], names[0])]
 
 
+def whole_cache(num_layers: int) -> TransplantSpec:
+    """The sham's spec: every layer, K and V, every position (an identity edit over any part is one over less)."""
+    return TransplantSpec("sham", tuple(range(num_layers)))
+
+
+def run_shams(decoder: Decoder, prompts, stages, settings: DecodeSettings, own: dict[str, list[RowResult]],
+              rows: list[int]) -> dict[str, dict[int, str]]:
+    """The machinery's check, once per direction: each recipient's own bytes over its whole cache written back
+    through the transplant's edit, in one decode of its batch; every row must reproduce its own result byte for
+    byte (:func:`transplant_rows` stops otherwise). Returns recipient -> row -> the sham's cache fingerprint."""
+    out = {}
+    for _, recipient in directions(own):
+        specs = {r: whole_cache(len(own[recipient][r].layers)) for r in rows}
+        done = transplant_rows(decoder, prompts, stages, settings, own, recipient, recipient, specs, arm="sham")
+        out[recipient] = {r: done[r][0].fingerprints[0] for r in rows}
+    return out
+
+
 def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
                      settings: DecodeSettings, own: dict[str, list[RowResult]], rows: list[int],
                      specs: list[TransplantSpec], labels: dict[int, dict[str, str]] | None = None
                      ) -> dict[int, list[dict]]:
     """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,
     the rows' caches kept) for each of ``rows``: per direction and spec, one decode of the recipient's whole batch
-    with every one of ``rows`` edited (:func:`transplant_rows`). ``labels[r]`` renames a construction for row
-    ``r``'s records (a rebuilt live cache that is not bit-exact is ``incremental``). Returns, per row, plain row
-    dicts in the order direction, spec."""
+    with every one of ``rows`` edited by the donor's bytes (:func:`transplant_rows`) and one with their placebo,
+    beside one sham per direction (:func:`run_shams`). ``labels[r]`` renames a construction for row ``r``'s
+    records (a rebuilt live cache that is not bit-exact is ``incremental``). Returns, per row, plain row dicts in
+    the order direction, spec."""
     pair = directions(own)
     a, b = pair[0]
     names = {r: labels[r] if labels else {a: a, b: b} for r in rows}
     num_layers = {r: len(own[a][r].layers) for r in rows}
     divergent = {r: first_divergence(own[a][r].suffix_ids, own[b][r].suffix_ids) is not None for r in rows}
+    shams = run_shams(decoder, prompts, stages, settings, own, rows)
     out: dict[int, list[dict]] = {r: [] for r in rows}
     for donor, recipient in pair:
         for spec in specs:
-            done = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, {r: spec for r in rows})
+            chosen = {r: spec for r in rows}
+            done = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, chosen)
+            placebo = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, chosen, "placebo")
             for r in rows:
-                res, result = done[r]
                 name = names[r]
+                noop = transplanted_bytes_equal(spec, own[donor][r].layers, own[recipient][r].layers, len(prompts[r]))
+                check_placebo(f"row {r} {name[donor]}->{name[recipient]} {spec}", placebo[r][0], done[r][0], noop)
                 out[r].append({
                     "donor": name[donor], "recipient": name[recipient],
                     "direction": f"{name[donor]}->{name[recipient]}", "sweep": spec.sweep,
                     "layer_set": spec.layer_set(num_layers[r]), "layers": list(spec.layers),
                     "component": spec.component, "positions": spec.positions, "divergent": divergent[r],
-                    "outcome": result.outcome, "first_divergence_donor": result.first_divergence_donor,
-                    "first_divergence_recipient": result.first_divergence_recipient,
-                    "suffix_ids": res.suffix_ids, "suffix_fingerprint": fingerprint_ids(res.suffix_ids),
-                    "margins": res.margins, "stop_reason": res.stop_reason, "cache_fingerprint": res.fingerprints[0],
-                    "layout_pad": res.pad, "layout_position": res.position, "rows_transplanted": len(rows),
+                    **result_columns(done[r]), "noop": noop,
+                    **result_columns(placebo[r], "placebo_"), "placebo_kind": placebo.placebo_kinds[r],
+                    "sham_cache_fingerprint": shams[recipient][r],
+                    "layout_pad": done[r][0].pad, "layout_position": done[r][0].position, "rows_transplanted": len(rows),
                 })
     return out
+
+
+def result_columns(done: tuple[RowResult, Outcome], prefix: str = "") -> dict:
+    """A transplant's result as record columns (``prefix`` names the arm: "" for the donor's, with its suffix ids
+    and margins; ``placebo_`` with fingerprints only)."""
+    res, result = done
+    cols = {f"{prefix}outcome": result.outcome, f"{prefix}first_divergence_donor": result.first_divergence_donor,
+            f"{prefix}first_divergence_recipient": result.first_divergence_recipient,
+            f"{prefix}suffix_fingerprint": fingerprint_ids(res.suffix_ids), f"{prefix}stop_reason": res.stop_reason,
+            f"{prefix}cache_fingerprint": res.fingerprints[0]}
+    if not prefix:
+        cols.update(suffix_ids=res.suffix_ids, margins=res.margins)
+    return cols
 
 
 _SAMPLE = re.compile(r"^sample:([1-9][0-9]*)$")

@@ -16,7 +16,8 @@ import pandas as pd
 import pyarrow as pa
 
 from stagereplay.experiments.minimal_transplant import search_together, span_shares
-from stagereplay.experiments.transplant import directions, layer_set_name, transplant_rows
+from stagereplay.experiments.transplant import (check_placebo, directions, layer_set_name, run_shams,
+                                                transplant_rows, transplanted_bytes_equal)
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
@@ -56,19 +57,40 @@ MINIMAL_TRANSPLANT_SCHEMA = pa.schema([
     ("share_of_state", pa.float64()),  # of the cache's K and V entries: layers x positions x (1 for KV, 1/2 for K or V)
     ("trials", pa.list_(pa.string())),  # every box tried, in order
     ("trial_outcomes", pa.list_(pa.string())),  # donor | recipient | neither, per trial
+    # the control: every trial's box also runs its placebo (experiments.transplant.placebo_bytes) in the same batch
+    # layout; a box counts as sufficient only where the donor's bytes carry and its placebo does not
+    ("trial_placebo_outcomes", pa.list_(pa.string())),  # donor | recipient | neither, per trial
+    ("trial_noops", pa.list_(pa.bool_())),  # the box's bytes are identical in donor and recipient, per trial
+    ("whole_placebo_follows", pa.bool_()),  # the whole cache's placebo carried the donor's continuation too
+    ("verdict", pa.string()),  # localised | not separable from its placebo | whole cache does not carry
+    ("sham_cache_fingerprint", pa.string()),  # the recipient's own bytes written back: equals its own, or the stage stops
     ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
 ])
 
 
-def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, prompt_length, match) -> dict:
+VERDICTS = ("localised", "not separable from its placebo", "whole cache does not carry")
+
+
+def verdict(outcomes: dict[str, list]) -> str:
+    """What the search could tell for one item and direction, from its first trial (the whole cache): whether the
+    donor's bytes carried there, and whether its placebo did too."""
+    if outcomes["donor"][0] != "donor":
+        return VERDICTS[2]
+    return VERDICTS[1] if outcomes["placebo"][0] == "donor" else VERDICTS[0]
+
+
+def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, prompt_length, match,
+         sham) -> dict:
     box = result.box
     row = {"item_index": int(item["item_index"]), "item_id": item["item_id"], "revision": s.revision,
            "precision": s.precision, "donor": donor, "recipient": recipient, "direction": f"{donor}->{recipient}",
-           "budget": s.budget, "runs": result.runs, "full_sufficient": result.full_sufficient,
+           "budget": s.budget, "runs": result.runs, "full_sufficient": outcomes["donor"][0] == "donor",
            "budget_exhausted": result.budget_exhausted, "locally_minimal": result.locally_minimal,
            "num_layers": num_layers, "cache_length": cache_length, "prompt_length": prompt_length,
-           "trials": [b.label(num_layers) for b, _ in result.trials], "trial_outcomes": outcomes,
-           "live_fingerprint_match": match}
+           "trials": [b.label(num_layers) for b, _ in result.trials], "trial_outcomes": outcomes["donor"],
+           "trial_placebo_outcomes": outcomes["placebo"], "trial_noops": outcomes["noop"],
+           "whole_placebo_follows": outcomes["placebo"][0] == "donor", "verdict": verdict(outcomes),
+           "sham_cache_fingerprint": sham, "live_fingerprint_match": match}
     if box is not None:
         share_layers = (box.layer_hi - box.layer_lo) / num_layers
         shares = span_shares(box.position_lo, box.position_hi, prompt_length, cache_length)
@@ -77,6 +99,34 @@ def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, 
                    share_of_layers=share_layers, **shares,
                    share_of_state=share_layers * shares["share_of_cache"] * (1.0 if box.component == "kv" else 0.5))
     return row
+
+
+def controlled_trials(decoder, rebuild: Rebuild, settings, donor: str, recipient: str, rows):
+    """The search's test of a round of boxes (one per row still searching) and the record it keeps: the donor's
+    bytes of each box in one decode of the batch, their placebo in another, in the same layout. A box suffices only
+    where the donor's bytes carry the donor's continuation and the placebo's do not; a placebo whose cache is the
+    donor transplant's stops the stage (:func:`check_placebo`). Returns (sufficient, outcomes per row)."""
+    outcomes = {r: {"donor": [], "placebo": [], "noop": []} for r in rows}
+
+    def sufficient(boxes: dict) -> dict:
+        specs = {r: box.spec() for r, box in boxes.items()}
+        done = transplant_rows(decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, donor, recipient,
+                               specs)
+        placebo = transplant_rows(decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, donor, recipient,
+                                  specs, "placebo")
+        verdicts = {}
+        for r, spec in specs.items():
+            noop = transplanted_bytes_equal(spec, rebuild.own[donor][r].layers, rebuild.own[recipient][r].layers,
+                                            len(rebuild.prompts[r]))
+            check_placebo(f"row {r} {donor}->{recipient} {boxes[r]}", placebo[r][0], done[r][0], noop)
+            carried, control = done[r][1].outcome, placebo[r][1].outcome
+            outcomes[r]["donor"].append(carried)
+            outcomes[r]["placebo"].append(control)
+            outcomes[r]["noop"].append(noop)
+            verdicts[r] = carried == "donor" and control != "donor"
+        return verdicts
+
+    return sufficient, outcomes
 
 
 def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: str,
@@ -112,18 +162,10 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                 if rebuild.own[pair[0]][r].suffix_ids == rebuild.own[pair[1]][r].suffix_ids:
                     raise ValueError(f"item {batch.items[r]['item_id']!r} is divergent in the selection but its "
                                      "rebuilt constructions continue alike; rerun the selection")
+            shams = run_shams(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted))
             searched = {}
             for donor, recipient in directions(rebuild.own):
-                outcomes: dict[int, list[str]] = {r: [] for r in wanted}
-
-                def sufficient(boxes: dict, donor=donor, recipient=recipient, outcomes=outcomes) -> dict:
-                    """One round: every search still going runs its next box, all in one decode of the batch."""
-                    done = transplant_rows(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own,
-                                           donor, recipient, {r: box.spec() for r, box in boxes.items()})
-                    for r, (_, outcome) in done.items():
-                        outcomes[r].append(outcome.outcome)
-                    return {r: outcome.outcome == "donor" for r, (_, outcome) in done.items()}
-
+                sufficient, outcomes = controlled_trials(job.decoder, rebuild, settings, donor, recipient, wanted)
                 for r, result in search_together(sufficient, shape, s.budget).items():
                     searched[r, donor] = (result, outcomes[r])
             for r in sorted(wanted):
@@ -131,10 +173,10 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                 for donor, recipient in directions(rebuild.own):
                     result, outcomes = searched[r, donor]
                     rows.append(_row(batch.items[r], s, name[donor], name[recipient], result, outcomes, *shape[r],
-                                     len(rebuild.prompts[r]), rebuild.match[r]))
+                                     len(rebuild.prompts[r]), rebuild.match[r], shams[recipient][r]))
     df = pd.DataFrame(rows, columns=MINIMAL_TRANSPLANT_SCHEMA.names).astype(
         {c: "object" for c in ("layer_lo", "layer_hi", "position_lo", "position_hi", "share_of_prompt",
-                               "share_of_stage", "live_fingerprint_match")})
+                               "share_of_stage", "live_fingerprint_match", "whole_placebo_follows")})
     df = df.sort_values(["item_index", "direction"], kind="stable").reset_index(drop=True)
     found = df[df["full_sufficient"]]
     log.info("minimal transplants %s/%s: %d rows (budget %d); whole cache sufficient %d; budget ran out %d; "
@@ -144,7 +186,9 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
             {**software_versions(), "stage": "find_minimal_transplants", "config": config_of(s)})
     prov = {**base, "selection": read_provenance(selection_path).get("selection"),
             "search": {"budget": s.budget, "method": "greedy bisection: component (K, then V), layers and positions "
-                       "(lower half first), in passes until none narrows; sufficient = follows the donor; minimal "
+                       "(lower half first), in passes until none narrows; sufficient = the donor's bytes carry the "
+                       "donor's continuation and the box's placebo (the difference shifted within its span) does "
+                       "not; minimal "
                        "against halving, not a global minimum; the searches of a batch's rows run in lockstep, one decode of "
                        "the batch per round, every row not edited in it checked to reproduce its own result"},
             "batch_plan": None if plan is None else plan.record()}

@@ -74,6 +74,16 @@ TRANSPLANT_SCHEMA = pa.schema([
     ("donor_cache_fingerprint", pa.string()),
     ("recipient_cache_fingerprint", pa.string()),
     ("live_fingerprint_match", pa.bool_()),  # null where the pair has no live construction
+    # the controls (docs/STUDY.md, "Controls of the localisation"): no-op, placebo, sham
+    ("noop", pa.bool_()),  # the transplanted bytes are identical in donor and recipient: evidence of nothing
+    ("placebo_kind", pa.string()),  # shifted | negated (the donor-minus-recipient difference moved or negated)
+    ("placebo_outcome", pa.string()),  # donor | recipient | neither, for the placebo of the same spec
+    ("placebo_first_divergence_donor", pa.int32()),
+    ("placebo_first_divergence_recipient", pa.int32()),
+    ("placebo_suffix_fingerprint", pa.string()),
+    ("placebo_stop_reason", pa.string()),
+    ("placebo_cache_fingerprint", pa.string()),
+    ("sham_cache_fingerprint", pa.string()),  # the recipient's own bytes written back: equals its own, or the stage stops
     ("layout_pad", pa.int32()),  # the recipient row's layout in its batch (the donor's is the same)
     ("layout_position", pa.int32()),
     ("rows_transplanted", pa.int32()),  # rows of the batch transplanted in the same decode (the others checked unchanged)
@@ -252,7 +262,8 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
                              "recipient_cache_fingerprint": fps[recipient][0],
                              "live_fingerprint_match": rebuild.match[r]})
     df = pd.DataFrame(rows, columns=TRANSPLANT_SCHEMA.names).astype(
-        {"first_divergence_donor": "object", "first_divergence_recipient": "object", "live_fingerprint_match": "object"})
+        {c: "object" for c in ("first_divergence_donor", "first_divergence_recipient", "live_fingerprint_match",
+                               "placebo_first_divergence_donor", "placebo_first_divergence_recipient")})
     df = df.sort_values(["item_index"], kind="stable").reset_index(drop=True)
     all_rows = df[(df["layer_set"] == "all") & (df["component"] == "kv") & (df["positions"] == "all") & df["divergent"]]
     log.info("transplant %s/%s: %d rows; all-layer K/V transplants of divergent items following their donor: %d / %d",
