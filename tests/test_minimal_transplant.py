@@ -162,7 +162,7 @@ def test_minimal_transplants_and_onset_on_the_toy(divergent_ledger, tmp_path):
             continue
         assert r.locally_minimal != r.budget_exhausted
         # the set found was run, carried the donor, and its placebo did not
-        box = Box(r.layer_lo, r.layer_hi, r.component, r.position_lo, r.position_hi)
+        box = Box(int(r.layer_lo), int(r.layer_hi), r.component, int(r.position_lo), int(r.position_hi))
         carried = [t for t, o, p in zip(r.trials, r.trial_outcomes, r.trial_placebo_outcomes)
                    if o == "donor" and p != "donor"]
         assert box.label(r.num_layers) in carried

@@ -396,7 +396,9 @@ def test_transplant_section_calls_the_all_layer_transplant_a_check_and_leads_wit
     assert "consistency check" in text and "not a finding about the model" in text
     assert "| bf16 | incremental->prefill | 6 / 6 | 0 | 0 | 6 / 6 |" in text  # follows donor; cache = donor's
     assert numbers["all_layers"]["bf16"]["incremental->prefill"]["cache_equals_donor"] == {"k": 6, "n": 6}
-    assert "Carrying it on some rows only" in text or "Carrying it on no row" in text
+    # every localisation row beside its placebo, read net of it
+    assert "placebo follows donor" in text and "McNemar exact p" in text
+    assert "Not separable from its placebo" in text or "Carries beyond its placebo" in text
 
 
 # --- a fixed-prefix pair other than the study's ---------------------------------------------------------------------

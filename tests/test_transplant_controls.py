@@ -1,6 +1,8 @@
 """The transplants' controls: the placebo beside every transplant, the sham that checks the edit path, no-ops, the
 paired test, and the minimal search's verdicts. Each control is shown to catch what it exists to catch."""
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -90,9 +92,17 @@ def test_every_transplant_row_carries_its_placebo_and_sham(batch):
 
 def test_a_placebo_that_is_the_real_donor_is_caught(batch, monkeypatch):
     decoder, s, own = batch
+    # a donor whose bytes differ from the recipient's (the tiny model's two constructions may agree byte for byte,
+    # which would make every transplant a no-op); the shams are left out, since they check the recipients' own
+    pushed = {name: [dataclasses.replace(res, layers=[(k + push, v + push) for k, v in res.layers])
+                     for res in results] for push, (name, results) in zip((1, 2), own.items())}
+    monkeypatch.setattr(transplant_module, "run_shams", lambda *a: {name: {0: None} for name in own})
+    spec = TransplantSpec("all", tuple(range(N_LAYERS)))
+    rows = transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec])  # the real placebo passes
+    assert [r["noop"] for r in rows[0]] == [False, False]
     monkeypatch.setattr(transplant_module, "placebo_bytes", lambda donor, recipient: (donor, "shifted"))
     with pytest.raises(PlaceboError, match="placebo that is the real donor"):
-        transplant_batch(decoder, PROMPTS, STAGES, s, own, [0], [TransplantSpec("all", tuple(range(N_LAYERS)))])
+        transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec])
 
 
 def test_a_sham_that_does_not_copy_is_caught(batch, monkeypatch):
