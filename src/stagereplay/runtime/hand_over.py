@@ -1,7 +1,8 @@
 """A job's side of the job server (:mod:`stagereplay.runtime.job_server`): :func:`hand_over` sends the job to the
 server of its key and waits for the child forked for it, or starts that server and lets the job run in its own
-process, saying why where no server can serve it. Also how a job's process started (:func:`process_start`), for
-its log, and stopping the servers of a folder.
+process, saying why where no server can serve it (in its log, and once per run on the run's console). Also the run
+start's probe of its server (:func:`probe`), how a job's process started (:func:`process_start`), for its log, and
+stopping the servers of a folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from stagereplay.runtime.job_process import job_process
-from stagereplay.runtime.run_markers import first_to_say, note_unanswered, unanswered
+from stagereplay.runtime.run_markers import RUN_ENV, first_to_say, note_unanswered, unanswered
 from stagereplay.runtime.server_folder import folder, folder_problem, socket_folder, socket_path, socket_problem
 from stagereplay.runtime.server_key import server_key
 from stagereplay.runtime.server_protocol import (
@@ -302,6 +303,7 @@ def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None
     subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s),
                       "--preload", ",".join(preload)],
                      stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
-                     pass_fds=(lock.fileno(),), env={**os.environ, LOCK_FD_ENV: str(lock.fileno())})
+                     pass_fds=(lock.fileno(),),
+                     env={**{k: v for k, v in os.environ.items() if k != RUN_ENV}, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
              where / f"{key}.log")

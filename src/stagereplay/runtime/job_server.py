@@ -21,9 +21,10 @@ the modules its server imports (the caller's preload):
   without the server; the jobs after it fork from the server once it has imported.
 - when no server can serve it (a socket folder that is not this user's alone, a socket path too long for Linux) or
   the one that answers does not answer as a server (within ``job_server_timeout_s`` for each step up to its child's
-  pid; the job's own run has no limit), the job runs in its own process and says why: on its stderr, which Snakemake
-  shows (:func:`~.hand_over.hand_over` runs before a rule script sends stderr to its log), and in a model job's log
-  (its first line, :func:`.hand_over.process_start`).
+  pid; the job's own run has no limit), the job runs in its own process and says why: in its log (and a model
+  job's log's first line, :func:`.hand_over.process_start`), and on the run's console once per run (the run's start
+  probes the server as a job would and says it there; a server that kept a job waiting in vain is not waited for by
+  the run's later jobs: :mod:`.run_markers`).
 
 The child computes exactly what a fresh process computes: the server only imports, in a folder of its own (it
 never runs a torch operation, initialises CUDA or starts a thread, and imports no module that reads its working

@@ -60,7 +60,12 @@ def socket_problem(path: Path) -> str | None:
     return (f"the job server's socket {path} would be {len(os.fsencode(path))} bytes long ({longest} under the name "
             f"the server binds first, <key>.<pid>.part), over the {SUN_PATH_MAX} bytes a socket's path may have on "
             f"Linux: the system temp folder ($TMPDIR, {tempfile.gettempdir()}) is too long for it; set ${FOLDER_ENV} "
-            f"to a short folder of your own (60 characters at most, as /tmp/stagereplay-jobs-{os.getuid()})")
+            f"to a short folder of your own ({longest_folder()} bytes at most, as /tmp/stagereplay-jobs-{os.getuid()})")
+
+
+def longest_folder() -> int:
+    """The most bytes a server folder's path may have for its sockets to fit in it (:func:`fits`)."""
+    return SUN_PATH_MAX - len(os.fsencode(bound_path(Path("/" + "k" * KEY_CHARS + ".sock"), PID_MAX)))
 
 
 def folder_problem(where: Path) -> str | None:
