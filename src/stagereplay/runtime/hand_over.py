@@ -114,7 +114,8 @@ def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
     try:
         conn = connect(path, timeout_s)
     except (FileNotFoundError, ConnectionRefusedError):  # no server, or a dead one's socket: start one
-        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload)
+        if refused := start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload):
+            tell(refused)
         return
     except TimeoutError:  # its backlog is full: it takes no jobs
         unanswering(path, f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, "
@@ -289,16 +290,20 @@ def current_umask() -> int:
     return mask
 
 
-def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None:
-    """Start this key's server (importing ``preload``) in the background unless another job is starting it."""
+def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> str | None:
+    """Start this key's server (importing ``preload``) in the background unless another job is starting it; where
+    this key's server refused to serve, start none and return why (the caller says it)."""
     where = folder()
     try:
         lock = open(where / f"{key}.lock", "a+")  # noqa: SIM115 (held until the job ends; the server inherits it)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return  # another job holds the lock: it is starting (or runs) the server
-    if (where / f"{key}.refused").exists():
-        return  # this key's server refused to serve (its log says why): jobs run in their own processes
+    refused = where / f"{key}.refused"
+    if refused.exists():  # its jobs run in their own processes
+        why = refused.read_text(errors="replace").strip() or "see its log"
+        return (f"the job server of key {key} refused to serve: {why}; its log is {where / (key + '.log')}, and once "
+                f"that is mended, remove {refused}: the next job starts another")
     logfile = open(where / f"{key}.log", "a")  # noqa: SIM115 (the server writes it)
     subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s),
                       "--preload", ",".join(preload)],
@@ -307,3 +312,4 @@ def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None
                      env={**{k: v for k, v in os.environ.items() if k != RUN_ENV}, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
              where / f"{key}.log")
+    return None

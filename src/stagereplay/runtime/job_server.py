@@ -100,9 +100,9 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
         unlike.append("CUDA initialised")
     unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
     if unlike:
-        print(f"refusing to serve: {', '.join(unlike)} after the imports (a fork would not be a fresh process)",
-              flush=True)
-        (folder() / f"{key}.refused").touch()
+        why = f"{', '.join(unlike)} after the imports (a fork would not be a fresh process)"
+        print(f"refusing to serve: {why}", flush=True)
+        (folder() / f"{key}.refused").write_text(why)  # the jobs of this key say it (hand_over.start_server)
         return 1
     imported = loaded_files()  # checked before each job: the key holds only what a job knows before it imports
     path = socket_path(key)

@@ -35,7 +35,8 @@ PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.st
 def start_job(snakemake, warm: bool = False) -> None:
     """Standard error to the rule's log (``snakemake.log[0]``), logging at INFO to it, then with ``warm`` the
     hand-over: where a server forks the job, its child runs the script from its top (this call, then the rest)
-    and this process exits with the child's status; else the job runs on in this process, its log saying why.
+    and this process exits with the child's status; else the job runs on in this process, its log saying why (and
+    the run's console, the stderr this process was started with, once per run).
 
     The job's process empties the log and both it and a child forked for it append to it, so neither writes over
     the other's lines."""
@@ -70,7 +71,7 @@ def start_job_server(config: dict) -> tuple[int, str] | None:
     (selecting items, preparing the model) run and its model jobs fork from it instead of importing on their own.
     Makes the run's folder of markers (:mod:`stagereplay.runtime.run_markers`) for its jobs. Returns what it did
     and the logging level to say it at, for the run's console: a warning where no server can serve the run's jobs
-    (its folder or socket path cannot, or the server there does not answer a probe as a job would find it: the
+    (its folder or socket path cannot, its server refused to serve, or the server there does not answer a probe as a job would find it: the
     jobs then run in their own processes at once, none waiting for it); None where the config turns it off."""
     from stagereplay.runtime.hand_over import probe, server_place, start_server
     from stagereplay.runtime.run_markers import first_to_say, note_unanswered, start_run
@@ -87,8 +88,10 @@ def start_job_server(config: dict) -> tuple[int, str] | None:
         if problem is None:
             return logging.INFO, f"job server {key} answers already"
         if problem == "absent":
-            start_server(key, float(config.get("job_server_idle_s", DEFAULT_IDLE_S)), PRELOAD)
-            return logging.INFO, f"job server {key} starting in the background for the model jobs"
-        note_unanswered(key, problem)
+            problem = start_server(key, float(config.get("job_server_idle_s", DEFAULT_IDLE_S)), PRELOAD)
+            if problem is None:
+                return logging.INFO, f"job server {key} starting in the background for the model jobs"
+        else:
+            note_unanswered(key, problem)
     first_to_say(problem)  # said here: the jobs that meet it say it in their logs alone
     return logging.WARNING, f"job server not used, this run's model jobs run in their own processes: {problem}"
