@@ -7,7 +7,6 @@ changed forks no more jobs. (How a server is started and a job run: tests/test_j
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess

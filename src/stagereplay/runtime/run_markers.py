@@ -19,10 +19,15 @@ from pathlib import Path
 RUN_ENV = "STAGEREPLAY_JOB_SERVER_RUN"
 
 
-def start_run() -> Path:
+def start_run() -> Path | None:
     """Make this run's folder (private, in the system temp dir) and hand it to the run's jobs (their environment is
-    this process's); it goes when this process exits."""
-    where = Path(tempfile.mkdtemp(prefix="stagereplay-run-"))
+    this process's); it goes when this process exits. None where it cannot be made: each job is then a run of its
+    own."""
+    try:
+        where = Path(tempfile.mkdtemp(prefix="stagereplay-run-"))
+    except OSError:
+        os.environ.pop(RUN_ENV, None)
+        return None
     os.environ[RUN_ENV] = str(where)
     atexit.register(shutil.rmtree, where, ignore_errors=True)
     return where
