@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,7 @@ def test_a_temp_folder_whose_usual_server_folder_fits_gets_the_server(tree, leng
         for _ in range(600):  # the server it started imports json, then answers on its socket there: stop it
             if stop_servers(usual):
                 break
-            subprocess.run(["sleep", "0.1"])
+            time.sleep(0.1)
         assert "serving on " + str(usual / key_of(env)) in (usual / f"{key_of(env)}.log").read_text()
     finally:
         stop_servers(usual)
