@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from stagereplay.stages.rule_job import starts_warm
@@ -47,3 +48,31 @@ def test_a_run_with_model_jobs_starts_the_server_before_them_and_one_without_sta
         from stagereplay.runtime.hand_over import stop_servers
 
         stop_servers(servers)
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_is_stopped_says_so_once_and_its_model_jobs_do_not_wait_for_it(tmp_path):
+    """A stopped (SIGSTOP) server on the run's key: the run's start greets it as a job would, tells the console once,
+    and the model jobs run in their own processes at once (their logs say why), none waiting for it."""
+    import signal
+
+    from stagereplay.stages.rule_job import PRELOAD
+    from test_job_server import key_of, start_server
+
+    servers = Path("/tmp") / f"sr-stopped-{os.getpid()}"
+    # The run's key: the workflow goes offline before its start (stagereplay.models.sources), in its jobs' environment.
+    env = {**os.environ, "STAGEREPLAY_JOB_SERVER_DIR": str(servers), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    server = start_server(env, key_of(env, ",".join(PRELOAD)))  # light: the run only probes it
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        output = run(tmp_path / "stopped", "reconstruct_prefixes", servers)
+        assert output.count("job server not used") == 1, output
+        assert f"(pid {server.pid}) did not greet within 3 s (stopped, or overloaded?)" in output
+        logs = list((tmp_path / "stopped").rglob("reconstruct_prefixes_*.log"))
+        assert logs and all("this job did not wait for it" in log.read_text() for log in logs)
+        assert all("did not greet the job within" not in log.read_text() for log in logs)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)

@@ -84,4 +84,4 @@ onstart:
         if not workflow.dryrun and jobs_run_here() and any(map(runs_warm, workflow.dag.needrun_jobs())):
             started = start_job_server(config)
             if started:
-                logger.info(started)
+                logger.log(*started)

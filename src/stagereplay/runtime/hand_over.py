@@ -1,7 +1,8 @@
 """A job's side of the job server (:mod:`stagereplay.runtime.job_server`): :func:`hand_over` sends the job to the
 server of its key and waits for the child forked for it, or starts that server and lets the job run in its own
-process, saying why where no server can serve it. Also how a job's process started (:func:`process_start`), for
-its log, and stopping the servers of a folder.
+process, saying why where no server can serve it (in its log, and once per run on the run's console). Also the run
+start's probe of its server (:func:`probe`), how a job's process started (:func:`process_start`), for its log, and
+stopping the servers of a folder.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from stagereplay.runtime.job_process import job_process
+from stagereplay.runtime.run_markers import RUN_ENV, first_to_say, note_unanswered, unanswered
 from stagereplay.runtime.server_folder import folder, folder_problem, socket_folder, socket_path, socket_problem
 from stagereplay.runtime.server_key import server_key
 from stagereplay.runtime.server_protocol import (
@@ -52,13 +54,27 @@ def process_start() -> str:
     return f"{how}, {wall}{time.process_time():.1f} CPU-s"
 
 
-def tell(message: str, level: int = logging.WARNING) -> None:
-    """Say why this job runs in its own process: now on its stderr (:func:`hand_over` runs before a rule script sends
-    its stderr to the job's log: Snakemake shows it with the job), and later in a model job's log
-    (:func:`process_start`)."""
+def tell(message: str, level: int = logging.WARNING, console: bool = True) -> None:
+    """Say why this job runs in its own process: in its log (a rule script's stderr is its log by now, ``start_job``;
+    and in a model job's log's first line, :func:`process_start`) and, for a warning, on the run's console (the
+    stderr the job was started with, where Snakemake runs) once per run (:mod:`.run_markers`): ``console=False``
+    where whoever found it first told the console."""
     global not_served
     not_served = message
     log.log(level, "job server not used, this job runs in its own process: %s", message)
+    if console and level >= logging.WARNING and first_to_say(message) and not console_is_the_log():
+        print(f"stagereplay: job server not used, this run's jobs that meet it run in their own processes: {message}",
+              file=sys.__stderr__, flush=True)
+
+
+def console_is_the_log() -> bool:
+    """Whether this job's log is the stderr it was started with (no rule script's redirection): the log's line
+    reached the console already."""
+    try:
+        log_file, console = os.fstat(sys.stderr.fileno()), os.fstat(sys.__stderr__.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (log_file.st_dev, log_file.st_ino) == (console.st_dev, console.st_ino)
 
 
 def server_place(config: dict | None,
@@ -91,15 +107,19 @@ def hand_over(config: dict | None, preload: tuple[str, ...] = ()) -> None:
     if problem:
         tell(problem)
         return
+    if earlier := unanswered(key):  # the run's console was told: this job does not wait in turn
+        tell(f"{earlier} (met by an earlier job of this run: this job did not wait for it)", console=False)
+        return
     timeout_s = float((config or {}).get("job_server_timeout_s", HAND_OVER_TIMEOUT_S))
     try:
         conn = connect(path, timeout_s)
     except (FileNotFoundError, ConnectionRefusedError):  # no server, or a dead one's socket: start one
-        start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload)
+        if refused := start_server(key, float((config or {}).get("job_server_idle_s", DEFAULT_IDLE_S)), preload):
+            tell(refused)
         return
     except TimeoutError:  # its backlog is full: it takes no jobs
-        tell(f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, or "
-             f"overloaded?); {what_mends(path)}")
+        unanswering(path, f"the job server at {path} did not accept the connection within {timeout_s:g} s (stopped, "
+                    f"or overloaded?); {what_mends(path)}")
         return
     except OSError as exc:
         tell(f"the job server at {path} could not be reached ({exc}); {what_mends(path)}")
@@ -121,6 +141,44 @@ def connect(path: Path, timeout_s: float) -> socket.socket:
         conn.close()
         raise
     return conn
+
+
+def unanswering(path: Path, message: str) -> None:
+    """A server (its socket ``path``) kept this job waiting in vain: the run's later jobs do not wait for it."""
+    note_unanswered(path.stem, message)
+    tell(message)
+
+
+def probe(path: Path, timeout_s: float) -> str | None:
+    """Whether the server on ``path`` answers as a job finds it: None where it greets and answers a probe within
+    ``timeout_s`` each; else why not ("absent" where no server listens there). A stopped server's backlog still
+    takes the connection: only its greeting tells it is alive."""
+    try:
+        conn = connect(path, timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return "absent"
+    except TimeoutError:
+        return (f"the job server at {path} did not accept a connection within {timeout_s:g} s (stopped, or "
+                f"overloaded?); {what_mends(path)}")
+    except OSError as exc:
+        return f"the job server at {path} could not be reached ({exc}); {what_mends(path)}"
+    server, step = f"the job server at {path} (pid {peer(conn)[0]})", "greet"
+    with conn:
+        try:
+            reader = conn.makefile("rb")
+            greeting = reader.readline(len(GREETING))
+            if not greeting:  # it was exiting (idle): the next job starts another
+                return "absent"
+            if greeting != GREETING:
+                return f"{server} did not greet as a job server of this package; {what_mends(path)}"
+            step = "answer"
+            conn.sendall(framed({"probe": True}))
+            answer = reader.readline(32)
+        except TimeoutError:
+            return f"{server} did not {step} within {timeout_s:g} s (stopped, or overloaded?); {what_mends(path)}"
+        except OSError as exc:
+            return f"{server} hung up before it could {step} ({exc}); {what_mends(path)}"
+    return None if answer == b"0\n" else f"{server} answered {answer!r} to a probe; {what_mends(path)}"
 
 
 def what_mends(path: Path) -> str:
@@ -186,7 +244,8 @@ def send_job(conn: socket.socket, reader, request: bytes, path: Path, timeout_s:
             tell(f"{server} did not take this job ({reason})", logging.INFO)
             return None
     except TimeoutError:
-        tell(f"{server} did not {step} within {timeout_s:g} s (stopped, or overloaded?); {what_mends(path)}")
+        unanswering(path, f"{server} did not {step} within {timeout_s:g} s (stopped, or overloaded?); "
+                    f"{what_mends(path)}")
         return None
     except OSError as exc:
         tell(f"{server} hung up before it could {step} ({exc}); {what_mends(path)}")
@@ -231,20 +290,26 @@ def current_umask() -> int:
     return mask
 
 
-def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> None:
-    """Start this key's server (importing ``preload``) in the background unless another job is starting it."""
+def start_server(key: str, idle_s: float, preload: tuple[str, ...] = ()) -> str | None:
+    """Start this key's server (importing ``preload``) in the background unless another job is starting it; where
+    this key's server refused to serve, start none and return why (the caller says it)."""
     where = folder()
     try:
         lock = open(where / f"{key}.lock", "a+")  # noqa: SIM115 (held until the job ends; the server inherits it)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return  # another job holds the lock: it is starting (or runs) the server
-    if (where / f"{key}.refused").exists():
-        return  # this key's server refused to serve (its log says why): jobs run in their own processes
+    refused = where / f"{key}.refused"
+    if refused.exists():  # its jobs run in their own processes
+        why = refused.read_text(errors="replace").strip() or "see its log"
+        return (f"the job server of key {key} refused to serve: {why}; its log is {where / (key + '.log')}, and once "
+                f"that is mended, remove {refused}: the next job starts another")
     logfile = open(where / f"{key}.log", "a")  # noqa: SIM115 (the server writes it)
     subprocess.Popen([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--idle-s", str(idle_s),
                       "--preload", ",".join(preload)],
                      stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
-                     pass_fds=(lock.fileno(),), env={**os.environ, LOCK_FD_ENV: str(lock.fileno())})
+                     pass_fds=(lock.fileno(),),
+                     env={**{k: v for k, v in os.environ.items() if k != RUN_ENV}, LOCK_FD_ENV: str(lock.fileno())})
     log.info("job server %s starting in the background (log %s); this job runs in its own process", key,
              where / f"{key}.log")
+    return None

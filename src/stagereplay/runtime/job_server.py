@@ -21,9 +21,10 @@ the modules its server imports (the caller's preload):
   without the server; the jobs after it fork from the server once it has imported.
 - when no server can serve it (a socket folder that is not this user's alone, a socket path too long for Linux) or
   the one that answers does not answer as a server (within ``job_server_timeout_s`` for each step up to its child's
-  pid; the job's own run has no limit), the job runs in its own process and says why: on its stderr, which Snakemake
-  shows (:func:`~.hand_over.hand_over` runs before a rule script sends stderr to its log), and in a model job's log
-  (its first line, :func:`.hand_over.process_start`).
+  pid; the job's own run has no limit), the job runs in its own process and says why: in its log (and a model
+  job's log's first line, :func:`.hand_over.process_start`), and on the run's console once per run (the run's start
+  probes the server as a job would and says it there; a server that kept a job waiting in vain is not waited for by
+  the run's later jobs: :mod:`.run_markers`).
 
 The child computes exactly what a fresh process computes: the server only imports, in a folder of its own (it
 never runs a torch operation, initialises CUDA or starts a thread, and imports no module that reads its working
@@ -31,7 +32,7 @@ folder as it loads; it refuses to serve when an import did), the child takes the
 before anything of the job reads them, and each job is still its own process, sharing nothing with the others
 (the audit still recomputes from the saved ledger alone). tests/test_cluster_executor.py compares a workflow run
 with and without the server byte for byte. The server exits after ``idle_s`` seconds without a job, and when its
-source files change (the next job's key differs and starts a new server; the old one idles out).
+source files or a file it imported change (it forks no more jobs and exits; the next job starts a new server).
 
 Snakemake's benchmark files time the waiting job, so with the server their wall seconds are right but their CPU
 and memory columns miss the child's. Knows nothing of models: what to import comes from the caller.
@@ -63,7 +64,7 @@ from stagereplay.runtime.server_folder import (
     socket_path,
     socket_problem,
 )
-from stagereplay.runtime.server_key import server_key
+from stagereplay.runtime.server_key import changed_file, loaded_files, server_key
 from stagereplay.runtime.server_protocol import CHILD_ENV, DEFAULT_IDLE_S, GREETING, LOCK_FD_ENV, peer, receive
 
 log = logging.getLogger("stagereplay")
@@ -99,10 +100,11 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
         unlike.append("CUDA initialised")
     unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
     if unlike:
-        print(f"refusing to serve: {', '.join(unlike)} after the imports (a fork would not be a fresh process)",
-              flush=True)
-        (folder() / f"{key}.refused").touch()
+        why = f"{', '.join(unlike)} after the imports (a fork would not be a fresh process)"
+        print(f"refusing to serve: {why}", flush=True)
+        (folder() / f"{key}.refused").write_text(why)  # the jobs of this key say it (hand_over.start_server)
         return 1
+    imported = loaded_files()  # checked before each job: the key holds only what a job knows before it imports
     path = socket_path(key)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     partial = bound_path(path, os.getpid())
@@ -131,17 +133,17 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
                 print(f"a job's request failed: {exc}", flush=True)
                 conn.close()
                 continue
-            if request.get("stop"):
-                conn.sendall(b"0\nstopping\n")
+            if request.get("probe"):  # a run's start asking whether it answers (hand_over.probe)
+                conn.sendall(b"0\nanswering\n")
                 conn.close()
-                why = "asked to stop"
-                break
-            if server_key(environment, preload) != key:  # a source file changed since the imports: it is stale
-                conn.sendall(b"0\nits source files changed since it started\n")
+                continue
+            stale = "asked to stop" if request.get("stop") else staleness(key, environment, preload, imported)
+            if stale:
+                conn.sendall(f"0\n{stale}\n".encode())
                 conn.close()
                 for fd in fds:
                     os.close(fd)
-                why = "its source files changed"
+                why = stale
                 break
             if not job_waits(conn):  # it gave up waiting (job_server_timeout_s): its own process runs it
                 print("a job gave up waiting before its child was forked: forked none for it", flush=True)
@@ -168,6 +170,17 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
         path.unlink(missing_ok=True)  # the key's lock is this process's: no other server of it made this file
     print(f"{why} after {served} jobs: exiting", flush=True)
     return 0
+
+
+def staleness(key: str, environment: dict, preload: tuple[str, ...], imported: list) -> str | None:
+    """Why this server may fork no more jobs: one of this package's source files changed since its imports (its
+    key is another now), or one of the files it imported (``imported``, :func:`.server_key.loaded_files`:
+    transformers' modeling files, torch, pandas...); None while neither did."""
+    if server_key(environment, preload) != key:
+        return "its source files changed since it started"
+    if moved := changed_file(imported):
+        return f"{moved}, which it imported, changed since it started"
+    return None
 
 
 def same_user(conn: socket.socket) -> bool:
@@ -262,10 +275,6 @@ def main(argv=None) -> int:
     lock_fd = os.environ.pop(LOCK_FD_ENV, None)  # the key's lock, held by this descriptor while the server lives
     preload = tuple(filter(None, args.preload.split(",")))
     return serve(args.key, args.idle_s, preload, lock_fd=int(lock_fd) if lock_fd else None)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

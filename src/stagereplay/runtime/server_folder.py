@@ -13,6 +13,7 @@ from stagereplay.runtime.server_protocol import PID_MAX
 
 FOLDER_ENV = "STAGEREPLAY_JOB_SERVER_DIR"
 SUN_PATH_MAX = 107  # bytes of a socket's path on Linux (sockaddr_un's sun_path: 108 with the closing NUL)
+KEY_CHARS = 20  # a server's key (server_key), its socket's name
 
 
 def folder() -> Path:
@@ -23,14 +24,22 @@ def folder() -> Path:
 
 
 def socket_folder(where: Path | None = None) -> Path:
-    """Where the sockets of the servers of ``where`` (default :func:`folder`) are: that folder, or where its path is
-    too long for a socket's name (SUN_PATH_MAX bytes on Linux) a short folder of this user's in the system temp dir,
-    named after it (:func:`socket_problem` says when the temp dir is too long too)."""
+    """Where the sockets of the servers of ``where`` (default :func:`folder`) are: that folder where a socket's
+    longest path in it fits Linux's limit (:func:`fits`), else a short folder of this user's in the system temp dir,
+    named after it, where that one fits (:func:`socket_problem` says when neither does)."""
     where = Path(where) if where is not None else folder()
-    if len(str(where)) <= 60:
+    if fits(where):
         return where
     digest = hashlib.sha256(str(where.resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"stagereplay-jobs-{os.getuid()}-{digest}"
+    shorter = Path(tempfile.gettempdir()) / f"stagereplay-jobs-{os.getuid()}-{digest}"
+    return shorter if fits(shorter) else where
+
+
+def fits(where: Path) -> bool:
+    """Whether a server's socket in ``where`` can be bound: the longest name it binds (a key's, the longest pid's)
+    has at most SUN_PATH_MAX bytes. (Measured on the socket's own path, not on the folder's length alone: a fixed
+    cut on the folder turned the server off under a $TMPDIR of 42 to 54 characters whose usual folder fits.)"""
+    return len(os.fsencode(bound_path(where / ("k" * KEY_CHARS + ".sock"), PID_MAX))) <= SUN_PATH_MAX
 
 
 def socket_path(key: str) -> Path:
@@ -51,7 +60,12 @@ def socket_problem(path: Path) -> str | None:
     return (f"the job server's socket {path} would be {len(os.fsencode(path))} bytes long ({longest} under the name "
             f"the server binds first, <key>.<pid>.part), over the {SUN_PATH_MAX} bytes a socket's path may have on "
             f"Linux: the system temp folder ($TMPDIR, {tempfile.gettempdir()}) is too long for it; set ${FOLDER_ENV} "
-            f"to a short folder of your own (60 characters at most, as /tmp/stagereplay-jobs-{os.getuid()})")
+            f"to a short folder of your own ({longest_folder()} bytes at most, as /tmp/stagereplay-jobs-{os.getuid()})")
+
+
+def longest_folder() -> int:
+    """The most bytes a server folder's path may have for its sockets to fit in it (:func:`fits`)."""
+    return SUN_PATH_MAX - len(os.fsencode(bound_path(Path("/" + "k" * KEY_CHARS + ".sock"), PID_MAX)))
 
 
 def folder_problem(where: Path) -> str | None:

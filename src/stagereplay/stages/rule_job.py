@@ -16,6 +16,7 @@ import sys
 from stagereplay.runtime.hand_over import hand_over
 from stagereplay.runtime.server_protocol import CHILD_ENV
 
+PROBE_TIMEOUT_S = 3.0  # the run's start waits at most this long (or job_server_timeout_s) for its server's answer
 # What a warm server imports before it serves: Snakemake's script support (the preamble unpickles with it), the
 # model stages, the loader and the transformers code the supported model types run (their modeling and tokenizer
 # modules), the report's and item browser's stacks, and scipy's and statsmodels' statistics. Not the figures'
@@ -34,7 +35,8 @@ PRELOAD = ("snakemake.script", "stagereplay.stages.reconstruct", "stagereplay.st
 def start_job(snakemake, warm: bool = False) -> None:
     """Standard error to the rule's log (``snakemake.log[0]``), logging at INFO to it, then with ``warm`` the
     hand-over: where a server forks the job, its child runs the script from its top (this call, then the rest)
-    and this process exits with the child's status; else the job runs on in this process, its log saying why.
+    and this process exits with the child's status; else the job runs on in this process, its log saying why (and
+    the run's console, the stderr this process was started with, once per run).
 
     The job's process empties the log and both it and a child forked for it append to it, so neither writes over
     the other's lines."""
@@ -63,23 +65,33 @@ def starts_warm(script: str | os.PathLike) -> bool:
         k.arg == "warm" and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords)
 
 
-def start_job_server(config: dict) -> str | None:
+def start_job_server(config: dict) -> tuple[int, str] | None:
     """Before a run's first job (its ``onstart``, where the jobs run on this machine): start the warm job server of
     :data:`PRELOAD` in the background unless one answers already, so that it imports while the run's first jobs
     (selecting items, preparing the model) run and its model jobs fork from it instead of importing on their own.
-    Returns what it did, for the run's log; None where the config turns the server off or it cannot run here (the
-    first job that would use it says why)."""
-    from stagereplay.runtime.hand_over import connect, server_place, start_server
-    from stagereplay.runtime.server_protocol import DEFAULT_IDLE_S
+    Makes the run's folder of markers (:mod:`stagereplay.runtime.run_markers`) for its jobs. Returns what it did
+    and the logging level to say it at, for the run's console: a warning where no server can serve the run's jobs
+    (its folder or socket path cannot, its server refused to serve, or the server there does not answer a probe as a job would find it: the
+    jobs then run in their own processes at once, none waiting for it); None where the config turns it off."""
+    from stagereplay.runtime.hand_over import probe, server_place, start_server
+    from stagereplay.runtime.run_markers import first_to_say, note_unanswered, start_run
+    from stagereplay.runtime.server_protocol import DEFAULT_IDLE_S, HAND_OVER_TIMEOUT_S
 
     place = server_place(config, PRELOAD)
-    if place is None or place[2]:
+    if place is None:
         return None
-    key, path, _ = place
-    try:
-        connect(path, 1.0).close()
-        return f"job server {key} answers already"
-    except OSError:
-        pass
-    start_server(key, float(config.get("job_server_idle_s", DEFAULT_IDLE_S)), PRELOAD)
-    return f"job server {key} starting in the background for the model jobs"
+    start_run()
+    key, path, problem = place
+    if not problem:
+        timeout_s = min(PROBE_TIMEOUT_S, float(config.get("job_server_timeout_s", HAND_OVER_TIMEOUT_S)))
+        problem = probe(path, timeout_s)
+        if problem is None:
+            return logging.INFO, f"job server {key} answers already"
+        if problem == "absent":
+            problem = start_server(key, float(config.get("job_server_idle_s", DEFAULT_IDLE_S)), PRELOAD)
+            if problem is None:
+                return logging.INFO, f"job server {key} starting in the background for the model jobs"
+        else:
+            note_unanswered(key, problem)
+    first_to_say(problem)  # said here: the jobs that meet it say it in their logs alone
+    return logging.WARNING, f"job server not used, this run's model jobs run in their own processes: {problem}"
