@@ -15,7 +15,8 @@ if ENGINES:
 
 
 def llama_cpp_kwargs(wildcards):
-    """The revision's GGUF file, the reference precision's prefixes and the engine's context."""
+    """The revision's GGUF file, the reference precision's prefixes, the stage rule and budgets (llama.cpp's own
+    stage ends where the pipeline's would) and the engine's context."""
     settings = config["llama_cpp"]
     return canonical(
         dict(
@@ -23,9 +24,12 @@ def llama_cpp_kwargs(wildcards):
             revision=REVISIONS[wildcards.revision],
             model_fingerprint=model_files(REVISIONS[wildcards.revision]),
             precision=config["reference_precision"],
+            boundary=config["boundary"],
+            max_stage_tokens=config["max_stage_tokens"],
             max_new_tokens=config["max_new_tokens"],
             answer_format=config["answer_format"],
             stage_end=config["stage_end"],
+            stage_sources=list(settings["stage_sources"]),
             kv_types=list(settings["kv_types"]),
             constructions=list(settings["constructions"]),
             n_ctx=settings.get("n_ctx"),
