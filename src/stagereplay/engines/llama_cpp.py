@@ -245,8 +245,8 @@ class LlamaCppEngine:
                 "ggml_version": ggml_string("ggml_version"),
                 "system_info": self._lib.llama_print_system_info().decode("utf-8", "replace").strip(),
                 "kv_type": s.kv_type, "n_ctx": self.llm.n_ctx(), "n_batch": self.n_batch,
-                "n_ubatch": self.n_ubatch, "n_threads": s.threads, "n_gpu_layers": s.n_gpu_layers, "flash_attn": s.flash_attn,
-                "chunk_size": s.chunk_size}
+                "n_ubatch": self.n_ubatch, "n_threads": s.threads, "n_gpu_layers": s.n_gpu_layers,
+                "flash_attn": s.flash_attn, "chunk_size": s.chunk_size}
 
     def _clear(self) -> None:
         """An empty context: no cells, and the cache buffers zeroed, as a fresh context's."""

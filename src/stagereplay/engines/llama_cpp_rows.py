@@ -101,9 +101,10 @@ def own_stage_rows(engine: LlamaCppEngine, item: dict, prompt_ids: list[int], ma
                    max_stage_tokens: int, settings: RunSettings, constructions=tuple(CONSTRUCTIONS),
                    replicas=(1, 2), reference_stage: list[int] | None = None) -> tuple[list[dict], list[int]]:
     """Ledger rows of one item over llama.cpp's own stage: ``live`` generates it (replicas from scratch, stage ids
-    included; its rows are written whatever ``constructions`` holds), then each other construction rebuilds its boundary state from those ids. A ``live`` that misses the
-    boundary gives its rows (status ``boundary_missing``) and no others. Also returns the stage ids (empty: none).
-    ``reference_stage`` (the pipeline's; None: it missed the boundary) fills each row's ``stage_comparison``."""
+    included; its rows are written whatever ``constructions`` holds), then each other construction rebuilds its
+    boundary state from those ids. A ``live`` that misses the boundary gives its rows (status ``boundary_missing``)
+    and no others. Also returns the stage ids (empty: none). ``reference_stage`` (the pipeline's; None: it missed
+    the boundary) fills each row's ``stage_comparison``."""
     _check_precision(engine, settings)
     runs = _replicated(engine, item, settings, "live", "engine", lambda: engine.generate(
         prompt_ids, matcher, max_stage_tokens, settings.max_new_tokens), replicas)
