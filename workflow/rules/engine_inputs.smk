@@ -14,6 +14,9 @@ if ENGINES:
             )
 
 
+ENGINE_SHARDS = list(range(config["llama_cpp"].get("shards") or config["shards"]))
+
+
 def llama_cpp_kwargs(wildcards):
     """The revision's GGUF file, the reference precision's prefixes, the stage rule and budgets (llama.cpp's own
     stage ends where the pipeline's would) and the engine's context."""
@@ -39,8 +42,19 @@ def llama_cpp_kwargs(wildcards):
             n_gpu_layers=settings["n_gpu_layers"],
             flash_attn=settings["flash_attn"],
             chunk_size=settings.get("chunk_size") or config["chunk_size"],
+            shard=int(wildcards.shard),
+            n_shards=len(ENGINE_SHARDS),
         )
     )
+
+
+def engine_parts(kind):
+    """An input function: a revision's parts/<kind>_<shard>.parquet, one per engine shard."""
+
+    def parts(wildcards):
+        return expand(f"{RESULTS}/{wildcards.revision}/parts/{kind}_{{shard}}.parquet", shard=ENGINE_SHARDS)
+
+    return parts
 
 
 def engine_files(names):

@@ -11,6 +11,12 @@ boundary and ``max_stage_tokens``; the other constructions rebuild it) and ``lla
 engine_llama_cpp_audit.parquet in the audit's schema; rows that did not reproduce stop the job, named.
 Every forward is checked against the context's ``n_ubatch`` for every item before the first row is decoded.
 Neither loads torch: the model is llama.cpp's.
+
+Both split by item shard (``shard`` of ``n_shards``: the items whose ``item_index`` is ``shard`` modulo
+``n_shards``, the pipeline's rule without a batch plan), one model per job, the parts joined by
+``gather_engine_llama_cpp`` and ``gather_engine_llama_cpp_audit``. Nothing a row holds depends on the shard: the
+context's size comes from the whole selection, every item runs alone in a cleared context, and the rows are sorted
+by their key; so a shard's rows are the whole run's rows of its items, byte for byte.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from dataclasses import dataclass
 import pandas as pd
 
 from stagereplay.decode.greedy import matcher_from_config
+from stagereplay.decode.plans import batches_of
 from stagereplay.engines import llama_cpp as engine
 from stagereplay.engines.llama_cpp_rows import Detokenizer, engine_rows, own_stage_rows
 from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, compare_row, failures_message, record
 from stagereplay.experiments.rows import RunSettings
+from stagereplay.io.keys import LEDGER_KEY, within_revision
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import software_versions
+from stagereplay.stages.gather import gather
 from stagereplay.models.sources import resolve_source
 
 log = logging.getLogger("stagereplay")
@@ -57,8 +66,12 @@ class EngineReplaySettings:
     n_gpu_layers: int = 0
     flash_attn: bool = False
     chunk_size: int = 16
+    shard: int = 0  # this job's items: item_index modulo n_shards
+    n_shards: int = 1
 
     def __post_init__(self):
+        if not 0 <= self.shard < self.n_shards:
+            raise ValueError(f"shard {self.shard} of {self.n_shards}: need 0 <= shard < n_shards")
         for source in self.stage_sources:
             reference = engine.OWN_REFERENCE if source == "engine" else engine.REFERENCE_REFERENCE
             if reference not in engine.constructions_for(source, self.constructions):
@@ -110,6 +123,12 @@ def engine_items(items_path: str, prefixes_path: str, precision: str) -> list[En
     return out
 
 
+def shard_items(items: list[EngineItem], shard: int, n_shards: int) -> list[EngineItem]:
+    """The items of one shard, in item order (:func:`stagereplay.decode.plans.batches_of` without a plan)."""
+    mine = {int(b.items[0]["item_index"]) for b in batches_of([it.item for it in items], None, shard, n_shards)}
+    return [it for it in items if int(it.item["item_index"]) in mine]
+
+
 def _context_size(items: list[EngineItem], s: EngineReplaySettings) -> int:
     own = s.max_stage_tokens if "engine" in s.stage_sources else 0
     return max((len(i.prompt_ids) + max(own, len(i.reference_stage or [])) for i in items), default=1) + \
@@ -149,31 +168,33 @@ def _item_rows(e: engine.LlamaCppEngine, it: EngineItem, s: EngineReplaySettings
     return rows
 
 
-def _rows(s: EngineReplaySettings, items: list[EngineItem]) -> tuple[list[dict], dict]:
+def _rows(s: EngineReplaySettings, items: list[EngineItem]) -> tuple[pd.DataFrame, dict]:
+    """The rows of this shard's items, sorted by their key; ``items`` is the whole selection's, which sizes the
+    context and is checked whole, so that no shard count changes a context or lets a bad item through."""
     path, n_ctx = s.gguf(), _context_size(items, s)
     rows, contexts = [], {}
     for kv_type in s.kv_types:  # every context opened (and refused, if it is) before the first row is decoded
         with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx)) as e:
             contexts[kv_type] = e.provenance()
             _check_forwards(e, items, s)
+    mine = shard_items(items, s.shard, s.n_shards)
     for kv_type in s.kv_types:
         with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx)) as e:
             matcher = matcher_from_config(s.boundary, Detokenizer(e))
-            for it in items:
+            for it in mine:
                 rows += _item_rows(e, it, s, matcher, s.run_settings(kv_type))
-        log.info("llama.cpp kv %s: %d items, stage ids of %s, %d constructions x 2 replicas", kv_type, len(items),
-                 "/".join(s.stage_sources), len(s.constructions))
-    return rows, contexts
+        log.info("llama.cpp kv %s: %d items (shard %d of %d), stage ids of %s, %d constructions x 2 replicas",
+                 kv_type, len(mine), s.shard, s.n_shards, "/".join(s.stage_sources), len(s.constructions))
+    frame = pd.DataFrame(rows, columns=engine.ENGINE_LEDGER_SCHEMA.names)
+    return frame.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True), contexts
 
 
 def replay_on_llama_cpp(items_path: str, prefixes_path: str, out_path: str, s: EngineReplaySettings) -> None:
-    items = engine_items(items_path, prefixes_path, s.precision)
-    rows, contexts = _rows(s, items)
-    frame = pd.DataFrame(rows, columns=engine.ENGINE_LEDGER_SCHEMA.names)
+    frame, contexts = _rows(s, engine_items(items_path, prefixes_path, s.precision))
     write_parquet(frame, out_path, _provenance("replay_on_llama_cpp", s, contexts), engine.ENGINE_LEDGER_SCHEMA)
 
 
-KEY = ["experiment", "item_index", "precision", "construction", "replica"]
+SORT_KEYS = within_revision(LEDGER_KEY)  # a row's key in its revision's file, and the order the file holds
 
 
 def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame) -> list[dict]:
@@ -205,13 +226,26 @@ def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame) -> list[dict]:
 
 def audit_llama_cpp(items_path: str, prefixes_path: str, ledger_path: str, out_path: str,
                     s: EngineReplaySettings) -> None:
+    items = engine_items(items_path, prefixes_path, s.precision)
+    mine = {int(it.item["item_index"]) for it in shard_items(items, s.shard, s.n_shards)}
     stored = read_parquet(ledger_path)
-    rows, contexts = _rows(s, engine_items(items_path, prefixes_path, s.precision))
-    records = audit_rows(stored, pd.DataFrame(rows, columns=engine.ENGINE_LEDGER_SCHEMA.names))
+    stored = stored[stored["item_index"].astype(int).isin(mine)]
+    recomputed, contexts = _rows(s, items)
+    records = audit_rows(stored, recomputed)
     failed = [r for r in records if not r["reproduced"]]
     if failed:
         raise AuditFailedError("llama.cpp engine rows of " + ledger_path + ": " + failures_message(failed))
     prov = _provenance("audit_llama_cpp", s, contexts)
-    prov["audited"] = read_provenance(ledger_path).get("engine_contexts")
-    frame = pd.DataFrame(records, columns=AUDIT_SCHEMA.names).sort_values(KEY)
+    audited = read_provenance(ledger_path)  # a gathered file records its parts'
+    prov["audited"] = audited.get("engine_contexts") or [p.get("engine_contexts") for p in audited.get("parts", [])]
+    frame = pd.DataFrame(records, columns=AUDIT_SCHEMA.names).sort_values(SORT_KEYS, kind="stable")
     write_parquet(frame, out_path, prov, AUDIT_SCHEMA)
+
+
+def gather_engine_llama_cpp(parts: list[str], out_path: str) -> None:
+    """The shards' engine rows in one file, in the order one job writes them (sorted by their key)."""
+    gather(parts, out_path, engine.ENGINE_LEDGER_SCHEMA, SORT_KEYS)
+
+
+def gather_engine_llama_cpp_audit(parts: list[str], out_path: str) -> None:
+    gather(parts, out_path, AUDIT_SCHEMA, SORT_KEYS)
