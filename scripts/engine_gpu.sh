@@ -17,7 +17,8 @@
 #                                      # CPU and CUDA) and the build's own packages, into .whl/ (git-ignored: carry it)
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
 #   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the tables (WORK=... to keep its folder,
-#                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16")
+#                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16",
+#                                      # ENGINE_SHARDS=K GPU_SLOTS=K: K engine jobs side by side on the GPU)
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -141,7 +142,7 @@ batch_size: 16
 fixed_prefix: {constructions: [incremental, prefill, prefix_cached]}
 engines: [llama_cpp]
 llama_cpp: {n_gpu_layers: $offload, kv_types: [${KV_TYPES:-f16, f32}], stage_sources: [engine, reference],
-            constructions: [live, incremental, prefill, prompt_cache, chunked]}
+            constructions: [live, incremental, prefill, prompt_cache, chunked], shards: ${ENGINE_SHARDS:-1}}
 EOF
     local start end
     start=$(date +%s)

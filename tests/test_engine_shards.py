@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 try:
-    import llama_cpp  # noqa: F401
+    import llama_cpp
 except ImportError as exc:  # pragma: no cover - which branch runs depends on the machine
     WHY = f"llama-cpp-python is not installed ({exc}); install it with pip install -e '.[engines]' (docs/ENGINES.md)"
     if os.environ.get("CI"):
@@ -125,3 +125,27 @@ def test_the_gathers_import_no_model_stack(script):
 
     modules = script_imports(SCRIPTS / f"{script}.py")
     assert modules and not heavy_after_import(modules)
+
+
+def test_side_by_side_jobs_each_claim_a_gpu_and_put_every_layer_on_it(inputs, tmp_path, monkeypatch):
+    """With layers offloaded and two GPUs seen, two jobs hold different GPUs (the pipeline's lock files), and each
+    context puts every layer on its own (split mode none), not across the GPU the other job holds."""
+    from stagereplay.stages import engine as stage
+
+    monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(stage, "gpu_count", lambda: 2)
+    offloaded = settings(inputs[1], inputs[2], n_gpu_layers=-1)
+    with stage.claim_engine_gpu(offloaded) as one, stage.claim_engine_gpu(offloaded) as two:
+        assert {one.visible_index, two.visible_index} == {0, 1} and one.claimed and two.claimed
+    assert not stage.claim_engine_gpu(settings(inputs[1], inputs[2])).claimed  # no layer offloaded: no claim
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(llama_cpp, "Llama", record)
+    with pytest.raises(engine.EngineRefusedError):
+        engine.LlamaCppEngine(inputs[1], offloaded.engine_settings("f16", 128, main_gpu=1))
+    assert (seen["split_mode"], seen["main_gpu"]) == (llama_cpp.LLAMA_SPLIT_MODE_NONE, 1)

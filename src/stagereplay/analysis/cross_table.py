@@ -39,7 +39,7 @@ def cross_table(a: dict[int, bool], b: dict[int, bool]) -> dict:
     degenerate = [f"{name} {'never' if k == 0 else 'always'} splits" for name, k in (("A", a_splits), ("B", b_splits))
                   if k in (0, n)]
     if degenerate:
-        out["undefined"] = "; ".join(degenerate) + " (a marginal is 0 or n: the table holds no evidence of a link)"
+        out["undefined"] = " and ".join(degenerate) + ": a marginal is 0 or n, the table holds no evidence either way"
         return out
     from scipy.stats import fisher_exact
 
@@ -52,7 +52,7 @@ def odds_ratio_text(cell: dict) -> str:
     """The odds ratio as a table shows it: a number, ``inf``/``0`` (an empty cell), or why it is undefined."""
     value = cell["odds_ratio"]
     if value is None:
-        return f"undefined ({cell['undefined']})"
+        return f"undefined: {cell['undefined']}"
     if math.isinf(value):
         return "inf (an off-diagonal cell is empty)"
     return f"{value:.3g}"

@@ -165,6 +165,7 @@ class EngineSettings:
     n_gpu_layers: int = 0
     flash_attn: bool = False
     chunk_size: int = 16
+    main_gpu: int | None = None  # every offloaded layer on this GPU; None: llama.cpp's own split over all it sees
 
     def __post_init__(self):
         precision_of(self.kv_type)
@@ -194,12 +195,15 @@ class LlamaCppEngine:
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[settings.kv_type]
+        placement = {} if settings.main_gpu is None else {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE,
+                                                           "main_gpu": settings.main_gpu}
         with LogCapture(llama_cpp) as log:
             try:
                 self.llm = llama_cpp.Llama(
                     str(self.path), n_ctx=settings.n_ctx, n_batch=settings.batch, n_ubatch=settings.ubatch,
                     n_threads=settings.threads, n_threads_batch=settings.threads, n_gpu_layers=settings.n_gpu_layers,
-                    flash_attn=settings.flash_attn, type_k=kv, type_v=kv, logits_all=False, verbose=False)
+                    flash_attn=settings.flash_attn, type_k=kv, type_v=kv, logits_all=False, verbose=False,
+                    **placement)
             except (ValueError, RuntimeError) as exc:
                 raise EngineRefusedError(self._refusal(log.errors(), exc)) from exc
         self.n_vocab = self.llm.n_vocab()

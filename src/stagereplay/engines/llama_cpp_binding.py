@@ -138,3 +138,23 @@ def ggml_string(name: str) -> str:
         return function().decode()
     except (ImportError, AttributeError, OSError):
         return "unknown"
+
+
+GPU_DEVICE_TYPE = 1  # ggml_backend_dev_type's GGML_BACKEND_DEVICE_TYPE_GPU
+
+
+def gpu_count() -> int:
+    """The GPUs llama.cpp's build sees (ggml's backend devices of type GPU): 0 in a build without CUDA."""
+    try:
+        from llama_cpp import _ggml
+
+        lib = _ggml.libggml
+        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        lib.ggml_backend_dev_type.restype = ctypes.c_int
+        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        return sum(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) == GPU_DEVICE_TYPE
+                   for i in range(lib.ggml_backend_dev_count()))
+    except (ImportError, AttributeError, OSError):
+        return 0

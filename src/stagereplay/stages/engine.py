@@ -29,12 +29,14 @@ import pandas as pd
 from stagereplay.decode.greedy import matcher_from_config
 from stagereplay.decode.plans import batches_of
 from stagereplay.engines import llama_cpp as engine
+from stagereplay.engines.llama_cpp_binding import gpu_count
 from stagereplay.engines.llama_cpp_rows import Detokenizer, engine_rows, own_stage_rows
 from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, compare_row, failures_message, record
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.keys import LEDGER_KEY, within_revision
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import software_versions
+from stagereplay.models.gpus import GpuSlot, claim_gpu
 from stagereplay.stages.gather import gather
 from stagereplay.models.sources import resolve_source
 
@@ -87,10 +89,10 @@ class EngineReplaySettings:
                              "revisions naming .gguf files), or leave engines empty")
         return f"{source.path}/{source.gguf_file}"
 
-    def engine_settings(self, kv_type: str, n_ctx: int) -> engine.EngineSettings:
+    def engine_settings(self, kv_type: str, n_ctx: int, main_gpu: int | None = None) -> engine.EngineSettings:
         return engine.EngineSettings(kv_type=kv_type, n_ctx=self.n_ctx or n_ctx, n_batch=self.n_batch,
                                      n_ubatch=self.n_ubatch, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
-                                     flash_attn=self.flash_attn, chunk_size=self.chunk_size)
+                                     flash_attn=self.flash_attn, chunk_size=self.chunk_size, main_gpu=main_gpu)
 
     def run_settings(self, kv_type: str) -> RunSettings:
         return RunSettings(self.revision or "", engine.precision_of(kv_type), None, self.max_new_tokens,
@@ -168,18 +170,28 @@ def _item_rows(e: engine.LlamaCppEngine, it: EngineItem, s: EngineReplaySettings
     return rows
 
 
-def _rows(s: EngineReplaySettings, items: list[EngineItem]) -> tuple[pd.DataFrame, dict]:
+def claim_engine_gpu(s: EngineReplaySettings) -> GpuSlot:
+    """A GPU of this job's own where layers are offloaded and llama.cpp sees several (the pipeline's lock files:
+    jobs side by side under --resources gpu=K each take one), else no claim."""
+    if not s.n_gpu_layers:
+        return GpuSlot("cpu")
+    return claim_gpu("cuda", n_visible=gpu_count())
+
+
+def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot) -> tuple[pd.DataFrame, dict]:
     """The rows of this shard's items, sorted by their key; ``items`` is the whole selection's, which sizes the
-    context and is checked whole, so that no shard count changes a context or lets a bad item through."""
+    context and is checked whole, so that no shard count changes a context or lets a bad item through. On a claimed
+    GPU every offloaded layer is on it (not spread over the others, which other jobs hold)."""
     path, n_ctx = s.gguf(), _context_size(items, s)
     rows, contexts = [], {}
+    at = dict(main_gpu=gpu.visible_index)
     for kv_type in s.kv_types:  # every context opened (and refused, if it is) before the first row is decoded
-        with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx)) as e:
+        with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx, **at)) as e:
             contexts[kv_type] = e.provenance()
             _check_forwards(e, items, s)
     mine = shard_items(items, s.shard, s.n_shards)
     for kv_type in s.kv_types:
-        with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx)) as e:
+        with engine.LlamaCppEngine(path, s.engine_settings(kv_type, n_ctx, **at)) as e:
             matcher = matcher_from_config(s.boundary, Detokenizer(e))
             for it in mine:
                 rows += _item_rows(e, it, s, matcher, s.run_settings(kv_type))
@@ -190,8 +202,10 @@ def _rows(s: EngineReplaySettings, items: list[EngineItem]) -> tuple[pd.DataFram
 
 
 def replay_on_llama_cpp(items_path: str, prefixes_path: str, out_path: str, s: EngineReplaySettings) -> None:
-    frame, contexts = _rows(s, engine_items(items_path, prefixes_path, s.precision))
-    write_parquet(frame, out_path, _provenance("replay_on_llama_cpp", s, contexts), engine.ENGINE_LEDGER_SCHEMA)
+    with claim_engine_gpu(s) as gpu:
+        frame, contexts = _rows(s, engine_items(items_path, prefixes_path, s.precision), gpu)
+    prov = dict(_provenance("replay_on_llama_cpp", s, contexts), gpu=gpu.record())
+    write_parquet(frame, out_path, prov, engine.ENGINE_LEDGER_SCHEMA)
 
 
 SORT_KEYS = within_revision(LEDGER_KEY)  # a row's key in its revision's file, and the order the file holds
@@ -230,12 +244,13 @@ def audit_llama_cpp(items_path: str, prefixes_path: str, ledger_path: str, out_p
     mine = {int(it.item["item_index"]) for it in shard_items(items, s.shard, s.n_shards)}
     stored = read_parquet(ledger_path)
     stored = stored[stored["item_index"].astype(int).isin(mine)]
-    recomputed, contexts = _rows(s, items)
+    with claim_engine_gpu(s) as gpu:
+        recomputed, contexts = _rows(s, items, gpu)
     records = audit_rows(stored, recomputed)
     failed = [r for r in records if not r["reproduced"]]
     if failed:
         raise AuditFailedError("llama.cpp engine rows of " + ledger_path + ": " + failures_message(failed))
-    prov = _provenance("audit_llama_cpp", s, contexts)
+    prov = dict(_provenance("audit_llama_cpp", s, contexts), gpu=gpu.record())
     audited = read_provenance(ledger_path)  # a gathered file records its parts'
     prov["audited"] = audited.get("engine_contexts") or [p.get("engine_contexts") for p in audited.get("parts", [])]
     frame = pd.DataFrame(records, columns=AUDIT_SCHEMA.names).sort_values(SORT_KEYS, kind="stable")
