@@ -18,7 +18,8 @@
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
 #   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the tables (WORK=... to keep its folder,
 #                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16",
-#                                      # ENGINE_SHARDS=K GPU_SLOTS=K: K engine jobs side by side on the GPU)
+#                                      # ENGINE_SHARDS=K GPU_SLOTS=K CORES=4K: K engine jobs side by side on
+#                                      # the GPU, each with its own llama.cpp context (THREADS=4 each))
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -149,7 +150,7 @@ EOF
     # (--configfile and --resources take every word after them: the targets come first)
     "$PY" -m snakemake results/engine-gpu/random-0.5b/ledger.parquet results/engine-gpu/random-0.5b/audit_check.json \
         results/engine-gpu/random-0.5b/engine_llama_cpp_audit.parquet -s "$REPO/Snakefile" --directory "$work" \
-        --configfile "$work/config.yaml" --cores 4 --resources gpu="$gpus"
+        --configfile "$work/config.yaml" --cores "${CORES:-4}" --resources gpu="${GPU_SLOTS:-$gpus}"
     end=$(date +%s)
     echo "== workflow: $((end - start)) s"
     "$PY" - "$work/results/engine-gpu/random-0.5b" "${OUT:-}" "${MIN_ITEMS:-48}" <<'EOF'
