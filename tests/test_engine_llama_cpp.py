@@ -214,8 +214,11 @@ def test_a_forward_llama_cpp_would_split_is_refused_not_called_prefill(gguf, tmp
     settings = stage_settings(gguf[0], n_ubatch=8)
     monkeypatch.setattr(engine.LlamaCppEngine, "generate", lambda *a, **k: pytest.fail("work began"))
     out = tmp_path / "engine_llama_cpp.parquet"
-    with pytest.raises(engine.ForwardTooLongError, match=r"item 'item-0', over llama.cpp's own stage .*: live's "
-                                                         r"longest forward of \d+ tokens .* n_ubatch 8 .* at least"):
+    with open_engine(gguf[0]) as e:
+        needed = len(ids_of(e, QUESTIONS[1])[0]) + MAX_STAGE - 1  # the longest: item 1's own stage, one forward
+    with pytest.raises(engine.ForwardTooLongError, match=rf"item 'item-1', over llama.cpp's own stage .*: prefill's "
+                                                         rf"longest forward of {needed} tokens .* n_ubatch 8 .* at "
+                                                         rf"least {needed} "):
         replay_on_llama_cpp(*paths, str(out), settings)
     assert not out.exists()
 

@@ -273,12 +273,11 @@ class LlamaCppEngine:
                 f"forward. Raise llama_cpp.n_ubatch and llama_cpp.n_batch to at least {size} (or leave both null: "
                 "the context's size)")
 
-    def check_item(self, constructions, prompt_len: int, n_cached: int, what: str) -> None:
-        """Every forward of each construction's boundary cache over ``n_cached`` stage ids fits one compute graph
-        (:meth:`check_forward`): for a check before any work."""
-        for name in constructions:
-            longest = max(forward_sizes(name, prompt_len, n_cached, self.settings.chunk_size), default=0)
-            self.check_forward(longest, f"{what}: {name}'s longest forward")
+    def longest_forward(self, constructions, prompt_len: int, n_cached: int) -> tuple[int, str]:
+        """The longest forward of the constructions' boundary caches over ``n_cached`` stage ids, and whose it is:
+        what :meth:`check_forward` must allow, for a check before any work."""
+        return max((max(forward_sizes(name, prompt_len, n_cached, self.settings.chunk_size), default=0), name)
+                   for name in constructions)
 
     def _logits(self) -> np.ndarray:
         pointer = self._lib.llama_get_logits_ith(self.llm.ctx, -1)

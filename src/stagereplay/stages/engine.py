@@ -138,16 +138,23 @@ def _context_size(items: list[EngineItem], s: EngineReplaySettings) -> int:
 
 
 def _check_forwards(e: engine.LlamaCppEngine, items: list[EngineItem], s: EngineReplaySettings) -> None:
-    """Every forward of every item's constructions in one compute graph, else an error naming the item."""
+    """Every forward of every item's constructions in one compute graph, else an error naming the item with the
+    longest (so that the value it names holds every item)."""
+    longest = []  # (tokens, construction, what)
     for it in items:
         name = it.item["item_id"]
         if "engine" in s.stage_sources:
-            e.check_item(engine.constructions_for("engine", s.constructions), len(it.prompt_ids),
-                         s.max_stage_tokens - 1, f"item {name!r}, over llama.cpp's own stage of up to "
-                         f"max_stage_tokens {s.max_stage_tokens} ids")
+            longest.append((*e.longest_forward(engine.constructions_for("engine", s.constructions),
+                                               len(it.prompt_ids), s.max_stage_tokens - 1),
+                            f"item {name!r}, over llama.cpp's own stage of up to max_stage_tokens "
+                            f"{s.max_stage_tokens} ids"))
         if "reference" in s.stage_sources and it.reference_stage:
-            e.check_item(engine.constructions_for("reference", s.constructions), len(it.prompt_ids),
-                         len(it.reference_stage) - 1, f"item {name!r}, over the reference stage ids")
+            longest.append((*e.longest_forward(engine.constructions_for("reference", s.constructions),
+                                               len(it.prompt_ids), len(it.reference_stage) - 1),
+                            f"item {name!r}, over the reference stage ids"))
+    if longest:
+        size, construction, what = max(longest, key=lambda x: x[0])
+        e.check_forward(size, f"{what}: {construction}'s longest forward")
 
 
 def _provenance(stage: str, s: EngineReplaySettings, contexts: dict) -> dict:
