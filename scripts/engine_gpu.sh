@@ -2,17 +2,24 @@
 # llama.cpp beside this pipeline's own constructions on one GPU, with no network on the GPU machine.
 #
 # A RANDOM-WEIGHT Qwen2.5-0.5B-shaped GGUF (stagereplay.testing: the prompts' characters, then filler tokens; its
-# outputs mean nothing) is run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64; at least 48 must
-# reach the boundary): the pipeline's matched experiment and fixed-prefix constructions (incremental, prefill,
-# prefix_cached) at bf16 and fp32, llama.cpp's live, prefill, prompt_cache and chunked at KV f16 and f32 on every
-# layer offloaded, both audits; then it prints the engine's split counts beside the pipeline's prefill and
-# prefix_cached, with Wilson intervals.
+# outputs mean nothing) is run by the workflow with engines: [llama_cpp] on N_ITEMS (default 64; at least MIN_ITEMS,
+# default 48, must reach the boundary): the pipeline's matched experiment and fixed-prefix constructions (incremental,
+# prefill, prefix_cached) at bf16 and fp32; llama.cpp at KV_TYPES (default f16 and f32) on every layer offloaded, over
+# its own stage (live: its greedy generation to the boundary; incremental, prefill, prompt_cache, chunked rebuilding
+# it from its ids) and over the pipeline's stage ids (incremental, the reference there, and the same three); both
+# audits. Then it prints the report's engine section: llama.cpp's own stage against the pipeline's, the split counts
+# with Wilson intervals, and the cross-table of llama.cpp's and the pipeline's prefill splits with both marginals, the
+# count expected under independence, the odds ratio and Fisher's exact p. OUT=folder (the device's $OUT) also gets
+# the section (engine_section.md), its numbers (engine_numbers.json), the config, the logs and the engine's Parquet.
 #
 # Three steps; each skips what an earlier call left done, so they may run as separate commands on a warm machine:
 #   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed to 44 MiB (what the build reads:
 #                                      # CPU and CUDA) and the build's own packages, into .whl/ (git-ignored: carry it)
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
-#   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the table (WORK=... to keep its folder)
+#   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the tables (WORK=... to keep its folder,
+#                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16",
+#                                      # ENGINE_SHARDS=K GPU_SLOTS=K CORES=4K: K engine jobs side by side on
+#                                      # the GPU, each with its own llama.cpp context (THREADS=4 each))
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -135,37 +142,53 @@ decode_regime: $regime
 batch_size: 16
 fixed_prefix: {constructions: [incremental, prefill, prefix_cached]}
 engines: [llama_cpp]
-llama_cpp: {n_gpu_layers: $offload, kv_types: [f16, f32]}
+llama_cpp: {n_gpu_layers: $offload, kv_types: [${KV_TYPES:-f16, f32}], stage_sources: [engine, reference],
+            constructions: [live, incremental, prefill, prompt_cache, chunked], shards: ${ENGINE_SHARDS:-1}}
 EOF
     local start end
     start=$(date +%s)
     # (--configfile and --resources take every word after them: the targets come first)
     "$PY" -m snakemake results/engine-gpu/random-0.5b/ledger.parquet results/engine-gpu/random-0.5b/audit_check.json \
         results/engine-gpu/random-0.5b/engine_llama_cpp_audit.parquet -s "$REPO/Snakefile" --directory "$work" \
-        --configfile "$work/config.yaml" --cores 4 --resources gpu="$gpus"
+        --configfile "$work/config.yaml" --cores "${CORES:-4}" --resources gpu="${GPU_SLOTS:-$gpus}"
     end=$(date +%s)
     echo "== workflow: $((end - start)) s"
-    "$PY" - "$work/results/engine-gpu/random-0.5b" <<'EOF'
+    "$PY" - "$work/results/engine-gpu/random-0.5b" "${OUT:-}" "${MIN_ITEMS:-48}" <<'EOF'
+import json
 import sys
 from pathlib import Path
 
 from stagereplay.analysis.engine_report import engine_section
 from stagereplay.analysis.revision_data import RevisionData
 
-folder = Path(sys.argv[1])
+folder, out, least = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 data = RevisionData("random-0.5b", {"ledger": str(folder / "ledger.parquet"),
                                     "engine_llama_cpp": str(folder / "engine_llama_cpp.parquet"),
                                     "engine_llama_cpp_audit": str(folder / "engine_llama_cpp_audit.parquet")})
 lines, numbers = engine_section(data)
 print("\n".join(lines))
 prefixes = data.ledger[(data.ledger["experiment"] == "matched") & (data.ledger["replica"] == 1)]
-print("items per precision that reached the boundary:",
+print("items per precision that reached the boundary (pipeline):",
       prefixes[prefixes["status"] == "ok"].groupby("precision")["item_index"].nunique().to_dict())
-replayed = data.frame("engine_llama_cpp")["item_index"].nunique()
-if replayed < 48:
-    sys.exit(f"only {replayed} items reached the boundary at the reference precision, fewer than 48: rerun with a "
-             "larger N_ITEMS in a fresh WORK folder")
+rows = data.frame("engine_llama_cpp")
+own = rows[(rows["stage_source"] == "engine") & (rows["construction"] == "live") & (rows["status"] == "ok")]
+print("items per KV type whose own llama.cpp stage reached the boundary:",
+      own.groupby("precision")["item_index"].nunique().to_dict())
+if out:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "engine_section.md").write_text("\n".join(lines) + "\n")
+    (Path(out) / "engine_numbers.json").write_text(json.dumps(numbers, indent=1, default=str) + "\n")
+replayed = rows.loc[rows["stage_source"] == "reference", "item_index"].nunique()
+if replayed < least:
+    sys.exit(f"only {replayed} items reached the boundary at the reference precision, fewer than {least}: rerun "
+             "with a larger N_ITEMS in a fresh WORK folder")
 EOF
+    if [ -n "${OUT:-}" ]; then
+        cp "$work/config.yaml" "$work"/results/engine-gpu/random-0.5b/engine_llama_cpp*.parquet "$OUT"/
+        cp -r "$work/logs" "$OUT/logs" 2>/dev/null || true
+        cp -r "$work/benchmarks" "$OUT/benchmarks" 2>/dev/null || true  # each rule's seconds
+        echo "== the tables, their numbers, the config, the logs, the rules' timings and the engine's Parquet are in $OUT"
+    fi
 }
 
 case "$STEP" in

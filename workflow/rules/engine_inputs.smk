@@ -14,8 +14,12 @@ if ENGINES:
             )
 
 
+ENGINE_SHARDS = list(range(config["llama_cpp"].get("shards") or config["shards"]))
+
+
 def llama_cpp_kwargs(wildcards):
-    """The revision's GGUF file, the reference precision's prefixes and the engine's context."""
+    """The revision's GGUF file, the reference precision's prefixes, the stage rule and budgets (llama.cpp's own
+    stage ends where the pipeline's would) and the engine's context."""
     settings = config["llama_cpp"]
     return canonical(
         dict(
@@ -23,9 +27,12 @@ def llama_cpp_kwargs(wildcards):
             revision=REVISIONS[wildcards.revision],
             model_fingerprint=model_files(REVISIONS[wildcards.revision]),
             precision=config["reference_precision"],
+            boundary=config["boundary"],
+            max_stage_tokens=config["max_stage_tokens"],
             max_new_tokens=config["max_new_tokens"],
             answer_format=config["answer_format"],
             stage_end=config["stage_end"],
+            stage_sources=list(settings["stage_sources"]),
             kv_types=list(settings["kv_types"]),
             constructions=list(settings["constructions"]),
             n_ctx=settings.get("n_ctx"),
@@ -35,8 +42,19 @@ def llama_cpp_kwargs(wildcards):
             n_gpu_layers=settings["n_gpu_layers"],
             flash_attn=settings["flash_attn"],
             chunk_size=settings.get("chunk_size") or config["chunk_size"],
+            shard=int(wildcards.shard),
+            n_shards=len(ENGINE_SHARDS),
         )
     )
+
+
+def engine_parts(kind):
+    """An input function: a revision's parts/<kind>_<shard>.parquet, one per engine shard."""
+
+    def parts(wildcards):
+        return expand(f"{RESULTS}/{wildcards.revision}/parts/{kind}_{{shard}}.parquet", shard=ENGINE_SHARDS)
+
+    return parts
 
 
 def engine_files(names):

@@ -1,10 +1,21 @@
-"""The report's section on a serving engine's replays (engines: [llama_cpp]): the engine's replicas, its split
-counts per KV type and construction against its own token-by-token ``live``, and, on the same items and prefix ids,
-this pipeline's fixed-prefix splits (``prefill`` and ``prefix_cached`` against ``incremental``), with Wilson
-intervals; then per item whether the pipeline's ``prefill`` splits where the engine's does.
+"""The report's section on a serving engine's replays (engines: [llama_cpp]).
 
-Reads the engine's ledger rows (results/<run>/<revision>/engine_llama_cpp.parquet, the ledger's columns) and the
-revision's ledger; imports no engine code.
+Two families of rows, told apart by their ``stage_source`` column:
+
+- ``engine``: llama.cpp's own stage. ``live`` is llama.cpp's greedy generation of the stage and the state it
+  retained; ``incremental``, ``prefill``, ``prompt_cache`` and ``chunked`` rebuild that state from llama.cpp's own
+  ids. Their splits against ``live`` answer a llama.cpp user's question: cut llama.cpp's trajectory at the stage,
+  prefill it again in llama.cpp, is the continuation llama.cpp's? ``live`` against ``incremental`` (the same
+  forwards over the same ids) checks the schedule: their caches should be byte-identical.
+- ``reference``: this pipeline's stage ids (the reference precision's). ``incremental`` is the reference there, not
+  ``live``: no engine generated these ids. Their splits are set beside this pipeline's own ``prefill`` and
+  ``prefix_cached`` against ``incremental`` on the same items and ids, and per item in a cross-table whose base
+  rates (both marginals, the count expected under independence, the odds ratio with Fisher's exact test) say whether
+  the two split on the same items more often than chance would.
+
+Also counted: the items on which llama.cpp's own stage differs from the pipeline's (or one of them missed the
+boundary). Reads the engine's ledger rows (results/<run>/<revision>/engine_llama_cpp.parquet) and the revision's
+ledger; imports no engine code.
 """
 
 from __future__ import annotations
@@ -13,14 +24,19 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
+from stagereplay.analysis.cross_table import cross_table, odds_ratio_text
 from stagereplay.analysis.report_format import table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
 
 ENGINE_KIND = "engine_llama_cpp"
 AUDIT_KIND = "engine_llama_cpp_audit"
-REFERENCE = "live"  # the engine's token-by-token schedule: its own generation's cache
+# (stage_source, its reference construction, words for a table)
+FAMILIES = (("engine", "live", "llama.cpp, its own stage"), ("reference", "incremental", "llama.cpp, reference ids"))
 PIPELINE_PAIRS = (("incremental", "prefill"), ("incremental", "prefix_cached"))
-CROSSED = ("prefill", "prefill")  # (engine construction, pipeline construction) set side by side per item
+CROSSED = ("incremental", "prefill")  # the pair set side by side per item, on both sides, over the same ids
+STAGE_COLUMNS = (("same", "same stage ids"), ("differs", "stage ids differ"),
+                 ("engine_missing", "llama.cpp missed the boundary"),
+                 ("reference_missing", "pipeline missed the boundary"), ("both_missing", "both missed"))
 
 
 def table(columns: list[str], rows: list[list]) -> list[str]:
@@ -34,95 +50,161 @@ def _interval(cell: dict) -> str:
             f"[{100 * cell['wilson_low']:.1f}%, {100 * cell['wilson_high']:.1f}%])")
 
 
-def _split_items(frame: pd.DataFrame, experiment: str, a: str, b: str, precision: str) -> dict[int, bool]:
-    pairs = analysis.pair_table(frame, experiment, a, b)
+def family(engine: pd.DataFrame, source: str) -> pd.DataFrame:
+    """The rows over ``source``'s stage ids."""
+    return engine[engine["stage_source"] == source]
+
+
+def _split_items(frame: pd.DataFrame, a: str, b: str, precision: str) -> dict[int, bool]:
+    if frame.empty:
+        return {}
+    pairs = analysis.pair_table(frame, frame["experiment"].iloc[0], a, b)
     pairs = pairs[pairs["precision"] == precision]
     return {int(r.item_index): bool(r.disagree) for r in pairs.itertuples(index=False)}
 
 
+def _fixed_prefix(ledger: pd.DataFrame | None, items: set[int]) -> pd.DataFrame:
+    if ledger is None:
+        return pd.DataFrame(columns=["experiment", "construction", "precision", "item_index"])
+    fixed = ledger[ledger["experiment"] == "fixed_prefix"]
+    return fixed[fixed["item_index"].astype(int).isin(items)]
+
+
 def split_counts(engine: pd.DataFrame, ledger: pd.DataFrame | None) -> pd.DataFrame:
-    """One row per (side, precision, construction pair): items whose suffix ids differ, of those compared, on the
-    engine's items only, with Wilson intervals."""
-    experiment = engine["experiment"].iloc[0]
-    items = set(engine["item_index"].astype(int))
+    """One row per (side, precision, construction pair): items whose suffix ids differ, of those compared, with
+    Wilson intervals. llama.cpp's families against their own reference (``live``, ``incremental``); this
+    pipeline's fixed-prefix pairs on the items of the engine's reference-ids rows."""
     rows = []
-    for precision in analysis.sort_precisions(engine["precision"]):
-        for other in sorted(set(engine["construction"]) - {REFERENCE}):
-            split = _split_items(engine, experiment, REFERENCE, other, precision)
-            rows.append({"side": "llama.cpp", "precision": precision, "construction_a": REFERENCE,
-                         "construction_b": other, **stats.proportion(sum(split.values()), len(split))})
-    fixed = None if ledger is None else ledger[ledger["experiment"] == "fixed_prefix"]
-    if fixed is not None and not fixed.empty:
-        fixed = fixed[fixed["item_index"].astype(int).isin(items)]
-        for precision in analysis.sort_precisions(fixed["precision"]):
-            for a, b in PIPELINE_PAIRS:
-                if not {a, b} <= set(fixed["construction"]):
-                    continue
-                split = _split_items(fixed, "fixed_prefix", a, b, precision)
+    for source, reference, side in FAMILIES:
+        rows_of = family(engine, source)
+        for precision in analysis.sort_precisions(rows_of["precision"]):
+            for other in sorted(set(rows_of["construction"]) - {reference}):
+                split = _split_items(rows_of, reference, other, precision)
+                rows.append({"side": side, "precision": precision, "construction_a": reference,
+                             "construction_b": other, **stats.proportion(sum(split.values()), len(split))})
+    fixed = _fixed_prefix(ledger, set(family(engine, "reference")["item_index"].astype(int)))
+    for precision in analysis.sort_precisions(fixed["precision"]):
+        for a, b in PIPELINE_PAIRS:
+            if {a, b} <= set(fixed["construction"]):
+                split = _split_items(fixed, a, b, precision)
                 rows.append({"side": "stagereplay", "precision": precision, "construction_a": a,
                              "construction_b": b, **stats.proportion(sum(split.values()), len(split))})
     return pd.DataFrame(rows)
 
 
-def crossed(engine: pd.DataFrame, ledger: pd.DataFrame | None) -> pd.DataFrame:
-    """Per (engine KV type, pipeline precision): items where the engine's live-vs-prefill splits, and of those how
-    many the pipeline's incremental-vs-prefill splits too; both ways round."""
-    if ledger is None:
-        return pd.DataFrame()
-    experiment = engine["experiment"].iloc[0]
-    fixed = ledger[ledger["experiment"] == "fixed_prefix"]
+def stage_agreement(engine: pd.DataFrame) -> pd.DataFrame:
+    """Per KV type: items by how llama.cpp's own stage compares with the pipeline's (``stage_comparison`` of the
+    own stage's ``live`` replica 1)."""
+    live = family(engine, "engine")
+    live = live[(live["construction"] == "live") & (live["replica"] == 1)]
     rows = []
-    for kv in analysis.sort_precisions(engine["precision"]):
-        theirs = _split_items(engine, experiment, REFERENCE, CROSSED[0], kv)
-        for precision in analysis.sort_precisions(fixed["precision"]):
-            ours = _split_items(fixed, "fixed_prefix", "incremental", CROSSED[1], precision)
-            common = sorted(set(theirs) & set(ours))
-            both = sum(theirs[i] and ours[i] for i in common)
-            engine_splits = sum(theirs[i] for i in common)
-            ours_splits = sum(ours[i] for i in common)
-            rows.append({"engine_precision": kv, "precision": precision, "n": len(common),
-                         "engine_splits": engine_splits, "pipeline_splits": ours_splits, "both": both,
-                         "neither": sum(not theirs[i] and not ours[i] for i in common),
-                         "pipeline_given_engine": stats.proportion(both, engine_splits)})
+    for precision in analysis.sort_precisions(live["precision"]):
+        counts = live[live["precision"] == precision]["stage_comparison"].value_counts()
+        rows.append({"precision": precision, "items": int(counts.sum()),
+                     **{key: int(counts.get(key, 0)) for key, _ in STAGE_COLUMNS}})
     return pd.DataFrame(rows)
+
+
+def schedule_check(engine: pd.DataFrame) -> pd.DataFrame:
+    """Per KV type, on llama.cpp's own stage: items whose ``live`` and ``incremental`` boundary caches are
+    byte-identical (the same forwards over the same ids), of those with both."""
+    own = family(engine, "engine")
+    own = own[(own["replica"] == 1) & (own["status"] == "ok")]
+    rows = []
+    for precision in analysis.sort_precisions(own["precision"]):
+        at = own[own["precision"] == precision]
+        fp = at.pivot_table(index="item_index", columns="construction", values="cache_fingerprint", aggfunc="first")
+        if not {"live", "incremental"} <= set(fp.columns):
+            continue
+        fp = fp.dropna(subset=["live", "incremental"])
+        rows.append({"precision": precision, "n": len(fp), "identical": int((fp["live"] == fp["incremental"]).sum())})
+    return pd.DataFrame(rows, columns=["precision", "n", "identical"])
+
+
+def crossed(engine: pd.DataFrame, ledger: pd.DataFrame | None) -> pd.DataFrame:
+    """Per (engine KV type, pipeline precision), on the same items and reference ids: where llama.cpp's
+    ``prefill`` splits from its ``incremental`` (A) and where this pipeline's does (B), as a cross-table with both
+    marginals, the count expected under independence, the odds ratio and Fisher's exact test."""
+    theirs_rows = family(engine, "reference")
+    fixed = _fixed_prefix(ledger, set(theirs_rows["item_index"].astype(int)))
+    if theirs_rows.empty or fixed.empty or not set(CROSSED) <= set(fixed["construction"]):
+        return pd.DataFrame()
+    rows = []
+    for kv in analysis.sort_precisions(theirs_rows["precision"]):
+        theirs = _split_items(theirs_rows, *CROSSED, kv)
+        for precision in analysis.sort_precisions(fixed["precision"]):
+            cell = cross_table(theirs, _split_items(fixed, *CROSSED, precision))
+            rows.append({"engine_precision": kv, "precision": precision, **cell})
+    return pd.DataFrame(rows)
+
+
+def _header(first) -> list[str]:
+    return [f"llama.cpp through llama-cpp-python {first['binding_version']} (llama.cpp "
+            f"`{first['llama_cpp_commit']}`, ggml {first['ggml_version']}), n_ctx {first['n_ctx']}, n_batch "
+            f"{first['n_batch']}, n_ubatch {first['n_ubatch']} (no forward is longer: a longer one is refused, not "
+            f"split), {first['n_threads']} thread(s), {first['n_gpu_layers']} layer(s) offloaded, flash attention "
+            f"{'on' if first['flash_attn'] else 'off'}, chunk {first['chunk_size']}; built with "
+            f"`{first['system_info']}`. Its precision is the KV cache type (weights and activations are the GGUF's "
+            "and llama.cpp's). Over its own stage, `live` is llama.cpp's own greedy generation and the state it "
+            "retained, and the other constructions rebuild that state from llama.cpp's ids; over this pipeline's "
+            "stage ids (the reference precision's), `incremental` is the reference.", ""]
+
+
+def _stage_lines(engine: pd.DataFrame) -> tuple[list[str], pd.DataFrame]:
+    agreement = stage_agreement(engine)
+    if agreement.empty:
+        return [], agreement
+    lines = ["", "llama.cpp's own stage against this pipeline's (the reference precision's generation, the same "
+             "prompts, boundary rule and budget), per item:", ""]
+    lines += table(["llama.cpp KV", "items", *[words for _, words in STAGE_COLUMNS]],
+                   [[r["precision"], r["items"], *[r[key] for key, _ in STAGE_COLUMNS]]
+                    for r in agreement.to_dict("records")])
+    schedule = schedule_check(engine)
+    if not schedule.empty:
+        lines += ["", "On llama.cpp's own stage, `live` and `incremental` boundary caches byte-identical: " + ", ".join(
+            f"{r.precision} {r.identical} / {r.n}" for r in schedule.itertuples(index=False)) + "."]
+    return lines, agreement
+
+
+def _cross_lines(cross: pd.DataFrame) -> list[str]:
+    if cross.empty:
+        return []
+    lines = ["", "Where llama.cpp's `prefill` splits from its `incremental` (A), does this pipeline's `prefill` split "
+             "from `incremental` (B), on the same items and stage ids? Both marginals, the items on which both "
+             "would split were A and B independent, and Fisher's exact test:", ""]
+    return lines + table(
+        ["llama.cpp KV", "stagereplay precision", "items", "A splits", "B splits", "both", "both if independent",
+         "neither", "odds ratio", "Fisher p"],
+        [[r["engine_precision"], r["precision"], r["n"], r["a_splits"], r["b_splits"], r["both"],
+          "-" if r["expected_both"] is None else f"{r['expected_both']:.2f}", r["neither"], odds_ratio_text(r),
+          "-" if r["fisher_p"] is None else f"{r['fisher_p']:.3g}"] for r in cross.to_dict("records")])
 
 
 def engine_section(data: RevisionData) -> tuple[list[str], dict]:
     engine = data.frame(ENGINE_KIND)
     if engine is None or engine.empty:
-        return ["The engine replayed no item (no prefix reached the boundary at the reference precision).", ""], {
-            "n_rows": 0}
+        return ["The engine replayed no item (no prompt at the reference precision).", ""], {"n_rows": 0}
     ledger = data.ledger if data.has("ledger") else None
-    first = engine.iloc[0]
-    lines = [f"llama.cpp through llama-cpp-python {first['binding_version']} (llama.cpp "
-             f"`{first['llama_cpp_commit']}`, ggml {first['ggml_version']}), n_ctx {first['n_ctx']}, n_batch "
-             f"{first['n_batch']}, n_ubatch {first['n_ubatch']}, {first['n_threads']} thread(s), "
-             f"{first['n_gpu_layers']} layer(s) offloaded, flash attention {'on' if first['flash_attn'] else 'off'}, "
-             f"chunk {first['chunk_size']}; built with `{first['system_info']}`. It replays the reference precision's "
-             "prefix ids; its precision is the KV cache type (weights and activations are the GGUF's and "
-             "llama.cpp's). `live` is its token-by-token schedule over the stage ids.", ""]
+    lines = _header(engine.iloc[0])
+    stage_lines, agreement = _stage_lines(engine)
+    lines += stage_lines
     replicas = analysis.replica_agreement(engine)
-    lines += ["Replicas bit-identical (token ids, margins' float32 bytes checked when written; suffix and cache "
-              "fingerprints here):", ""]
-    lines += table(["precision", "construction", "identical / items"],
-                   [[r.precision, f"`{r.construction}`", f"{r.identical} / {r.n}"]
+    sources = dict(zip(engine["experiment"], engine["stage_source"]))
+    lines += ["", "Replicas bit-identical (stage and suffix ids, margins' float32 bytes checked when written; stage "
+              "ids, suffix and cache fingerprints here):", ""]
+    lines += table(["stage ids", "precision", "construction", "identical / items"],
+                   [[sources[r.experiment], r.precision, f"`{r.construction}`", f"{r.identical} / {r.n}"]
                     for r in replicas.itertuples(index=False)])
     counts = split_counts(engine, ledger)
-    lines += ["", "Items whose suffix differs from the reference construction's, on the same items and prefix ids:",
-              ""]
+    lines += ["", "Items whose suffix differs from the reference construction's (llama.cpp's own stage: `live`; the "
+              "reference ids: `incremental`):", ""]
     lines += table(["side", "precision", "pair", "split"],
                    [[r["side"], r["precision"], f"`{r['construction_a']}` vs `{r['construction_b']}`", _interval(r)]
                     for r in counts.to_dict("records")])
     cross = crossed(engine, ledger)
-    if not cross.empty:
-        lines += ["", "Where llama.cpp's `prefill` splits from its `live`, does this pipeline's `prefill` split from "
-                  "`incremental` too (same items)?", ""]
-        lines += table(["llama.cpp KV", "stagereplay precision", "items", "llama.cpp splits", "stagereplay splits",
-                        "both", "neither", "stagereplay splits where llama.cpp does"],
-                       [[r["engine_precision"], r["precision"], r["n"], r["engine_splits"], r["pipeline_splits"],
-                         r["both"], r["neither"], _interval(r["pipeline_given_engine"])]
-                        for r in cross.to_dict("records")])
-    numbers = {"n_rows": len(engine), "replicas": replicas.to_dict("records"),
+    lines += _cross_lines(cross)
+    numbers = {"n_rows": len(engine), "stage_agreement": agreement.to_dict("records"),
+               "schedule_check": schedule_check(engine).to_dict("records"), "replicas": replicas.to_dict("records"),
                "splits": counts.to_dict("records"), "crossed": cross.to_dict("records")}
     audit = data.frame(AUDIT_KIND) if data.has(AUDIT_KIND) else None
     if audit is not None:

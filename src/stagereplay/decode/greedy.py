@@ -79,6 +79,17 @@ class BoundaryMatcher:
         return text.count(self.text) >= self.occurrence > before.count(self.text)
 
 
+def stage_end(matcher: BoundaryMatcher, generated: list[int], max_stage_tokens: int, eos: bool) -> str | None:
+    """Where a greedy stage stands after its last id: ``"boundary"`` when that id completes the marker's occurrence,
+    ``"boundary_missing"`` when ``max_stage_tokens`` ids are spent or the id ends generation (``eos``) first, else
+    None (go on). The one stage rule of every decoder that generates a stage: this loop, the llama.cpp engine."""
+    if matcher.reached(generated):
+        return "boundary"
+    if len(generated) >= max_stage_tokens or eos:
+        return "boundary_missing"
+    return None
+
+
 @dataclass(frozen=True)
 class CacheBuild:
     """How a construction builds a row's boundary cache from its ids: forwards of ``segments(prompt_len, n_cached)``
@@ -305,7 +316,9 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
             TOKENS.total += 1
             row.margins.append(float(margin[r]))
             if row.boundary_at is None:
-                if (teacher and len(row.generated) == len(row.forced)) or (not teacher and matcher.reached(row.generated)):
+                ended = None if teacher else stage_end(matcher, row.generated, max_stage_tokens,
+                                                       token in decoder.eos_ids)
+                if (teacher and len(row.generated) == len(row.forced)) or ended == "boundary":
                     row.boundary_at = len(row.generated) - 1
                     end = decoder.pad(batch, r) + len(prompts[r]) + row.boundary_at  # the pending token's position
                     if built is not None:  # the construction's cache replaces the schedule's own
@@ -318,7 +331,7 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                     changed = changed or changes_cache
                     if not max_new_tokens:  # the boundary cache was all that was asked for
                         row.done = "max_new_tokens"
-                elif not teacher and (len(row.generated) >= max_stage_tokens or token in decoder.eos_ids):
+                elif ended == "boundary_missing":
                     row.done = "boundary_missing"
                     continue
             elif token in decoder.eos_ids:

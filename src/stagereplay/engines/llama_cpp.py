@@ -1,25 +1,36 @@
 """The llama.cpp engine: a GGUF file's boundary state built by llama.cpp itself (through ``llama-cpp-python``, the
-optional extra ``engines``) in each of four constructions, continued greedily, with replicas that must be exact.
+optional extra ``engines``) in each of five constructions, continued greedily, with replicas that must be exact.
 
-The constructions run the forwards of the pipeline's own constructions (:mod:`stagereplay.experiments.constructions`)
-over the same ids, each forward one ``llama_decode`` call:
+Two kinds of stage ids (the ledger's ``stage_source``):
 
-- ``live``: the prompt in one batch, then the stage one token per call: the cache llama.cpp's own generation of these
-  ids holds (the pipeline's ``incremental`` schedule; the ids are the fixed prefix's, not the engine's choices).
-- ``prefill``: every boundary-cache id in one batch, in a cleared context.
-- ``prompt_cache``: the prompt in one batch, the context's state saved (``save_state``), the context cleared and the
-  state restored (``load_state``), then the stage in one batch: a server's prompt cache.
+- ``engine``: llama.cpp's own stage. ``live`` generates it: the prompt in one call, then greedy (argmax, lowest id on
+  ties) one token per call until the boundary, with the pipeline's own stage rule and budget
+  (:func:`stagereplay.decode.greedy.stage_end`, the config's ``boundary`` and ``max_stage_tokens``); its boundary
+  state is the context that generation leaves, continued in place. The other constructions rebuild the state from
+  those ids: what a llama.cpp user gets who cuts llama.cpp's trajectory at the stage and prefills it again.
+- ``reference``: the pipeline's stage ids (its generation at the reference precision). There is no ``live`` on them:
+  ``incremental`` (the same forwards as ``live``, teacher-forced) is the reference, for the cross-engine table.
+
+The constructions run the forwards of the pipeline's own constructions (:mod:`stagereplay.experiments.constructions`),
+each forward one ``llama_decode`` call:
+
+- ``live``: llama.cpp's own generation (above); its forwards are ``incremental``'s, over ids it chose itself.
+- ``incremental``: the prompt in one call, then the given stage ids one per call.
+- ``prefill``: every boundary-cache id in one call, in a cleared context.
+- ``prompt_cache``: the prompt in one call, the context's state saved (``save_state``), the context cleared and the
+  state restored (``load_state``), then the stage in one call: a server's prompt cache.
 - ``chunked``: every boundary-cache id in pieces of ``chunk_size`` tokens, one call each: a server's ``n_batch``.
+
+A call longer than the context's effective ``n_ubatch`` (``llama_n_ubatch``) would be split by llama.cpp into several
+compute graphs: it is refused (:class:`ForwardTooLongError`), so a ``prefill`` is one graph or is not run.
 
 The boundary state is the pipeline's (docs/STUDY.md): the cache over the prefix but its last token, which is fed as
 the first suffix step. Every suffix step is one single-token call whose last-position logits (float32, llama.cpp's
-own) give the greedy id (lowest index on ties) and the top-2 margin. The KV cache type (``f16`` or ``f32``) is the
-precision factor: the ledger's ``precision`` is ``kv_f16`` or ``kv_f32``; weights and activations are the GGUF's and
-llama.cpp's own.
+own) give the greedy id and the top-2 margin. The KV cache type (``f16`` or ``f32``) is the precision factor: the
+ledger's ``precision`` is ``kv_f16`` or ``kv_f32``; weights and activations are the GGUF's and llama.cpp's own.
 
-Fingerprints are of the sequence's state as llama.cpp writes it (``llama_state_seq_get_data``): the whole blob
-(cell positions and every layer's K and V bytes in the cache's type and cell layout), and each layer's K and V bytes.
-They compare engine rows with engine rows only; the pipeline's own fingerprints hash torch tensors.
+Fingerprints are of the sequence's state as llama.cpp writes it (:func:`state_fingerprints`). They compare engine
+rows with engine rows only; the pipeline's own fingerprints hash torch tensors.
 
 Knows nothing of items beyond the ledger row it fills, nothing of Snakemake and nothing of the report.
 """
@@ -28,27 +39,38 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from stagereplay.decode.greedy import RowResult
-from stagereplay.decode.plans import Batch
+from stagereplay.decode.greedy import BoundaryMatcher, RowResult, stage_end
+from stagereplay.engines.llama_cpp_binding import (  # noqa: F401 - the engine's errors and binding, named here too
+    BINDING,
+    BINDING_VERSION,
+    INSTALL,
+    EngineRefusedError,
+    EngineUnavailableError,
+    LogCapture,
+    ggml_string,
+    require_binding,
+    state_fingerprints,
+)
 from stagereplay.experiments import constructions as registry
-from stagereplay.experiments.recipe import ReplicaMismatchError
-from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings, ledger_row
+from stagereplay.experiments.rows import LEDGER_SCHEMA
 
 ENGINE = "llama_cpp"
-EXPERIMENT = "engine_llama_cpp"  # the ledger's experiment of every row made here
-BINDING = "llama-cpp-python"
-BINDING_VERSION = "0.3.36"  # the version the extra pins, and the one whose state layout the parser below reads
-INSTALL = 'pip install -e ".[engines]"'
 KV_TYPES = ("f16", "f32")
 DECODE_REGIME = "llama_cpp"  # the ledger's decode_regime: the engine's kernels are part of the construction
+# Whose stage ids a row's boundary state is built over, and the ledger's experiment of each: one experiment per
+# source keeps a row's key (item, precision, experiment, construction, replica) unique.
+STAGE_SOURCES = ("engine", "reference")
+EXPERIMENTS = {"engine": "llama_cpp_own_stage", "reference": "llama_cpp_reference_stage"}
+OWN_REFERENCE = "live"  # what each source's other constructions are compared with
+REFERENCE_REFERENCE = "incremental"
+# llama.cpp's own stage against the pipeline's, per item (the ledger's stage_comparison)
+STAGE_COMPARISONS = ("same", "differs", "engine_missing", "reference_missing", "both_missing")
 
 
 def precision_of(kv_type: str) -> str:
@@ -58,23 +80,32 @@ def precision_of(kv_type: str) -> str:
     return f"kv_{kv_type}"
 
 
+class ForwardTooLongError(ValueError):
+    """A construction's forward longer than the context's ``n_ubatch``: llama.cpp would split it."""
+
+
 @dataclass(frozen=True)
 class EngineConstruction:
     name: str
     label: str
     forwards_of: str  # the pipeline's construction whose forwards it runs
     restores_prompt: bool = False  # the prompt's state is saved and restored after the prompt's forward
+    generates: bool = False  # it generates its own stage (``live``): for the engine's own stage ids only
 
 
 CONSTRUCTIONS = {c.name: c for c in (
-    EngineConstruction("live", "llama.cpp token by token", "incremental"),
+    EngineConstruction("live", "llama.cpp's own greedy generation, its retained state", "incremental",
+                       generates=True),
+    EngineConstruction("incremental", "llama.cpp token by token over given ids", "incremental"),
     EngineConstruction("prefill", "llama.cpp one batch", "prefill"),
     EngineConstruction("prompt_cache", "llama.cpp prompt cache (save_state/load_state)", "prefix_cached", True),
     EngineConstruction("chunked", "llama.cpp chunked (n_batch pieces)", "chunked"),
 )}
 
-# Per row, beside the ledger's columns: the engine and the context that made it.
+# Per row, beside the ledger's columns: whose stage ids it used, and the engine and the context that made it.
 ENGINE_FIELDS = [
+    ("stage_source", pa.string()),  # engine: llama.cpp's own greedy stage; reference: the pipeline's stage ids
+    ("stage_comparison", pa.string()),  # llama.cpp's own stage vs the pipeline's (STAGE_COMPARISONS); null: not run
     ("engine", pa.string()),
     ("binding_version", pa.string()),  # llama-cpp-python
     ("llama_cpp_commit", pa.string()),  # the vendored llama.cpp's commit, as ggml_commit() reports it
@@ -82,8 +113,8 @@ ENGINE_FIELDS = [
     ("system_info", pa.string()),  # llama_print_system_info(): the backends and CPU features it was built with
     ("kv_type", pa.string()),
     ("n_ctx", pa.int32()),
-    ("n_batch", pa.int32()),
-    ("n_ubatch", pa.int32()),
+    ("n_batch", pa.int32()),  # the context's, as llama.cpp reports it (llama_n_batch)
+    ("n_ubatch", pa.int32()),  # the context's (llama_n_ubatch): no forward is longer
     ("n_threads", pa.int32()),
     ("n_gpu_layers", pa.int32()),  # offload: 0 none, -1 every layer
     ("flash_attn", pa.bool_()),
@@ -92,31 +123,34 @@ ENGINE_FIELDS = [
 ENGINE_LEDGER_SCHEMA = pa.schema([*LEDGER_SCHEMA, *ENGINE_FIELDS])
 
 
-class EngineUnavailableError(ImportError):
-    """The binding is not installed, or is a version without what the engine needs."""
+def get(name: str) -> EngineConstruction:
+    if name not in CONSTRUCTIONS:
+        raise ValueError(f"unknown llama.cpp construction {name!r}; known: {sorted(CONSTRUCTIONS)}")
+    return CONSTRUCTIONS[name]
 
 
-class EngineRefusedError(ValueError):
-    """llama.cpp refuses the file (an architecture it cannot run, a GGUF it cannot read) or exposes no logits."""
+def constructions_for(source: str, names) -> tuple[str, ...]:
+    """The constructions of ``names`` that run over ``source``'s stage ids (``live`` over the engine's own only)."""
+    if source not in STAGE_SOURCES:
+        raise ValueError(f"stage source {source!r}: known {list(STAGE_SOURCES)}")
+    return tuple(n for n in names if source == "engine" or not get(n).generates)
 
 
-def require_binding():
-    """The ``llama_cpp`` module, or an error naming the command that installs it."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise EngineUnavailableError(
-            f"the llama.cpp engine needs {BINDING}=={BINDING_VERSION}, which is not installed ({exc}); install it "
-            f"with {INSTALL} (it builds llama.cpp from source: 5 to 14 minutes on 2 CPU cores; with CUDA on a GPU "
-            'node: CMAKE_ARGS="-DGGML_CUDA=on" ' + INSTALL + "; docs/ENGINES.md)") from exc
-    needed = ("llama_get_logits_ith", "llama_state_seq_get_size", "llama_state_seq_get_data", "llama_memory_clear",
-              "llama_get_memory", "llama_vocab_is_eog", "llama_log_set")
-    missing = [name for name in needed if not hasattr(llama_cpp, name)]
-    if missing:
-        raise EngineUnavailableError(
-            f"{BINDING} {getattr(llama_cpp, '__version__', '?')} lacks {missing}; the engine needs "
-            f"{BINDING}=={BINDING_VERSION}: {INSTALL}")
-    return llama_cpp
+def forward_sizes(construction: str, prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
+    """Tokens per ``llama_decode`` call of the construction's boundary cache (``n_cached`` stage ids beyond the
+    prompt; ``live`` generates them one per call, as ``incremental`` feeds them)."""
+    return list(registry.get(get(construction).forwards_of).segments(prompt_len, n_cached, chunk_size))
+
+
+def compare_stages(own: list[int] | None, reference: list[int] | None) -> str:
+    """llama.cpp's own stage ids against the pipeline's (None or empty: that generation missed the boundary)."""
+    if not own and not reference:
+        return "both_missing"
+    if not own:
+        return "engine_missing"
+    if not reference:
+        return "reference_missing"
+    return "same" if list(own) == list(reference) else "differs"
 
 
 @dataclass(frozen=True)
@@ -126,11 +160,12 @@ class EngineSettings:
     kv_type: str = "f16"
     n_ctx: int = 1024
     n_batch: int | None = None  # None: n_ctx, so that a one-batch prefill is one call
-    n_ubatch: int | None = None  # None: n_batch, so that it is one ubatch too
+    n_ubatch: int | None = None  # None: n_batch, so that it is one compute graph too
     threads: int = 1
     n_gpu_layers: int = 0
     flash_attn: bool = False
     chunk_size: int = 16
+    main_gpu: int | None = None  # every offloaded layer on this GPU; None: llama.cpp's own split over all it sees
 
     def __post_init__(self):
         precision_of(self.kv_type)
@@ -151,103 +186,6 @@ class EngineSettings:
         return self.batch if self.n_ubatch is None else self.n_ubatch
 
 
-def _sha(data) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def state_fingerprints(blob: bytes) -> tuple[str, list[str], list[str]]:
-    """(sha256 of the whole sequence state, each layer's K bytes', each layer's V bytes') of what
-    ``llama_state_seq_get_data`` wrote for one sequence: magic, seq id, streams; per stream its cells (position,
-    sequence ids), then per layer K (type, row size, rows), then per layer V (rows, or by element when transposed).
-    Refuses a blob it does not read to its last byte (a llama.cpp of another layout)."""
-    view, at = memoryview(blob), 0
-
-    def take(fmt: str):
-        nonlocal at
-        values = struct.unpack_from("<" + fmt, view, at)
-        at += struct.calcsize("<" + fmt)
-        return values if len(values) > 1 else values[0]
-
-    def data(size: int) -> memoryview:
-        nonlocal at
-        if at + size > len(view):
-            raise EOFError
-        at += size
-        return view[at - size:at]
-
-    ks, vs = [], []
-    try:
-        take("I")  # the io magic
-        take("i")  # the sequence id
-        for _ in range(take("I")):  # streams
-            cells = take("I")
-            if not cells:
-                continue
-            if ks:
-                raise EngineRefusedError("the sequence's cells lie in more than one KV stream; the engine runs one")
-            for _ in range(cells):
-                take("i")  # position
-                data(4 * take("I"))  # its sequence ids
-            transposed, n_layers = take("II")
-            for _ in range(n_layers):
-                take("i")  # ggml type
-                ks.append(_sha(data(cells * take("Q"))))
-            for _ in range(n_layers):
-                take("i")
-                if transposed:
-                    element, width = take("II")
-                    vs.append(_sha(data(cells * element * width)))
-                else:
-                    vs.append(_sha(data(cells * take("Q"))))
-    except (struct.error, EOFError):
-        at = -1
-    if at != len(view):
-        raise EngineRefusedError(
-            f"llama.cpp's sequence state ({len(view)} bytes) is not in the layout this reader knows ({BINDING} "
-            f"{BINDING_VERSION}'s llama.cpp); install that version: {INSTALL}")
-    return _sha(view), ks, vs
-
-
-class _LogCapture:
-    """llama.cpp's log lines while loading a file: its reason for refusing one is logged, not raised."""
-
-    def __init__(self, llama_cpp):
-        self.lines: list[str] = []
-        self._lib = llama_cpp
-
-        @llama_cpp.llama_log_callback
-        def collect(level, text, user_data):
-            self.lines.append(text.decode("utf-8", "replace"))
-
-        self._callback = collect  # kept alive while llama.cpp holds it
-
-    def __enter__(self):
-        self._lib.llama_log_set(self._callback, ctypes.c_void_p(0))
-        return self
-
-    def __exit__(self, *exc):
-        from llama_cpp import _logger  # the binding's own callback, which it sets on import
-
-        self._lib.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-
-    def errors(self) -> str:
-        lines = [line.strip() for line in "".join(self.lines).splitlines()]
-        wanted = [line for line in lines if any(w in line.lower() for w in ("error", "failed"))]
-        return "; ".join(wanted[-4:]) or "(llama.cpp logged no reason)"
-
-
-def _ggml_string(name: str) -> str:
-    """ggml's ``ggml_version()`` or ``ggml_commit()`` (the vendored llama.cpp's commit), read from its library."""
-    try:
-        from llama_cpp import _ggml
-
-        function = getattr(_ggml.libggml, name)
-        function.restype = ctypes.c_char_p
-        return function().decode()
-    except (ImportError, AttributeError, OSError):
-        return "unknown"
-
-
 class LlamaCppEngine:
     """One GGUF file in one llama.cpp context (:class:`EngineSettings`). Use as a context manager, or ``close()``."""
 
@@ -257,15 +195,21 @@ class LlamaCppEngine:
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[settings.kv_type]
-        with _LogCapture(llama_cpp) as log:
+        placement = {} if settings.main_gpu is None else {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE,
+                                                           "main_gpu": settings.main_gpu}
+        with LogCapture(llama_cpp) as log:
             try:
                 self.llm = llama_cpp.Llama(
                     str(self.path), n_ctx=settings.n_ctx, n_batch=settings.batch, n_ubatch=settings.ubatch,
                     n_threads=settings.threads, n_threads_batch=settings.threads, n_gpu_layers=settings.n_gpu_layers,
-                    flash_attn=settings.flash_attn, type_k=kv, type_v=kv, logits_all=False, verbose=False)
+                    flash_attn=settings.flash_attn, type_k=kv, type_v=kv, logits_all=False, verbose=False,
+                    **placement)
             except (ValueError, RuntimeError) as exc:
                 raise EngineRefusedError(self._refusal(log.errors(), exc)) from exc
         self.n_vocab = self.llm.n_vocab()
+        # the context's own limits, which llama.cpp may set otherwise than asked: every check below reads these
+        self.n_batch = int(llama_cpp.llama_n_batch(self.llm.ctx))
+        self.n_ubatch = int(llama_cpp.llama_n_ubatch(self.llm.ctx))
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._probe()
 
@@ -275,7 +219,7 @@ class LlamaCppEngine:
             from stagereplay.models.gguf_files import gguf_architecture
 
             architecture = gguf_architecture(self.path)
-        return (f"llama.cpp ({BINDING} {self._lib.__version__}, llama.cpp {_ggml_string('ggml_commit')}) "
+        return (f"llama.cpp ({BINDING} {self._lib.__version__}, llama.cpp {ggml_string('ggml_commit')}) "
                 f"refuses {self.path} (general.architecture {architecture!r}): {reason} [{exc}]. llama.cpp must run "
                 "the file's architecture and find every tensor it needs, in a type it reads")
 
@@ -301,12 +245,12 @@ class LlamaCppEngine:
         """What every row records of the engine and its context."""
         s = self.settings
         return {"engine": ENGINE, "binding_version": self._lib.__version__,
-                "llama_cpp_commit": _ggml_string("ggml_commit"),
-                "ggml_version": _ggml_string("ggml_version"),
+                "llama_cpp_commit": ggml_string("ggml_commit"),
+                "ggml_version": ggml_string("ggml_version"),
                 "system_info": self._lib.llama_print_system_info().decode("utf-8", "replace").strip(),
-                "kv_type": s.kv_type, "n_ctx": self.llm.n_ctx(), "n_batch": s.batch, "n_ubatch": s.ubatch,
-                "n_threads": s.threads, "n_gpu_layers": s.n_gpu_layers, "flash_attn": s.flash_attn,
-                "chunk_size": s.chunk_size}
+                "kv_type": s.kv_type, "n_ctx": self.llm.n_ctx(), "n_batch": self.n_batch,
+                "n_ubatch": self.n_ubatch, "n_threads": s.threads, "n_gpu_layers": s.n_gpu_layers,
+                "flash_attn": s.flash_attn, "chunk_size": s.chunk_size}
 
     def _clear(self) -> None:
         """An empty context: no cells, and the cache buffers zeroed, as a fresh context's."""
@@ -314,10 +258,26 @@ class LlamaCppEngine:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self.llm.ctx), True)
 
     def _eval(self, ids: list[int]) -> None:
-        if len(ids) > self.settings.batch:
-            raise ValueError(f"a forward of {len(ids)} tokens exceeds n_batch {self.settings.batch}: llama.cpp "
-                             "would split it; raise llama_cpp.n_batch")
+        self.check_forward(len(ids), "a forward")
         self.llm.eval(ids)
+
+    def check_forward(self, size: int, what: str) -> None:
+        """Refuse a forward that llama.cpp would split: the binding cuts a call longer than ``n_batch`` into
+        calls, and ``llama_decode`` a call longer than ``n_ubatch`` into compute graphs, so that a ``prefill``
+        would silently be a chunked one."""
+        limit = min(self.n_batch, self.n_ubatch)
+        if size > limit:
+            raise ForwardTooLongError(
+                f"{what} of {size} tokens is longer than this llama.cpp context's n_ubatch {self.n_ubatch} (n_batch "
+                f"{self.n_batch}): llama.cpp would split it into pieces of at most {limit}, so it would not be one "
+                f"forward. Raise llama_cpp.n_ubatch and llama_cpp.n_batch to at least {size} (or leave both null: "
+                "the context's size)")
+
+    def longest_forward(self, constructions, prompt_len: int, n_cached: int) -> tuple[int, str]:
+        """The longest forward of the constructions' boundary caches over ``n_cached`` stage ids, and whose it is:
+        what :meth:`check_forward` must allow, for a check before any work."""
+        return max((max(forward_sizes(name, prompt_len, n_cached, self.settings.chunk_size), default=0), name)
+                   for name in constructions)
 
     def _logits(self) -> np.ndarray:
         pointer = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
@@ -339,7 +299,7 @@ class LlamaCppEngine:
         """The boundary cache of ``construction``: every prefix id but the last, in the construction's forwards."""
         c = get(construction)
         ids = list(prompt_ids) + list(stage_ids[:-1])
-        sizes = registry.get(c.forwards_of).segments(len(prompt_ids), len(stage_ids) - 1, self.settings.chunk_size)
+        sizes = forward_sizes(construction, len(prompt_ids), len(stage_ids) - 1, self.settings.chunk_size)
         self._clear()
         start = 0
         for i, size in enumerate(sizes):
@@ -356,13 +316,45 @@ class LlamaCppEngine:
 
     def replay(self, construction: str, prompt_ids: list[int], stage_ids: list[int],
                max_new_tokens: int) -> RowResult:
-        """One run from scratch: build, fingerprint the boundary cache, continue greedily from the pending token."""
+        """One run from scratch over given stage ids: build, fingerprint the boundary cache, continue greedily from
+        the pending token."""
+        if get(construction).generates:
+            raise ValueError("live generates its own stage: use generate(), not replay() over given ids")
         if not stage_ids:
             raise ValueError("a replay needs the stage's ids, the boundary token last")
-        if len(prompt_ids) + len(stage_ids) + max_new_tokens > self.llm.n_ctx():
-            raise ValueError(f"{len(prompt_ids)} prompt + {len(stage_ids)} stage + {max_new_tokens} suffix tokens "
-                             f"exceed llama_cpp.n_ctx {self.llm.n_ctx()}")
+        self._check_context(len(prompt_ids), len(stage_ids), max_new_tokens)
         self.build(construction, prompt_ids, stage_ids)
+        return self._continue(prompt_ids, list(stage_ids), max_new_tokens)
+
+    def generate(self, prompt_ids: list[int], matcher: BoundaryMatcher, max_stage_tokens: int,
+                 max_new_tokens: int) -> RowResult:
+        """``live``, from scratch: the prompt in one call, then llama.cpp's own greedy ids one per call until
+        :func:`stage_end` finds the boundary; the context it leaves (the boundary id chosen, not yet fed) is the
+        boundary state, fingerprinted and continued in place. Without a boundary: no state, the ids generated."""
+        self._check_context(len(prompt_ids), max_stage_tokens, max_new_tokens)
+        self._clear()
+        self._eval(list(prompt_ids))
+        generated: list[int] = []
+        while True:
+            logits = self._logits()
+            if not np.isfinite(logits).all():
+                return RowResult([], generated, [], "nonfinite")
+            token = int(np.argmax(logits))  # lowest index on ties
+            generated.append(token)
+            ended = stage_end(matcher, generated, max_stage_tokens, self.is_eog(token))
+            if ended == "boundary":
+                return self._continue(prompt_ids, generated, max_new_tokens)
+            if ended == "boundary_missing":
+                return RowResult([], generated, [], "boundary_missing")
+            self._eval([token])
+
+    def _check_context(self, prompt_len: int, stage_len: int, max_new_tokens: int) -> None:
+        if prompt_len + stage_len + max_new_tokens > self.llm.n_ctx():
+            raise ValueError(f"{prompt_len} prompt + {stage_len} stage + {max_new_tokens} suffix tokens exceed "
+                             f"llama_cpp.n_ctx {self.llm.n_ctx()}")
+
+    def _continue(self, prompt_ids: list[int], stage_ids: list[int], max_new_tokens: int) -> RowResult:
+        """The boundary state in the context now (every prefix id but the last): fingerprinted, then continued."""
         fingerprints = state_fingerprints(self.sequence_state())
         suffix, margins, stop = [], [], "max_new_tokens"
         token = stage_ids[-1]
@@ -381,57 +373,3 @@ class LlamaCppEngine:
                 break
         return RowResult(list(stage_ids), suffix, margins, stop, pad=0,
                          position=len(prompt_ids) + len(stage_ids) - 1, fingerprints=fingerprints)
-
-
-def get(name: str) -> EngineConstruction:
-    if name not in CONSTRUCTIONS:
-        raise ValueError(f"unknown llama.cpp construction {name!r}; known: {sorted(CONSTRUCTIONS)}")
-    return CONSTRUCTIONS[name]
-
-
-def replica_difference(a: RowResult, b: RowResult) -> str | None:
-    """What two runs of one row differ in (suffix ids, margins as float32 bytes, boundary cache, stop), or None."""
-    if a.suffix_ids != b.suffix_ids:
-        return "suffix_ids"
-    if np.asarray(a.margins, "<f4").tobytes() != np.asarray(b.margins, "<f4").tobytes():
-        return "margins"
-    if a.fingerprints != b.fingerprints:
-        layer = next((i for i, (x, y) in enumerate(zip(a.fingerprints[1], b.fingerprints[1])) if x != y), "?")
-        return f"cache_fingerprint (K differs from layer {layer})"
-    if a.stop_reason != b.stop_reason:
-        return "stop_reason"
-    return None
-
-
-class Detokenizer:
-    """llama.cpp's own detokenizer in the shape ledger rows decode with (``decode(ids) -> str``)."""
-
-    def __init__(self, engine: LlamaCppEngine):
-        self.engine = engine
-
-    def decode(self, ids) -> str:
-        return self.engine.llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
-
-
-def engine_rows(engine: LlamaCppEngine, item: dict, prompt_ids: list[int], stage_ids: list[int],
-                settings: RunSettings, constructions=tuple(CONSTRUCTIONS), replicas=(1, 2)) -> list[dict]:
-    """Ledger rows of one item for each construction, each replica a run from scratch, bit-identical to replica 1
-    or :class:`ReplicaMismatchError`. ``settings.precision`` must be the engine's KV type's."""
-    if settings.precision != precision_of(engine.settings.kv_type):
-        raise ValueError(f"settings.precision {settings.precision!r} is not the engine's "
-                         f"{precision_of(engine.settings.kv_type)!r}")
-    extra, decoder, rows = engine.provenance(), Detokenizer(engine), []
-    for name in constructions:
-        get(name)
-        runs = [engine.replay(name, prompt_ids, stage_ids, settings.max_new_tokens) for _ in replicas]
-        for replica, res in zip(replicas[1:], runs[1:]):
-            differs = replica_difference(runs[0], res)
-            if differs:
-                raise ReplicaMismatchError(
-                    f"item {item['item_id']!r}: llama.cpp {name} replicas {replicas[0]} and {replica} at "
-                    f"{settings.precision} differ in {differs}. Replicas must be bit-exact; the rows record the "
-                    "llama.cpp build (system_info) and context that did not make them so")
-        rows += [dict(ledger_row(item, settings, EXPERIMENT, name, replica, prompt_ids, res, decoder,
-                                 Batch(None, (item,)), 0), **extra)
-                 for replica, res in zip(replicas, runs)]
-    return rows

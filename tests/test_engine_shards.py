@@ -1,0 +1,151 @@
+"""The llama.cpp engine's replay and audit split by item shard (stagereplay.stages.engine; rules replay_on_llama_cpp,
+audit_llama_cpp and their gathers): each shard's rows are the whole run's rows of its items, byte for byte, the
+gathered file is the whole run's file, the shards' audits reproduce it, and the workflow plans one job per shard.
+Needs the extra ``engines``, as tests/test_engine_llama_cpp.py does."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pandas as pd
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+try:
+    import llama_cpp
+except ImportError as exc:  # pragma: no cover - which branch runs depends on the machine
+    WHY = f"llama-cpp-python is not installed ({exc}); install it with pip install -e '.[engines]' (docs/ENGINES.md)"
+    if os.environ.get("CI"):
+        pytest.fail(WHY, pytrace=False)
+    pytest.skip(WHY, allow_module_level=True)
+
+from gguf_fixture import write_tiny_gguf
+
+from stagereplay.engines import llama_cpp as engine
+from stagereplay.io.parquet import read_parquet, write_parquet
+from stagereplay.stages.engine import (
+    EngineReplaySettings,
+    audit_llama_cpp,
+    gather_engine_llama_cpp,
+    gather_engine_llama_cpp_audit,
+    replay_on_llama_cpp,
+)
+
+QUESTIONS = ("12+34", "52-46+33", "7-3", "90+1")
+STAGE = b"46-1-2-"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny GGUF, items and prefixes of QUESTIONS (item 2's reference generation missed the boundary), and a
+    boundary that llama.cpp's own stage reaches on some items: a token of item 0's own greedy run."""
+    folder = tmp_path_factory.mktemp("shards")
+    path = folder / "tiny.gguf"
+    write_tiny_gguf(path)
+    with engine.LlamaCppEngine(path, engine.EngineSettings(kv_type="f32", n_ctx=128)) as e:
+        prompts = [e.llm.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n".encode(),
+                                  add_bos=False, special=True) for q in QUESTIONS]
+        stage = e.llm.tokenize(STAGE, add_bos=False)
+        first = next(iter(e.llm.generate(prompts[0], temp=0.0, reset=True)))
+    items = pd.DataFrame([{"item_index": i, "item_id": f"item-{i}", "gold_answer": "46", "question": q,
+                           "source_row": i} for i, q in enumerate(QUESTIONS)])
+    write_parquet(items, folder / "items.parquet", {})
+    prefixes = pd.DataFrame([{"item_index": i, "item_id": f"item-{i}", "revision": "tiny", "precision": "bf16",
+                              "status": "boundary_missing" if i == 2 else "ok", "prompt_ids": p,
+                              "stage_ids": [] if i == 2 else stage, "prefix_fingerprint": "", "gold_answer": "46"}
+                             for i, p in enumerate(prompts)])
+    write_parquet(prefixes, folder / "prefixes.parquet", {})
+    return folder, path, {"token_id": int(first), "occurrence": 1}
+
+
+def table(path):
+    """A Parquet file's rows as Arrow holds them, without its provenance (which names the job)."""
+    return pq.read_table(path).replace_schema_metadata(None)
+
+
+def settings(path, boundary, **kw) -> EngineReplaySettings:
+    return EngineReplaySettings(model=str(path), revision="tiny.gguf", precision="bf16", max_new_tokens=6,
+                                boundary=boundary, max_stage_tokens=8, chunk_size=3, **kw)
+
+
+def test_each_shards_rows_are_the_whole_runs_rows_of_its_items_byte_for_byte(inputs):
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    whole = folder / "whole.parquet"
+    replay_on_llama_cpp(*paths, str(whole), settings(path, boundary))
+    parts = [folder / f"part_{s}.parquet" for s in range(3)]
+    for shard, part in enumerate(parts):
+        replay_on_llama_cpp(*paths, str(part), settings(path, boundary, shard=shard, n_shards=3))
+    expected = read_parquet(whole)
+    assert set(expected["stage_source"]) == {"engine", "reference"} and expected["item_index"].nunique() == 4
+    assert set(expected.loc[expected["item_index"] == 2, "stage_comparison"]) <= {"reference_missing", "both_missing"}
+    whole_table = table(whole)
+    for shard, part in enumerate(parts):
+        rows = table(part)
+        assert set(rows["item_index"].to_pylist()) == {i for i in range(4) if i % 3 == shard}
+        mine = whole_table.filter(pc.is_in(whole_table["item_index"], value_set=pc.unique(rows["item_index"])))
+        assert rows.equals(mine)  # every column's values: ids, margins, fingerprints, the context
+    gathered = folder / "gathered.parquet"
+    gather_engine_llama_cpp([str(p) for p in parts], str(gathered))
+    assert table(gathered).equals(whole_table)
+
+    # the shards' audits read the gathered file, each recomputing its items only
+    audits = [folder / f"audit_{s}.parquet" for s in range(3)]
+    for shard, audit in enumerate(audits):
+        audit_llama_cpp(*paths, str(gathered), str(audit), settings(path, boundary, shard=shard, n_shards=3))
+        assert set(read_parquet(audit)["item_index"]) == {i for i in range(4) if i % 3 == shard}
+    gather_engine_llama_cpp_audit([str(a) for a in audits], str(folder / "audit.parquet"))
+    audit = read_parquet(folder / "audit.parquet")
+    assert len(audit) == len(expected) and audit["reproduced"].all()
+
+
+def test_a_shard_outside_the_count_is_refused(inputs):
+    with pytest.raises(ValueError, match="shard 2 of 2: need 0 <= shard < n_shards"):
+        settings(inputs[1], inputs[2], shard=2, n_shards=2)
+
+
+def test_the_workflow_plans_one_replay_and_one_audit_job_per_engine_shard(inputs, tmp_path):
+    from workflow_runner import snakemake, tiny_config
+
+    tiny_config(tmp_path, model=str(inputs[1]), revisions=["tiny"], engines=["llama_cpp"],
+                llama_cpp={"shards": 3})
+    planned = snakemake(tmp_path, "-n", "--no-hooks").stdout
+    counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", planned, re.M)}
+    assert {k: counts.get(k) for k in ("replay_on_llama_cpp", "audit_llama_cpp", "gather_engine_llama_cpp",
+                                        "gather_engine_llama_cpp_audit")} == {
+        "replay_on_llama_cpp": 3, "audit_llama_cpp": 3, "gather_engine_llama_cpp": 1,
+        "gather_engine_llama_cpp_audit": 1}
+
+
+@pytest.mark.parametrize("script", ["gather_engine_llama_cpp", "gather_engine_llama_cpp_audit"])
+def test_the_gathers_import_no_model_stack(script):
+    from test_job_imports import SCRIPTS, heavy_after_import, script_imports
+
+    modules = script_imports(SCRIPTS / f"{script}.py")
+    assert modules and not heavy_after_import(modules)
+
+
+def test_side_by_side_jobs_each_claim_a_gpu_and_put_every_layer_on_it(inputs, tmp_path, monkeypatch):
+    """With layers offloaded and two GPUs seen, two jobs hold different GPUs (the pipeline's lock files), and each
+    context puts every layer on its own (split mode none), not across the GPU the other job holds."""
+    from stagereplay.stages import engine as stage
+
+    monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setattr(stage, "gpu_count", lambda: 2)
+    offloaded = settings(inputs[1], inputs[2], n_gpu_layers=-1)
+    with stage.claim_engine_gpu(offloaded) as one, stage.claim_engine_gpu(offloaded) as two:
+        assert {one.visible_index, two.visible_index} == {0, 1} and one.claimed and two.claimed
+    assert not stage.claim_engine_gpu(settings(inputs[1], inputs[2])).claimed  # no layer offloaded: no claim
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(llama_cpp, "Llama", record)
+    with pytest.raises(engine.EngineRefusedError):
+        engine.LlamaCppEngine(inputs[1], offloaded.engine_settings("f16", 128, main_gpu=1))
+    assert (seen["split_mode"], seen["main_gpu"]) == (llama_cpp.LLAMA_SPLIT_MODE_NONE, 1)
