@@ -272,8 +272,11 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
     lines[findings_at:findings_at] = findings_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
-    write_text_atomic(out_md, "\n".join(lines) + "\n")
-    if out_html:
-        write_text_atomic(out_html, render_report_html("\n".join(lines) + "\n", f"stagereplay report: run {run}"))
+    markdown = "\n".join(lines) + "\n"
+    # rendered first: a figure it cannot embed fails the report before any of its files is written
+    page = render_report_html(markdown, f"stagereplay report: run {run}", Path(out_md).parent) if out_html else None
+    write_text_atomic(out_md, markdown)
+    if page is not None:
+        write_text_atomic(out_html, page)
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return all_stats
