@@ -42,3 +42,10 @@ rule all:
     input:
         all_outputs(),
         engine_outputs(),
+
+
+# Where the run's report is, on the console at the end of a run.
+onsuccess:
+    location = report_location()
+    if location:
+        print(location)

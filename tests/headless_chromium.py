@@ -87,3 +87,26 @@ def find_chromium() -> tuple[str | None, dict, str]:
     if ctypes.util.find_library("nss3") is None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(folder / "lib"), env.get("LD_LIBRARY_PATH")]))
     return str(folder / "chromium"), env, how
+
+
+def launched_chromium():
+    """A generator for a pytest fixture: a launched headless Chromium (Playwright), closed after the last test. Where
+    none can be had the test skips saying what to install, except on CI (``CI`` set), where it fails."""
+    import pytest
+
+    def unavailable(message):
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+    executable, env, how = find_chromium()
+    if executable is None:
+        unavailable(f"{INSTALL_HINT} ({how})")
+    try:
+        from playwright import sync_api
+    except ImportError as exc:
+        unavailable(f"{INSTALL_HINT} ({exc})")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, env=env, args=["--no-sandbox"])
+        yield browser
+        browser.close()

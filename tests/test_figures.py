@@ -227,7 +227,9 @@ def test_figure_7_scales_to_its_shares_and_marks_no_cache_apart_from_zero(tables
     panel = fig.axes[0]
     assert any(p.get_hatch() == "////" for p in panel.patches)  # no cache: hatched under the transparent NaN cells
     assert images[0].get_cmap().get_bad()[3] == 0  # NaN cells are see-through, a share of 0 is not
-    assert "no cache there" in legend_labels(fig)
+    cells = (coverage["layer"].max() + 1) * (coverage["offset"].max() - coverage["offset"].min() + 1)
+    gaps = (coverage.groupby(["revision", "precision", "component"]).size() < cells).any()
+    assert ("no cache there" in legend_labels(fig)) == gaps  # named where a panel has a cell no cache reaches
 
 
 def test_figure_5_colour_bar_lies_below_a_single_panel(tables, drawn):
@@ -279,3 +281,15 @@ def test_layer_labels_read_alike_for_one_layer_and_a_band():
     assert analysis.transplant_label({"layer_set": "0-1", "component": "k"}) == "layers 0-1 · K"
     assert analysis.transplant_label({"layer_set": "all", "component": "kv", "positions": "stage"}) == \
         "layers all · KV · stage positions"
+
+
+def test_figure_7_names_the_hatching_only_where_a_cell_shows_it(drawn):
+    """Every item's cache reached every position drawn, yet the legend named a hatching ("no cache there") that
+    appeared nowhere."""
+    rows = [("primary", "bf16", component, layer, offset, 4, 1, 0.25)
+            for component in ("k", "v") for layer in range(2) for offset in range(-2, 3)]
+    columns = ["revision", "precision", "component", "layer", "offset", "n", "included", "share"]
+    whole = pd.DataFrame(rows, columns=columns)
+    assert "no cache there" not in legend_labels(drawn("fig7_minimal_transplant", whole))
+    gap = whole[~((whole["component"] == "v") & (whole["layer"] == 1) & (whole["offset"] == -2))]
+    assert "no cache there" in legend_labels(drawn("fig7_minimal_transplant", gap))

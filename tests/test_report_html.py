@@ -1,8 +1,14 @@
 """report.html: report.md's Markdown rendered as one page, every value of the report escaped, and every table cell
-escaped so that its table stays a table."""
+escaped so that its table stays a table; its figures embedded, so that it shows them also where `snakemake --report`
+shows it (a frame loaded from a data: URL), checked in a headless Chromium."""
 
+import base64
+import re
 from html.parser import HTMLParser
 
+import pytest
+
+from headless_chromium import launched_chromium
 from report_data import part_provenance, synthetic_ledger, write_with
 from stagereplay.analysis.report import build_report
 from stagereplay.analysis.report_format import table_head, table_row
@@ -24,16 +30,39 @@ A path `a_b_c/<script>` and _a note_, [items.html](items.html).
 """
 
 
-def test_the_report_markdown_becomes_html_and_values_stay_text():
-    page = render_report_html(MARKDOWN, "stagereplay report: run r<1>")
+# The smallest PNG: one transparent pixel.
+PIXEL = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII=")
+
+
+@pytest.fixture
+def figure_folder(tmp_path):
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures/fig1.png").write_bytes(PIXEL)
+    return tmp_path
+
+
+def test_the_report_markdown_becomes_html_and_values_stay_text(figure_folder):
+    page = render_report_html(MARKDOWN, "stagereplay report: run r<1>", figure_folder)
     assert "<h1>stagereplay report: run <code>r&lt;1&gt;</code></h1>" in page
     assert "<blockquote><p><strong>AUDIT FAILED.</strong> Revision <code>primary</code>: 2 rows.</p></blockquote>" \
         in page
     assert ("<table><thead><tr><th>claim</th><th>this run</th></tr></thead><tbody><tr><td>bridge <code>&lt;b&gt;</code>"
             "</td><td>11 / 12 <strong>no</strong></td></tr></tbody></table>") in page
-    assert "<code>a_b_c/&lt;script&gt;</code> and <em>a note</em>, <a href=\"items.html\">items.html</a>." in page
-    assert '<img src="figures/fig1.png" alt="fig1">' in page
-    assert "<script>" not in page and "<b>" not in page
+    assert "<code>a_b_c/&lt;script&gt;</code> and <em>a note</em>, <a href=\"items.html\" data-beside>items.html</a>." \
+        in page
+    assert f'<img src="data:image/png;base64,{base64.b64encode(PIXEL).decode()}" alt="fig1">' in page
+    assert "<script>" not in page.split("<body>")[1].split("\n<script>")[0] and "<b>" not in page
+
+
+def test_each_figure_is_embedded_and_a_missing_one_is_named(tmp_path, figure_folder):
+    page = render_report_html(MARKDOWN, "t", figure_folder)
+    src = re.search(r'<img src="data:image/png;base64,([^"]+)"', page).group(1)
+    assert base64.b64decode(src) == PIXEL  # the file's bytes, whole
+    assert "figures/fig1.png" not in page  # nothing left to resolve against the page's folder
+    with pytest.raises(FileNotFoundError, match=r"image 'figures/fig1.png' of the report: .*fig1.png does not exist"):
+        render_report_html(MARKDOWN, "t", tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="no folder to read it from"):
+        render_report_html(MARKDOWN, "t")
 
 
 class Tables(HTMLParser):
@@ -88,3 +117,46 @@ def test_a_boundary_marker_with_newlines_keeps_the_identity_table_whole(tmp_path
     boundary = next(row for row in identity if row[0] == "boundary")
     assert boundary[1].startswith("marker \\n\\n, ")
     assert "<code>\\n\\n</code>" in page
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    yield from launched_chromium()
+
+
+IMAGES = "() => Array.from(document.images, i => [i.alt, i.complete, i.naturalWidth])"
+LINKS = "() => Array.from(document.links, a => a.href)"
+
+
+def test_the_page_shows_its_figures_from_its_file_and_from_a_data_url(chromium, tmp_path):
+    """`snakemake --report` shows report.html in a frame loaded from a data: URL: its figures, linked relative to the
+    page, were broken images there, and its link to items.html led nowhere."""
+    ledger = write_with(synthetic_ledger("primary", n_items=4), tmp_path / "ledger.parquet", part_provenance("bf16"))
+    folder = tmp_path / "report"
+    (folder / "figures").mkdir(parents=True)
+    figures = {}
+    for name in ("fig1_disagreement", "fig10_split_predictors"):
+        figures[name] = str(folder / f"figures/{name}.png")
+        (folder / f"figures/{name}.png").write_bytes(PIXEL)
+    (folder / "items.html").write_text("<!DOCTYPE html><title>items</title>")
+    build_report({"primary": ledger}, str(folder / "report.md"), str(folder / "stats.json"), "t", figures=figures,
+                 item_browser=str(folder / "items.html"), out_html=str(folder / "report.html"))
+    (folder / "figures").rename(tmp_path / "moved")  # the page must not need them any more
+    page = (folder / "report.html").read_bytes()
+    tab = chromium.new_page()
+    errors = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    tab.goto((folder / "report.html").as_uri())
+    assert tab.evaluate(IMAGES) == [[name, True, 1] for name in figures]
+    assert tab.evaluate(LINKS) == [(folder / "items.html").as_uri()]  # from its file: the item browser beside it
+    # as snakemake --report shows it: an iframe whose src is the page as a data: URL
+    tab.set_content(f'<iframe src="data:text/html;charset=utf8;base64,{base64.b64encode(page).decode()}"></iframe>')
+    frame = tab.frames[1]
+    frame.wait_for_load_state()
+    assert frame.evaluate("() => location.protocol") == "data:"
+    assert frame.evaluate(IMAGES) == [[name, True, 1] for name in figures]
+    assert frame.evaluate(LINKS) == []  # no link that resolves to nothing
+    text = frame.evaluate("() => document.body.innerText")
+    assert "items.html (a file beside report.html in the run's report folder, not inside this embedded copy" in text
+    tab.close()
+    assert not errors, errors

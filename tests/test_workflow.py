@@ -63,11 +63,9 @@ def test_default_workflow_end_to_end(tmp_path):
     assert part["attn_implementation"] == "sdpa" and part["dtype"] == "bfloat16"
     report = (res / "report/report.md").read_text()
     assert "166 / 200" in report and "suffixes that differ" in report
-    # batch_size 1: the batch-invariance control has nothing to compare, and says so
-    invariance = res / "primary/batch_invariance.parquet"
-    assert pd.read_parquet(invariance).empty
-    assert read_provenance(invariance)["parts"][0]["batch_invariance"]["status"] == "not_applicable"
-    assert "_Nothing to compare: the ledger was decoded at batch_size 1" in report
+    # batch_size 1: the batch-invariance control has nothing to compare: not scheduled, and the report says why
+    assert not (res / "primary/batch_invariance.parquet").exists()
+    assert "_Not run: batch_size is 1, so every item was decoded alone" in report
     # The paper figures, the cache differences behind figure 4, and `snakemake --report` with their captions.
     for name in FIGURES:
         for fmt, magic in (("pdf", b"%PDF-"), ("png", b"\x89PNG")):
@@ -80,7 +78,7 @@ def test_default_workflow_end_to_end(tmp_path):
     page = (tmp_path / "report.html").read_text(errors="replace")
     assert "Paired accuracy difference between constructions" in page
     for number, (title, _) in enumerate(captions.CAPTIONS.values(), start=1):  # figures by number and title
-        assert f"{number}. {title}" in page, title
+        assert f"{number:02d}. {title}" in page, title
     assert "findings, claims and tables (report.md)" in page  # the report's own page, tables included
     rendered = (res / "report/report.html").read_text()
     assert "<h2>Findings</h2>" in rendered and "<table>" in rendered

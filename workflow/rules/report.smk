@@ -50,6 +50,7 @@ rule build_report:
         "../../envs/stagereplay.yaml"
     params:
         figure_names=FIGURE_NAMES,
+        not_run=controls_not_run(),
         run=RUN,
         seed=config["seed"],
         version=CODE_VERSION,

@@ -1,5 +1,8 @@
 # The workflow's targets: everything `rule all` asks for, the report's figures and the revisions each kind of its
-# inputs exists at, and the comparisons of runs (compare.smk).
+# inputs exists at, the controls left out where they have nothing to compare, where the report is at the end of a
+# run, and the comparisons of runs (compare.smk).
+import time
+
 from stagereplay.analysis.captions import CAPTIONS
 from stagereplay.analysis.compare import FIGURES as COMPARE_FIGURES
 from stagereplay.stages.compare import COMPARE_FOLDER, FORMATS as COMPARE_FORMATS, run_folders, run_state
@@ -17,10 +20,10 @@ def all_outputs():
                 "bridge.parquet",
                 "audit.parquet",
                 "audit_check.json",
-                "batch_invariance.parquet",
                 "cache_differences.parquet",
             ],
         ),
+        *expand(f"{RESULTS}/{{revision}}/batch_invariance.parquet", revision=BATCH_INVARIANCE_REVISIONS),
         *expand(f"{RESULTS}/{{revision}}/fidelity.parquet", revision=FIDELITY_REVISIONS),
         *expand(
             f"{RESULTS}/{{revision}}/{{name}}",
@@ -40,6 +43,40 @@ def all_outputs():
     ]
 
 
+# ---- The end of a run: where its report is ----------------------------------------------------------------------
+STARTED = time.time()  # when this invocation read the workflow: a report written since is this invocation's
+
+
+def report_location():
+    """A line naming the run's report.md (None where there is none), and whether this invocation wrote it."""
+    markdown = Path(f"{RESULTS}/report/report.md")
+    if not markdown.is_file():
+        return None
+    written = "written by this invocation" if markdown.stat().st_mtime >= STARTED else "not rebuilt by this invocation"
+    return (
+        f"Report of run {RUN} ({written}): {markdown.resolve()}; report.html and stats.json beside it; "
+        "`snakemake --report report.html` makes one self-contained page of it with the figures and item browser."
+    )
+
+
+# ---- Controls that have nothing to compare under this config: not scheduled; the report says why -------------------
+def controls_not_run():
+    """{report section: why its control is not scheduled} (build_report's not_run)."""
+    if config["batch_size"] == 1:
+        reason = (
+            "batch_size is 1, so every item was decoded alone and no batched row exists to compare with a row "
+            "decoded alone; set batch_size above 1 (with decode_regime static or cuda_graph) to run this control"
+        )
+    elif config["batch_invariance"]["sample"] == 0:
+        reason = "batch_invariance.sample is 0: no item is sampled to rerun alone"
+    else:
+        return {}
+    return {"batch_invariance": reason}
+
+
+BATCH_INVARIANCE_REVISIONS = [] if "batch_invariance" in controls_not_run() else list(REVISIONS)
+
+
 # ---- Report: its figures, and the revisions of its per-revision inputs (report_inputs: inputs.smk) ----------------
 FIGURE_NAMES = [
     "fig1_disagreement",
@@ -56,9 +93,10 @@ FIGURE_NAMES = [
 
 
 def figure_title(name):
-    """A figure's name in the Snakemake report: its number and title, as the report's captions give them."""
+    """A figure's name in the Snakemake report: its number and title, as the report's captions give them. The number
+    has two digits: the report lists its entries in string order, where 10 comes before 2."""
     title = CAPTIONS[name][0]
-    return f"{FIGURE_NAMES.index(name) + 1}. {title}"
+    return f"{FIGURE_NAMES.index(name) + 1:02d}. {title}"
 
 
 def report_revisions():
@@ -71,7 +109,7 @@ def report_revisions():
         "divergence_onset": list(TRANSPLANT_REVISIONS),
         "bridge": generated,
         "audit": generated,
-        "batch_invariance": generated,
+        "batch_invariance": BATCH_INVARIANCE_REVISIONS,
         "cache_differences": generated,
         "fidelity": list(FIDELITY_REVISIONS),
     }

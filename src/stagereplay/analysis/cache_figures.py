@@ -164,13 +164,14 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
         # the colour scale ends at the largest share drawn (a tenth up): minimal sets are small, so a 0-1 scale
         # leaves every cell pale
         top = max(0.1, float(np.ceil(coverage["share"].max() * 10) / 10))
-        image = None
+        image, gaps = None, False
         for ax, (revision, precision, component) in zip(axes, panels):
             sub = coverage[(coverage["revision"] == revision) & (coverage["precision"] == precision)
                            & (coverage["component"] == component)]
             grid = np.full((num_layers, hi - lo + 1), np.nan)  # (layers, offsets); NaN: no cache reaches there
             for r in sub.itertuples(index=False):
                 grid[int(r.layer), int(r.offset) - lo] = r.share
+            gaps = gaps or bool(np.isnan(grid).any())
             # where no cache reaches (NaN, left transparent) the hatched grey background shows: never a share of 0
             ax.add_patch(Rectangle((lo - 0.5, -0.5), hi - lo + 1, num_layers, facecolor="0.85", edgecolor="0.6",
                                    hatch="////", lw=0, zorder=0))
@@ -186,8 +187,9 @@ def plot_minimal_transplant(coverage: pd.DataFrame, paths: dict[str, str], revis
                          + f" · n = {n}", loc="left", pad=3)
             ax.spines[:].set_visible(False)
         axes[-1].set_xlabel("cache position − prompt length (< 0: prompt; ≥ 0: stage)")
-        axes[0].legend(handles=[Patch(facecolor="0.85", edgecolor="0.6", hatch="////", label="no cache there")],
-                       loc="lower left", bbox_to_anchor=(0, 1.12), borderaxespad=0, handlelength=1.4)
+        if gaps:  # the hatching is named only where some cell shows it
+            axes[0].legend(handles=[Patch(facecolor="0.85", edgecolor="0.6", hatch="////", label="no cache there")],
+                           loc="lower left", bbox_to_anchor=(0, 1.12), borderaxespad=0, handlelength=1.4)
         fig.colorbar(image, ax=axes, label=f"share of minimal sets including the part (0 to {top:g})", shrink=0.8,
                      aspect=25, pad=0.02)
         save_figure(fig, paths)

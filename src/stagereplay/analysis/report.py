@@ -182,9 +182,10 @@ def no_boundary_line(ledger: pd.DataFrame) -> str | None:
             "the stage budget. Each item is listed under \"Items excluded and why\".")
 
 
-def revision_section(data: RevisionData) -> tuple[list[str], dict]:
+def revision_section(data: RevisionData, not_run: dict[str, str] | None = None) -> tuple[list[str], dict]:
     """One revision's part of the report (its regime, then each section of :data:`SECTIONS` that applies) and its
-    numbers, ``stats.json``'s ``revisions.<revision>``."""
+    numbers, ``stats.json``'s ``revisions.<revision>``. ``not_run`` maps a section whose stage the workflow did not
+    schedule (it had nothing to compare) to the reason, said in its place."""
     lines = [f"## Revision `{data.revision}`", ""]
     numbers: dict = {}
     has_ledger = data.declared("ledger")
@@ -203,6 +204,10 @@ def revision_section(data: RevisionData) -> tuple[list[str], dict]:
     for section in SECTIONS:
         absent = [kind for kind in section.needs if not data.has(kind)]
         undeclared = [kind for kind in absent if not data.declared(kind)]
+        if undeclared and has_ledger and section.key in (not_run or {}):
+            lines += [section.title or section.key, "", f"_Not run: {not_run[section.key]}._", ""]
+            numbers[section.key] = {"status": "not_run", "reason": not_run[section.key]}
+            continue
         if undeclared:  # this revision never gets that input: nothing to say here
             if has_ledger and not section.opt_in:
                 not_here.append(section.key)
@@ -227,7 +232,8 @@ def revision_section(data: RevisionData) -> tuple[list[str], dict]:
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
-                 item_browser: str | None = None, out_html: str | None = None) -> dict:
+                 item_browser: str | None = None, out_html: str | None = None,
+                 not_run: dict[str, str] | None = None) -> dict:
     """``ledgers`` maps a revision slug to its ledger.parquet; ``inputs`` maps a kind of file (bridge, audit,
     audit_check, transplant, cache_differences, ...) to {revision: path}. A declared path that does not exist yet
     is fine: its sections are skipped with a note. With ``results_dir`` (``results/<run>``), every results file of
@@ -235,7 +241,8 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     selection/items.parquet (default: ``results_dir/selection/items.parquet``), for the dataset's identity.
     ``figures`` maps a figure's name to its PNG, shown in the report with its caption; ``item_browser`` is the
     run's item browser page (items.html), linked near the top; ``out_html``, where given, gets the report as one
-    HTML page too (:mod:`~stagereplay.analysis.report_html`)."""
+    HTML page too (:mod:`~stagereplay.analysis.report_html`); ``not_run`` maps a section whose stage was not
+    scheduled (a control with nothing to compare) to the reason, said in its place where no file of it exists."""
     declared = {kind: dict(paths) for kind, paths in (inputs or {}).items()}
     declared["ledger"] = dict(ledgers)
     merged, only_on_disk = merge_inputs(declared, results_dir)
@@ -267,13 +274,16 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
                  "reference_study": study.summary(), "audit": verdicts_json(verdicts),
                  "revisions_found_on_disk_only": only_on_disk, "revisions": {}}
     for data in revision_data:
-        revision_lines, all_stats["revisions"][data.revision] = revision_section(data)
+        revision_lines, all_stats["revisions"][data.revision] = revision_section(data, not_run)
         lines += revision_lines
     findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
     lines[findings_at:findings_at] = findings_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
-    write_text_atomic(out_md, "\n".join(lines) + "\n")
-    if out_html:
-        write_text_atomic(out_html, render_report_html("\n".join(lines) + "\n", f"stagereplay report: run {run}"))
+    markdown = "\n".join(lines) + "\n"
+    # rendered first: a figure it cannot embed fails the report before any of its files is written
+    page = render_report_html(markdown, f"stagereplay report: run {run}", Path(out_md).parent) if out_html else None
+    write_text_atomic(out_md, markdown)
+    if page is not None:
+        write_text_atomic(out_html, page)
     write_text_atomic(out_json, json.dumps(all_stats, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return all_stats

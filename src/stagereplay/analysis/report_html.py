@@ -3,14 +3,22 @@
 It renders the Markdown that :mod:`stagereplay.analysis.report` writes, and only that: ATX headings, paragraphs,
 pipe tables (a ``\\|`` in a cell is a ``|`` of its text), block quotes, images, links, ``**bold**``, ``_emphasis_``
 and `` `code` ``. Everything else is text, escaped: a value in the report (a path, a dataset field) can never become
-markup. The report's figures are linked relative to the page, as in report.md; inside ``snakemake --report`` they
-are its own entries.
+markup.
+
+The page is self-contained: each image report.md links (the figures, relative to it) is read and embedded as a
+``data:`` URI, so that the page shows its figures wherever it is opened, also inside ``snakemake --report``, which
+shows it in a frame loaded from a ``data:`` URL where no relative path resolves. A link to a file beside the page (the
+item browser) cannot be followed from such a frame: there a small script turns it into its text and a note saying
+where the file is.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import mimetypes
 import re
+from pathlib import Path
 
 INLINE = re.compile(r"`([^`]+)`|\*\*(.+?)\*\*|(?<![\w*])_(.+?)_(?!\w)"  # code, bold, emphasis
                     r"|!\[([^\]]*)\]\(([^)\s]+)\)|\[([^\]]+)\]\(([^)\s]+)\)")  # image, link
@@ -24,11 +32,42 @@ blockquote { border-left: 4px solid #b42318; margin: 8px 0; padding: 4px 12px; b
 code { font-family: ui-monospace, monospace; font-size: 12px; background: #f4f4f4; padding: 0 2px;
   overflow-wrap: anywhere; }
 img { max-width: 100%; }
+.beside { color: #555; }
 """
+# Shown from a data: URL (the frame of `snakemake --report`) a relative link resolves to nothing: each becomes its
+# text and a note. Opened from its file (results/<run>/report/report.html) the page keeps its links.
+EMBEDDED_LINKS = """
+if (location.protocol === "data:") {
+  for (const link of document.querySelectorAll("a[data-beside]")) {
+    const text = document.createElement("code");
+    text.textContent = link.getAttribute("href");
+    const note = document.createElement("span");
+    note.className = "beside";
+    note.textContent = " (a file beside report.html in the run's report folder, not inside this embedded copy; " +
+      "snakemake --report lists it as an entry of its own)";
+    link.replaceWith(text, note);
+  }
+}
+"""
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # data:, https:, file: ...
 
 
-def inline(text: str) -> str:
-    """One line of the report's inline Markdown as HTML; anything not markup is escaped."""
+def embedded_image(src: str, folder: Path | None) -> str:
+    """``src`` (a path relative to ``folder``, or absolute) as a ``data:`` URI of the file's bytes; a URI as is."""
+    if SCHEME.match(src):
+        return src
+    if folder is None:
+        raise ValueError(f"image {src!r}: no folder to read it from; give render_report_html the page's folder")
+    path = folder / src
+    if not path.is_file():
+        raise FileNotFoundError(f"image {src!r} of the report: {path} does not exist (rule plot_figures writes it)")
+    mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+
+
+def inline(text: str, folder: Path | None = None) -> str:
+    """One line of the report's inline Markdown as HTML; anything not markup is escaped. Images are read from
+    ``folder`` (the page's) and embedded."""
     out, at = [], 0
     for match in INLINE.finditer(text):
         out.append(html.escape(text[at:match.start()]))
@@ -36,13 +75,14 @@ def inline(text: str) -> str:
         if code is not None:
             out.append(f"<code>{html.escape(code)}</code>")
         elif bold is not None:
-            out.append(f"<strong>{inline(bold)}</strong>")
+            out.append(f"<strong>{inline(bold, folder)}</strong>")
         elif emphasis is not None:
-            out.append(f"<em>{inline(emphasis)}</em>")
+            out.append(f"<em>{inline(emphasis, folder)}</em>")
         elif src is not None:
-            out.append(f'<img src="{html.escape(src)}" alt="{html.escape(alt)}">')
+            out.append(f'<img src="{html.escape(embedded_image(src, folder))}" alt="{html.escape(alt)}">')
         else:
-            out.append(f'<a href="{html.escape(href)}">{inline(label)}</a>')
+            beside = "" if SCHEME.match(href) or href.startswith("#") else " data-beside"
+            out.append(f'<a href="{html.escape(href)}"{beside}>{inline(label, folder)}</a>')
         at = match.end()
     return "".join(out) + html.escape(text[at:])
 
@@ -52,8 +92,9 @@ def cells(line: str) -> list[str]:
     return [c.strip().replace("\\|", "|") for c in CELL_BORDER.split(line.strip())[1:-1]]
 
 
-def render_report_html(markdown: str, title: str) -> str:
-    """The page for ``markdown`` (report.md's text)."""
+def render_report_html(markdown: str, title: str, folder: str | Path | None = None) -> str:
+    """The page for ``markdown`` (report.md's text); its images, relative to ``folder`` (report.md's), embedded."""
+    base = None if folder is None else Path(folder)
     body: list[str] = []
     lines = markdown.splitlines()
     i = 0
@@ -65,7 +106,7 @@ def render_report_html(markdown: str, title: str) -> str:
         heading = re.match(r"(#{1,6}) (.*)", line)
         if heading:
             level = len(heading.group(1))
-            body.append(f"<h{level}>{inline(heading.group(2))}</h{level}>")
+            body.append(f"<h{level}>{inline(heading.group(2), base)}</h{level}>")
             i += 1
             continue
         block = []
@@ -73,13 +114,16 @@ def render_report_html(markdown: str, title: str) -> str:
             block.append(lines[i])
             i += 1
         if all(b.startswith("|") for b in block) and len(block) >= 2 and set(block[1]) <= set("|- :"):
-            head = "".join(f"<th>{inline(c)}</th>" for c in cells(block[0]))
-            rows = "".join("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in cells(b)) + "</tr>" for b in block[2:])
+            head = "".join(f"<th>{inline(c, base)}</th>" for c in cells(block[0]))
+            rows = "".join("<tr>" + "".join(f"<td>{inline(c, base)}</td>" for c in cells(b)) + "</tr>"
+                           for b in block[2:])
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         elif all(b.startswith(">") for b in block):
-            body.append("<blockquote><p>" + inline(" ".join(b.lstrip("> ") for b in block)) + "</p></blockquote>")
+            quote = " ".join(b.lstrip("> ") for b in block)
+            body.append(f"<blockquote><p>{inline(quote, base)}</p></blockquote>")
         else:
-            body.append("<p>" + inline(" ".join(block)) + "</p>")
+            body.append("<p>" + inline(" ".join(block), base) + "</p>")
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{html.escape(title)}</title>\n'
-            f"<style>{STYLE}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+            f"<style>{STYLE}</style>\n</head>\n<body>\n" + "\n".join(body) + f"\n<script>{EMBEDDED_LINKS}</script>\n"
+            "</body>\n</html>\n")
 
