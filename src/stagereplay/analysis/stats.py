@@ -305,3 +305,102 @@ def share_by_position(first_divergences: Sequence[int | None], n: int, positions
             "wilson_high": [c["wilson_high"] for c in curve], "alpha": alpha,
             "method": "per suffix position k: items whose first divergence is within the first k tokens, of all "
                       "compared items; pointwise wilson score intervals (statsmodels proportion_confint)"}
+
+
+def paired_difference_interval(a_only: int, b_only: int, n: int, alpha: float = 0.05) -> dict:
+    """An exact (conservative) interval for the difference of two paired proportions, a − b, from the discordant
+    counts alone: ``a_only`` items right under a only, ``b_only`` under b only, of ``n`` items.
+
+    The difference is d (2q − 1), with d the discordance rate and q the share of discordant items right under a. d
+    gets a Clopper-Pearson interval from (a_only + b_only) of n, q one from a_only of the discordant items (its
+    conditional distribution given their number is binomial), each at 1 − alpha/2; the difference's bounds are the
+    extremes of d (2q − 1) over both intervals, so by Bonferroni the interval covers with probability at least
+    1 − alpha at any n and any number of discordant pairs. With none discordant it is not [0, 0]: it is bounded by
+    how often a discordance could have gone unseen (the exact upper bound of d). The bootstrap's percentile interval
+    is [0, 0] there and covers far below its nominal level at small n (tests/test_stats.py simulates both).
+    """
+    a_only, b_only, n, alpha = (_check_count("a_only", a_only), _check_count("b_only", b_only),
+                                _check_count("n", n), _check_alpha(alpha))
+    m = a_only + b_only
+    if n < 1 or m > n or min(a_only, b_only) < 0:
+        raise ValueError(f"need 0 <= a_only + b_only <= n and n >= 1, got a_only={a_only}, b_only={b_only}, n={n}")
+    from statsmodels.stats.proportion import proportion_confint
+
+    d_low, d_high = (float(x) for x in proportion_confint(m, n, alpha=alpha / 2, method="beta"))
+    q_low, q_high = ((float(x) for x in proportion_confint(a_only, m, alpha=alpha / 2, method="beta"))
+                     if m else (0.0, 1.0))
+    ends = [d * (2 * q - 1) for d in (d_low, d_high) for q in (q_low, q_high)]
+    return {"n": n, "discordant_a_only": a_only, "discordant_b_only": b_only, "difference": (a_only - b_only) / n,
+            "low": max(-1.0, min(ends)), "high": min(1.0, max(ends)), "alpha": alpha,
+            "method": "exact conservative interval from the discordant pairs: clopper-pearson for the discordance "
+                      "rate and for the share of discordant items right under a (each at 1 - alpha/2, Bonferroni), "
+                      "difference = discordance (2 share - 1)"}
+
+
+def accuracy_equivalence(a_only: int, b_only: int, n: int, margin: float, alpha: float = 0.05) -> dict:
+    """Two one-sided tests (TOST) at level ``alpha`` of "|accuracy a − accuracy b| < ``margin``" for paired items:
+    equivalence is shown where the 1 − 2 alpha interval of :func:`paired_difference_interval` lies inside
+    (−margin, margin). A difference is shown where the 1 − alpha interval excludes 0. Neither: no difference shown,
+    equivalence not shown either (the data cannot tell). ``verdict`` is "difference", "equivalent" or "undecided".
+    """
+    margin = float(margin)
+    if not 0.0 < margin < 1.0:
+        raise ValueError(f"the equivalence margin is a difference of proportions in (0, 1), got {margin!r}")
+    two_sided = paired_difference_interval(a_only, b_only, n, alpha)
+    tost = paired_difference_interval(a_only, b_only, n, 2 * _check_alpha(alpha))
+    if two_sided["low"] > 0 or two_sided["high"] < 0:
+        verdict = "difference"
+    elif -margin < tost["low"] and tost["high"] < margin:
+        verdict = "equivalent"
+    else:
+        verdict = "undecided"
+    return {"verdict": verdict, "margin": margin, "interval": two_sided, "tost_interval": tost, "alpha": alpha,
+            "method": "difference: the exact 1 - alpha interval excludes 0; equivalence: TOST, the exact 1 - 2 alpha "
+                      "interval inside (-margin, margin)"}
+
+
+def _delong_components(pos: np.ndarray, neg: np.ndarray) -> tuple[float, float]:
+    """The AUC and DeLong's variance of it (DeLong, DeLong and Clarke-Pearson 1988: structural components)."""
+    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
+    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    auc = float(wins.mean())
+    v_pos, v_neg = wins.mean(axis=1), wins.mean(axis=0)
+    variance = (float(v_pos.var(ddof=1)) / pos.size if pos.size > 1 else 0.0) + (
+        float(v_neg.var(ddof=1)) / neg.size if neg.size > 1 else 0.0)
+    return auc, variance
+
+
+def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: float = 0.05,
+               names: tuple[str, str] = ("positive", "negative")) -> dict:
+    """The AUC of a score separating two classes of independent items, P(positive > negative) + P(tie) / 2, with
+    DeLong's variance and a Wald interval on the logit scale (so it stays inside (0, 1)).
+
+    Why not the percentile bootstrap: with 9 against 55 items it covered 84-90% at a nominal 95% in simulation;
+    this interval covers about 94% there (tests/test_stats.py runs that simulation at a fixed seed). Where the
+    sample separates completely (AUC 0 or 1) DeLong's variance is 0 and there is no interval: the bounds are None
+    and ``complete_separation`` says so. Missing values are dropped and counted; with a class empty everything is
+    None and ``skipped`` says why.
+    """
+    alpha = _check_alpha(alpha)
+
+    def kept(values):
+        return np.asarray([float(v) for v in values if v is not None and not math.isnan(float(v))], dtype=float)
+
+    pos, neg = kept(positive), kept(negative)
+    result = {"n_positive": int(pos.size), "n_negative": int(neg.size),
+              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size),
+              "auc": None, "se": None, "low": None, "high": None, "complete_separation": None, "skipped": None,
+              "alpha": alpha,
+              "method": "AUC (Mann-Whitney, ties half) with DeLong's variance; Wald interval on the logit scale"}
+    if not pos.size or not neg.size:
+        result["skipped"] = f"no {names[0] if not pos.size else names[1]} item: an AUC needs both classes"
+        return result
+    auc, variance = _delong_components(pos, neg)
+    result.update(auc=auc, se=math.sqrt(variance), complete_separation=auc in (0.0, 1.0))
+    if 0.0 < auc < 1.0 and variance > 0:
+        from scipy.stats import norm
+
+        z = float(norm.ppf(1 - alpha / 2))
+        centre, spread = math.log(auc / (1 - auc)), math.sqrt(variance) / (auc * (1 - auc))
+        result.update(low=1 / (1 + math.exp(-(centre - z * spread))), high=1 / (1 + math.exp(-(centre + z * spread))))
+    return result
