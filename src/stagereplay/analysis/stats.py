@@ -359,27 +359,35 @@ def accuracy_equivalence(a_only: int, b_only: int, n: int, margin: float, alpha:
                       "interval inside (-margin, margin)"}
 
 
-def _delong_components(pos: np.ndarray, neg: np.ndarray) -> tuple[float, float]:
-    """The AUC and DeLong's variance of it (DeLong, DeLong and Clarke-Pearson 1988: structural components)."""
-    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
-    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
-    auc = float(wins.mean())
-    v_pos, v_neg = wins.mean(axis=1), wins.mean(axis=0)
-    variance = (float(v_pos.var(ddof=1)) / pos.size if pos.size > 1 else 0.0) + (
-        float(v_neg.var(ddof=1)) / neg.size if neg.size > 1 else 0.0)
-    return auc, variance
+def _delong_components(pos: np.ndarray, neg: np.ndarray, comparable: np.ndarray) -> tuple[float, float, int]:
+    """The AUC over the comparable (positive, negative) pairs and DeLong's variance of it (DeLong, DeLong and
+    Clarke-Pearson 1988, structural components; with every pair comparable, the textbook estimator), and how many
+    pairs were compared."""
+    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie; 0 where not comparable
+    wins = ((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])) * comparable
+    pairs = int(comparable.sum())
+    auc = float(wins.sum()) / pairs
+    rows, columns = comparable.sum(axis=1), comparable.sum(axis=0)
+    v_pos = wins.sum(axis=1)[rows > 0] / rows[rows > 0]
+    v_neg = wins.sum(axis=0)[columns > 0] / columns[columns > 0]
+    variance = (float(v_pos.var(ddof=1)) / v_pos.size if v_pos.size > 1 else 0.0) + (
+        float(v_neg.var(ddof=1)) / v_neg.size if v_neg.size > 1 else 0.0)
+    return auc, variance, pairs
 
 
 def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: float = 0.05,
-               names: tuple[str, str] = ("positive", "negative")) -> dict:
+               names: tuple[str, str] = ("positive", "negative"), comparable=None) -> dict:
     """The AUC of a score separating two classes of independent items, P(positive > negative) + P(tie) / 2, with
     DeLong's variance and a Wald interval on the logit scale (so it stays inside (0, 1)).
 
     Why not the percentile bootstrap: with 9 against 55 items it covered 84-90% at a nominal 95% in simulation;
-    this interval covers about 94% there (tests/test_stats.py runs that simulation at a fixed seed). Where the
-    sample separates completely (AUC 0 or 1) DeLong's variance is 0 and there is no interval: the bounds are None
-    and ``complete_separation`` says so. Missing values are dropped and counted; with a class empty everything is
-    None and ``skipped`` says why.
+    this interval covers about 94% there (tests/test_stats_controls.py runs that simulation at a fixed seed).
+    ``comparable`` (n_positive, n_negative) booleans, where given, keeps only the pairs that may be compared (a
+    negative item observed long enough to have become positive when the positive one did); the variance is then
+    DeLong's over those pairs. Where the sample separates completely (AUC 0 or 1) DeLong's variance is 0 and there
+    is no interval: the bounds are None and ``complete_separation`` says so. Missing values are refused where a
+    mask is given and otherwise dropped and counted; with a class (or every pair) empty the AUC is None and
+    ``skipped`` says why.
     """
     alpha = _check_alpha(alpha)
 
@@ -388,15 +396,26 @@ def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: floa
 
     pos, neg = kept(positive), kept(negative)
     result = {"n_positive": int(pos.size), "n_negative": int(neg.size),
-              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size),
+              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size), "pairs": 0,
               "auc": None, "se": None, "low": None, "high": None, "complete_separation": None, "skipped": None,
               "alpha": alpha,
-              "method": "AUC (Mann-Whitney, ties half) with DeLong's variance; Wald interval on the logit scale"}
+              "method": "AUC (Mann-Whitney, ties half) over the comparable pairs, with DeLong's variance; Wald "
+                        "interval on the logit scale"}
+    if comparable is None:
+        comparable = np.ones((pos.size, neg.size), dtype=bool)
+    else:
+        comparable = np.asarray(comparable, dtype=bool)
+        if result["n_missing"] or comparable.shape != (pos.size, neg.size):
+            raise ValueError(f"comparable must be ({len(positive)}, {len(negative)}) booleans for scores without "
+                             f"missing values, got shape {comparable.shape} and {result['n_missing']} missing")
     if not pos.size or not neg.size:
         result["skipped"] = f"no {names[0] if not pos.size else names[1]} item: an AUC needs both classes"
         return result
-    auc, variance = _delong_components(pos, neg)
-    result.update(auc=auc, se=math.sqrt(variance), complete_separation=auc in (0.0, 1.0))
+    if not comparable.any():
+        result["skipped"] = f"no {names[0]} item may be compared with a {names[1]} one"
+        return result
+    auc, variance, pairs = _delong_components(pos, neg, comparable)
+    result.update(auc=auc, se=math.sqrt(variance), pairs=pairs, complete_separation=auc in (0.0, 1.0))
     if 0.0 < auc < 1.0 and variance > 0:
         from scipy.stats import norm
 
