@@ -52,6 +52,7 @@ rule build_report:
         figure_names=FIGURE_NAMES,
         run=RUN,
         seed=config["seed"],
+        equivalence_margin=config["accuracy_equivalence_margin"],
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"

@@ -47,7 +47,7 @@ from stagereplay.analysis.claims import bridge_section, exclusions_section, fixe
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
 from stagereplay.analysis.engine_report import engine_section
 from stagereplay.analysis.fidelity import fidelity_section
-from stagereplay.analysis.findings import findings_section
+from stagereplay.analysis.findings import DEFAULT_EQUIVALENCE_MARGIN, beyond_study_section, findings_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
 from stagereplay.analysis.report_html import render_report_html
@@ -227,7 +227,8 @@ def revision_section(data: RevisionData) -> tuple[list[str], dict]:
 def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, seed: int = 0,
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
-                 item_browser: str | None = None, out_html: str | None = None) -> dict:
+                 item_browser: str | None = None, out_html: str | None = None,
+                 equivalence_margin: float = DEFAULT_EQUIVALENCE_MARGIN) -> dict:
     """``ledgers`` maps a revision slug to its ledger.parquet; ``inputs`` maps a kind of file (bridge, audit,
     audit_check, transplant, cache_differences, ...) to {revision: path}. A declared path that does not exist yet
     is fine: its sections are skipped with a note. With ``results_dir`` (``results/<run>``), every results file of
@@ -235,7 +236,8 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     selection/items.parquet (default: ``results_dir/selection/items.parquet``), for the dataset's identity.
     ``figures`` maps a figure's name to its PNG, shown in the report with its caption; ``item_browser`` is the
     run's item browser page (items.html), linked near the top; ``out_html``, where given, gets the report as one
-    HTML page too (:mod:`~stagereplay.analysis.report_html`)."""
+    HTML page too (:mod:`~stagereplay.analysis.report_html`). ``equivalence_margin`` (the config's
+    ``accuracy_equivalence_margin``) is the margin of the Findings' accuracy equivalence test."""
     declared = {kind: dict(paths) for kind, paths in (inputs or {}).items()}
     declared["ledger"] = dict(ledgers)
     merged, only_on_disk = merge_inputs(declared, results_dir)
@@ -269,8 +271,11 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     for data in revision_data:
         revision_lines, all_stats["revisions"][data.revision] = revision_section(data)
         lines += revision_lines
-    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
-    lines[findings_at:findings_at] = findings_lines
+    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"], equivalence_margin)
+    beyond_lines, all_stats["beyond_the_study"] = beyond_study_section(
+        all_stats["revisions"], {d.revision: d for d in revision_data})
+    all_stats["accuracy_equivalence_margin"] = equivalence_margin
+    lines[findings_at:findings_at] = findings_lines + beyond_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
     write_text_atomic(out_md, "\n".join(lines) + "\n")
     if out_html:
