@@ -1,6 +1,6 @@
 """The report's sections on fidelity along the suffix (``fidelity.parquet``, rule ``measure_fidelity``): which
 replay construction matches live, how far each one's next-token distributions lie from live's at every suffix
-step, and what predicts a split (figures 9 and 10).
+step, and what a split is associated with at the boundary (figures 9 and 10).
 
 Steps are the table's rows; items are the unit of every interval that needs independent trials (an item's steps
 are not independent of each other). The step-level share of byte-equal logits is given with its Wilson interval
@@ -23,7 +23,7 @@ from stagereplay.io.parquet import read_parquet, read_provenance
 KL = "kl_forward"
 KL_TEXT = "KL(P_live || P_construction) per suffix step, nats, float64 from the fp32 logits"
 ITEM_KEYS = ["revision", "precision", "reference", "construction", "item_index"]
-CLASSES = ("split", "unsplit")  # the two classes a split predictor separates
+CLASSES = ("split", "unsplit")  # the two classes a boundary score is compared across
 
 
 def pair_name(reference: str, construction: str) -> str:
@@ -32,7 +32,7 @@ def pair_name(reference: str, construction: str) -> str:
 
 def item_summary(table: pd.DataFrame | None) -> pd.DataFrame:
     """One row per compared item and pair: its steps, what its boundary state reads out at the first suffix step
-    (live's top-2 margin and the max-abs logit difference there: the scores the split predictors use), the largest
+    (live's top-2 margin and the max-abs logit difference there: the scores the split association uses), the largest
     KL, whether it split (the argmax differs at some step under teacher forcing) and where first, whether every
     step's logits were byte-equal, and whether the boundary caches were.
 
@@ -206,7 +206,7 @@ def report_positions(positions: int) -> list[int]:
 
 
 def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
-    """Which replay construction matches live, fidelity along the suffix, and what predicts a split."""
+    """Which replay construction matches live, fidelity along the suffix, and what a split is associated with."""
     table = data.frame("fidelity")
     analysis.check_unique(table, "fidelity")
     if table.empty:

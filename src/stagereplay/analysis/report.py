@@ -22,7 +22,7 @@ The sections live in modules by what they report: :mod:`~stagereplay.analysis.cl
 bridge, exclusions), :mod:`~stagereplay.analysis.audit_report` (the audit's verdict, banner and section),
 :mod:`~stagereplay.analysis.transplant_report`, :mod:`~stagereplay.analysis.divergence_location` (minimal
 transplants, onset), :mod:`~stagereplay.analysis.beyond_study` (margins, cache differences, batch invariance),
-:mod:`~stagereplay.analysis.fidelity` (fidelity along the suffix, what predicts a split) and
+:mod:`~stagereplay.analysis.fidelity` (fidelity along the suffix, what a split is associated with) and
 :mod:`~stagereplay.analysis.run_identity` (what produced the run); the revision's files are read through
 :class:`~stagereplay.analysis.revision_data.RevisionData` and numbers are
 written by :mod:`~stagereplay.analysis.report_format`. This module assembles the page and ``stats.json``.
