@@ -104,3 +104,38 @@ def test_the_localisation_row_nets_the_placebo_out_when_it_ran():
     row = next(r for r in beyond if r["finding"].startswith("all-layer transplant net of placebo"))
     assert row["this_run"].startswith("+") and "placebo arm 0 / " in row["control"]
     assert "1 no-op transplant(s) left out" in row["control"]
+
+
+def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_control():
+    engine = {"splits": [{"side": "llama.cpp", "precision": "f16", "construction_a": "live",
+                          "construction_b": "prefill", **stats.proportion(9, 64)},
+                         {"side": "stagereplay", "precision": "f16", "construction_a": "incremental",
+                          "construction_b": "prefill", **stats.proportion(4, 64)}],
+              "replicas": [{"precision": "f16", "construction": "live", "n": 64, "identical": 64}]}
+    fidelity = {"bf16": {"live_vs_prefill": {
+        "bit_identical": False, "kl_forward_median": 1e-3, "items_split": stats.proportion(5, 40),
+        "same_readouts_as": ["chunked"], "split_predictors": {
+            "cases": 4, "controls": 35, "split_at_boundary_step": 1,
+            "margin_boundary": stats.auc_delong([0.1, 0.2, 0.3, 2.0], [1.0, 2.0, 3.0] * 11 + [0.05, 0.4]),
+            "suffix_length": stats.auc_delong([10, 12, 30, 40], [20, 30] * 17 + [25])}},
+        "live_vs_chunked": {"bit_identical": False, "kl_forward_median": 1e-3,
+                            "items_split": stats.proportion(5, 40), "same_readouts_as": ["prefill"]},
+        "live_vs_prefix_cached": {"bit_identical": True, "kl_forward_median": 0.0,
+                                  "items_split": stats.proportion(0, 40), "same_readouts_as": []}}}
+    lines, rows = beyond_study_section({"primary": {"engine_llama_cpp": engine, "fidelity": fidelity}})
+    assert lines[0] == "## Beyond the study" and rows[0]["finding"].startswith("llama.cpp live vs prefill (f16 KV)")
+    assert rows[0]["this_run"].startswith("9 / 64") and "engine replicas bit-identical: 64 / 64" in rows[0]["control"]
+    assert "incremental vs prefill: 4 / 64" in rows[0]["control"]
+    fid = next(r for r in rows if r["finding"].startswith("fidelity to live along the suffix, bf16"))
+    assert fid["this_run"].count("prefill") == 1 and "`prefill` = `chunked`" in fid["this_run"]
+    assert fid["control"].startswith("`prefix_cached` byte-equal with live")
+    assoc = next(r for r in rows if r["finding"].startswith("split associated"))
+    assert assoc["this_run"].startswith("AUC 0.") and "1 split at step 0 left out" in assoc["this_run"]
+    assert assoc["control"].startswith("suffix length, scored the same way: AUC")
+    assert "not a prediction" in assoc["reading"]
+
+
+def test_pooled_replica_counts_say_they_are_pooled():
+    replicas = {"live": {"n": 10, "identical": 10}, "prefill": {"n": 10, "identical": 10}}
+    rows = revision_rows("primary", {"matched": {"bf16": {"replicas": replicas}}}, named=False)
+    assert rows[0][2] == "20 / 20 replica pairs, pooled over 2 cells (experiment x precision x construction)"

@@ -33,14 +33,15 @@ def _points(value: float) -> str:
     return f"{value * 100:+.1f}"
 
 
-def _replicas(numbers: dict) -> tuple[int, int]:
-    """Replica pairs bit-identical, of all compared, over every experiment, precision and construction."""
-    same = total = 0
+def _replicas(numbers: dict) -> tuple[int, int, int]:
+    """Replica pairs bit-identical, of all compared, pooled over every experiment, precision and construction, and
+    the number of cells pooled."""
+    same = total = cells = 0
     for experiment in ("matched", "fixed_prefix"):
         for cell in (numbers.get(experiment) or {}).values():
             for pair in (cell.get("replicas") or {}).values() if isinstance(cell, dict) else ():
-                same, total = same + pair["identical"], total + pair["n"]
-    return same, total
+                same, total, cells = same + pair["identical"], total + pair["n"], cells + 1
+    return same, total, cells
 
 
 def _budget(cell: dict) -> str:
@@ -85,9 +86,10 @@ def revision_rows(revision: str, numbers: dict, named: bool,
     rows = []
     where = f" (`{revision}`)" if named else ""
     matched = numbers.get("matched") or {}
-    same, total = _replicas(numbers)
+    same, total, cells = _replicas(numbers)
     if total:
-        rows.append(("replicas on both sides bit-exact" + where, "yes", f"{same} / {total} replica pairs",
+        pooled = f", pooled over {cells} cells (experiment x precision x construction)" if cells > 1 else ""
+        rows.append(("replicas on both sides bit-exact" + where, "yes", f"{same} / {total} replica pairs{pooled}",
                      HOLDS if same == total else DOES_NOT_HOLD))
     cell = matched.get("bf16") if isinstance(matched.get("bf16"), dict) else None
     if cell:
