@@ -137,5 +137,7 @@ def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_
 
 def test_pooled_replica_counts_say_they_are_pooled():
     replicas = {"live": {"n": 10, "identical": 10}, "prefill": {"n": 10, "identical": 10}}
-    rows = revision_rows("primary", {"matched": {"bf16": {"replicas": replicas}}}, named=False)
+    cell = {"replicas": replicas, "suffix_disagreements": stats.proportion(1, 10),
+            "label_flips": stats.proportion(0, 10)}
+    rows = revision_rows("primary", {"matched": {"bf16": cell}}, named=False)
     assert rows[0][2] == "20 / 20 replica pairs, pooled over 2 cells (experiment x precision x construction)"
