@@ -241,7 +241,22 @@ def test_a_predictor_does_not_see_the_split_step():
         items.append({"steps": 6, "split_at": split_at, "diff": diff, "margin": margin})
     block = pair_numbers_of(steps_of(items))["split_predictors"]
     assert block["cases"] == 3 and block["controls"] == 5
-    assert block["logit_diff_boundary"]["auc"] == 0.5 and block["margin_boundary"]["auc"] == 0.5
+    for name in ("logit_diff_boundary", "margin_boundary", "logit_diff_step_before", "margin_step_before"):
+        assert block[name]["auc"] == 0.5, name
+
+
+def test_the_step_before_the_split_is_read_at_the_same_step_for_both_classes():
+    """Split items' margin narrows at the step just before their split; unsplit items' margin is as narrow at
+    another step only. Read at the same step the narrowing separates; at the boundary nothing does."""
+    items = []
+    for index in range(8):
+        split_at = 4 if index < 3 else None
+        margin = [1.0] * 7
+        margin[3 if split_at else 5] = 0.01  # unsplit items narrow too, but at step 5
+        items.append({"steps": 7, "split_at": split_at, "diff": [0.1] * 7, "margin": margin})
+    block = pair_numbers_of(steps_of(items))["split_predictors"]
+    assert block["margin_step_before"]["auc"] == 1.0 and block["margin_step_before"]["pairs"] == 15
+    assert block["margin_boundary"]["auc"] == 0.5
 
 
 def test_suffix_length_is_held_even_and_step_zero_splits_are_left_out():
@@ -253,8 +268,8 @@ def test_suffix_length_is_held_even_and_step_zero_splits_are_left_out():
              {"steps": 8, "split_at": 0, "diff": [5.0] * 8, "margin": [0.0] * 8}]  # split at the boundary step
     block = pair_numbers_of(steps_of(items))["split_predictors"]
     assert block["split_at_boundary_step"] == 1 and block["cases"] == 1 and block["controls"] == 2
-    for name in ("logit_diff_boundary", "margin_boundary"):
-        assert block[name]["pairs"] == 1 and block[name]["auc"] == 1.0  # the short item would have made it 0.5
+    for name in ("logit_diff_boundary", "margin_boundary", "logit_diff_step_before", "margin_step_before"):
+        assert block[name]["pairs"] == 1 and block[name]["auc"] == 1.0, name  # the short item would make it 0.5
 
 
 def pair_numbers_of(frame: pd.DataFrame) -> dict:

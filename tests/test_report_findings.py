@@ -130,7 +130,7 @@ def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_
     assert fid["this_run"].count("prefill") == 1 and "`prefill` = `chunked`" in fid["this_run"]
     assert fid["control"].startswith("`prefix_cached` byte-equal with live")
     assoc = next(r for r in rows if r["finding"].startswith("split associated"))
-    assert assoc["this_run"].startswith("AUC 0.") and "1 split at step 0 left out" in assoc["this_run"]
+    assert assoc["this_run"].startswith("AUC 0.") and "at the boundary" in assoc["this_run"] and "1 split at step 0 left out" in assoc["this_run"]
     assert assoc["control"].startswith("suffix length, scored the same way: AUC")
     assert "not a prediction" in assoc["reading"]
 

@@ -124,8 +124,9 @@ CAPTIONS = {
         "compared items split within the first k suffix tokens, k = 1 to the suffix budget (step line, one line "
         "style per construction), with pointwise Wilson 95% intervals (band); no curve is fitted. Constructions "
         "alike on every item are drawn once and named in the panel (a = b); a precision with no split says so "
-        "instead of drawing lines at 0. The AUCs (split items compared only with unsplit items observed past their "
-        "split step; DeLong intervals) and the suffix-length control are in the report.",
+        "instead of drawing lines at 0. The AUCs of these scores and of the same scores at the step before each split "
+        "(split items compared only with unsplit items observed past their split step; DeLong intervals) and the "
+        "suffix-length control are in the report.",
     ),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from stagereplay.analysis import stats
@@ -57,36 +58,59 @@ def item_summary(table: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def split_association(items: pd.DataFrame) -> dict:
-    """Scores known at the boundary against a later split, with suffix length controlled: stats.json's
+def split_association(items: pd.DataFrame, steps: pd.DataFrame | None = None) -> dict:
+    """Scores known before the split against the split, with suffix length controlled: stats.json's
     ``split_predictors`` block of one precision and pair.
 
-    The scores are step 0's (the first decode step, which reads the boundary cache and nothing the suffix has
-    made). Items split at step 0 are left out and counted: their step-0 difference is the split itself. A split
-    item (first divergence d >= 1) is compared only with unsplit items whose suffix ran past step d (observed
-    unsplit for as long as it took the split item to split), so neither class wins by having had more steps. The
-    suffix length itself, scored the same way, is the control: it should carry nothing once pairs are matched so.
-    It is an association across items, not a prediction: nothing is fitted or held out."""
+    Two kinds of score, neither of which reads the split step. At the boundary: step 0's (the first decode step,
+    which reads the boundary cache and nothing the suffix has made); items split at step 0 are left out and counted,
+    their step-0 difference being the split itself. At the step before: a split item's score at step d - 1 (its
+    last step before the first divergence d) against each unsplit item's at that same step (a per-step hazard's
+    risk set), so both are read at one position. Either way a split item (d >= 1) is compared only with unsplit
+    items whose suffix ran past step d (observed unsplit for as long as it took the split item to split), so
+    neither class wins by having had more steps. The suffix length itself, scored the same way, is the control: it
+    should carry nothing once pairs are matched so. It is an association across items, not a prediction: nothing is
+    fitted or held out."""
     first = pd.to_numeric(items["first_divergence"], errors="coerce")
     split = items["split"].astype(bool)
     at_boundary = items[split & (first == 0)]
-    cases = items[split & (first > 0)]
-    controls = items[~split]
-    cases = cases[cases["margin_boundary"].notna()]
-    controls = controls[controls["margin_boundary"].notna()]
-    comparable = (controls["steps"].to_numpy()[None, :]
-                  > cases["first_divergence"].to_numpy(dtype=float)[:, None])  # (cases, controls)
+    cases = items[split & (first > 0) & items["margin_boundary"].notna()]
+    controls = items[~split & items["margin_boundary"].notna()]
+    divergence = cases["first_divergence"].to_numpy(dtype=float)
+    comparable = controls["steps"].to_numpy()[None, :] > divergence[:, None]  # (cases, controls)
     scores = {"margin_boundary": ("smaller", lambda f: -f["margin_boundary"]),
               "logit_diff_boundary": ("larger", lambda f: f["logit_diff_boundary"]),
               "suffix_length": ("larger", lambda f: f["steps"].astype(float))}
     out: dict = {"split_at_boundary_step": len(at_boundary), "cases": len(cases), "controls": len(controls),
                  "method": "AUC over (split, unsplit) pairs in which the unsplit item's suffix ran past the split "
-                           "item's first divergence; scores at suffix step 0; split-at-step-0 items left out"}
+                           "item's first divergence; scores at suffix step 0, or both at the split item's step "
+                           "before its divergence; split-at-step-0 items left out"}
     for name, (direction, score) in scores.items():
         out[name] = {**stats.auc_delong(score(cases).tolist(), score(controls).tolist(), names=CLASSES,
                                         comparable=comparable),
                      "score": f"{name}: AUC = P(a split item's is {direction} than a comparable unsplit item's)"}
+    for name, column, sign, direction in (("margin_step_before", "margin_reference", -1.0, "smaller"),
+                                          ("logit_diff_step_before", "max_abs_logit_diff", 1.0, "larger")):
+        case_scores, control_scores = _step_before(steps, cases, controls, column)
+        out[name] = {**stats.matched_auc_delong(sign * case_scores, sign * control_scores, comparable),
+                     "score": f"{name}: AUC = P(a split item's {column} at its step d - 1 is {direction} than a "
+                              "comparable unsplit item's at that step)"}
     return out
+
+
+def _step_before(steps: pd.DataFrame | None, cases: pd.DataFrame, controls: pd.DataFrame, column: str
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(cases, controls) matrices of ``column`` at each case's step d - 1: the case's own and each control's at
+    that step (NaN where a side has no such step)."""
+    shape = (len(cases), len(controls))
+    if steps is None or steps.empty or not all(shape):
+        return np.full(shape, np.nan), np.full(shape, np.nan)
+    by_item = {int(i): g.set_index("step")[column] for i, g in steps.groupby("item_index")}
+    before = cases["first_divergence"].to_numpy(dtype=int) - 1  # (cases,)
+    own = np.asarray([by_item[int(i)].get(s, np.nan) for i, s in zip(cases["item_index"], before)], dtype=float)
+    other = np.asarray([[by_item[int(j)].get(s, np.nan) for j in controls["item_index"]] for s in before],
+                       dtype=float)
+    return np.repeat(own[:, None], len(controls), axis=1), other
 
 
 READOUT_COLUMNS = ["kl_forward", "kl_reverse", "max_abs_logit_diff", "margin_construction", "argmax_differs",
@@ -170,7 +194,7 @@ def pair_numbers(steps: pd.DataFrame, items: pd.DataFrame, positions: int, seed:
         "steps_kl_exactly_zero": int((steps["kl_forward"] == 0).sum()),
         "max_abs_logit_diff_median": _median(steps["max_abs_logit_diff"]),
         "max_abs_logit_diff_max": float(steps["max_abs_logit_diff"].max()) if len(steps) else None,
-        "split_predictors": split_association(items),
+        "split_predictors": split_association(items, steps),
         "split_by_position": stats.share_by_position(list(items["first_divergence"]), n_items, positions),
         "method": "steps: every suffix step of every compared item (steps of one item are not independent: the "
                   "step-level Wilson interval is narrower than the data warrant; items_all_logits_equal is the "
@@ -289,17 +313,21 @@ def _predictors_lines(cells, positions: int, alike: dict) -> list[str]:
              "live's top-2 margin and the max-abs logit difference between the two constructions there. Items split "
              "at that very step are left out (their difference there is the split) and counted. A split item is "
              "compared only with unsplit items whose suffix ran past its first divergence, so suffix length is "
-             "held even; the suffix length, scored the same way, is the control column and should read near 0.5. "
+             "held even. \"At the step before\": both items' scores at the split item's last step before its "
+             "divergence (a per-step hazard's risk set). The suffix length, scored the same way, is the control "
+             "column and should read near 0.5. "
              "AUC (Mann-Whitney; 0.5: no association) with DeLong's 95% interval on the logit scale (figure 10, "
              "left).", "",
              *table_head("precision", "pair", "split at step 0 (left out)", "split later / unsplit items",
                          "AUC, margin at the boundary", "AUC, logit difference at the boundary",
+                         "AUC, margin at the step before", "AUC, logit difference at the step before",
                          "AUC, suffix length (control)")]
     for precision, reference, construction, n in cells:
         p = n["split_predictors"]
         lines.append(table_row(precision, f"{reference} vs {construction}", p["split_at_boundary_step"],
                                f"{p['cases']} / {p['controls']}", _auc_text(p["margin_boundary"]),
-                               _auc_text(p["logit_diff_boundary"]), _auc_text(p["suffix_length"])))
+                               _auc_text(p["logit_diff_boundary"]), _auc_text(p["margin_step_before"]),
+                               _auc_text(p["logit_diff_step_before"]), _auc_text(p["suffix_length"])))
     if shown:
         lines += ["", f"Items split within the first k suffix tokens, of all compared items (Wilson 95%, pointwise; "
                   f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, right): what a shorter "

@@ -249,10 +249,13 @@ def association_rows(revision: str, numbers: dict, data, named: bool) -> list[Be
             if not block or not block.get("cases") or block["margin_boundary"]["auc"] is None:
                 continue
             margin, length = block["margin_boundary"], block["suffix_length"]
-            rows.append((f"split associated with a small live margin at the boundary, {precision} "
+            before = block.get("margin_step_before")
+            rows.append((f"split associated with a small live margin before it, {precision} "
                          f"{name.replace('_vs_', ' vs ')}" + _at(revision, named),
-                         f"AUC {_auc(margin)} ({block['cases']} split after step 0 vs {block['controls']} "
-                         f"unsplit; {block['split_at_boundary_step']} split at step 0 left out)",
+                         f"AUC {_auc(margin)} at the boundary"
+                         + (f", {_auc(before)} at the step before the split" if before else "")
+                         + f" ({block['cases']} split after step 0 vs {block['controls']} unsplit; "
+                         f"{block['split_at_boundary_step']} split at step 0 left out)",
                          f"suffix length, scored the same way: AUC {_auc(length)} (0.5: length carries nothing)",
                          "an association across items from what is known before the split (no suffix step "
                          "scored); not a prediction: nothing fitted or held out"))

@@ -365,20 +365,36 @@ def accuracy_equivalence(a_only: int, b_only: int, n: int, margin: float, alpha:
                       "interval inside (-margin, margin)"}
 
 
-def _delong_components(pos: np.ndarray, neg: np.ndarray, comparable: np.ndarray) -> tuple[float, float, int]:
-    """The AUC over the comparable (positive, negative) pairs and DeLong's variance of it (DeLong, DeLong and
-    Clarke-Pearson 1988, structural components; with every pair comparable, the textbook estimator), and how many
-    pairs were compared."""
-    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie; 0 where not comparable
-    wins = ((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])) * comparable
-    pairs = int(comparable.sum())
-    auc = float(wins.sum()) / pairs
+def _delong(wins: np.ndarray, comparable: np.ndarray, alpha: float, result: dict) -> dict:
+    """Fills ``result`` with the AUC over the comparable (positive, negative) pairs of ``wins`` (1 where the
+    positive scores higher, 1/2 on a tie; (n_positive, n_negative)), DeLong's variance of it (DeLong, DeLong and
+    Clarke-Pearson 1988, structural components: with every pair comparable, the textbook estimator) and the Wald
+    interval on the logit scale."""
+    if not comparable.any():
+        result["skipped"] = "no positive item may be compared with a negative one"
+        return result
+    wins = wins * comparable
     rows, columns = comparable.sum(axis=1), comparable.sum(axis=0)
+    auc = float(wins.sum()) / int(comparable.sum())
     v_pos = wins.sum(axis=1)[rows > 0] / rows[rows > 0]
     v_neg = wins.sum(axis=0)[columns > 0] / columns[columns > 0]
     variance = (float(v_pos.var(ddof=1)) / v_pos.size if v_pos.size > 1 else 0.0) + (
         float(v_neg.var(ddof=1)) / v_neg.size if v_neg.size > 1 else 0.0)
-    return auc, variance, pairs
+    result.update(auc=auc, se=math.sqrt(variance), pairs=int(comparable.sum()),
+                  complete_separation=auc in (0.0, 1.0))
+    if 0.0 < auc < 1.0 and variance > 0:
+        from scipy.stats import norm
+
+        z = float(norm.ppf(1 - alpha / 2))
+        centre, spread = math.log(auc / (1 - auc)), math.sqrt(variance) / (auc * (1 - auc))
+        result.update(low=1 / (1 + math.exp(-(centre - z * spread))), high=1 / (1 + math.exp(-(centre + z * spread))))
+    return result
+
+
+def _auc_record(n_positive: int, n_negative: int, n_missing: int, alpha: float, method: str) -> dict:
+    return {"n_positive": n_positive, "n_negative": n_negative, "n_missing": n_missing, "pairs": 0, "auc": None,
+            "se": None, "low": None, "high": None, "complete_separation": None, "skipped": None, "alpha": alpha,
+            "method": method}
 
 
 def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: float = 0.05,
@@ -401,31 +417,44 @@ def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: floa
         return np.asarray([float(v) for v in values if v is not None and not math.isnan(float(v))], dtype=float)
 
     pos, neg = kept(positive), kept(negative)
-    result = {"n_positive": int(pos.size), "n_negative": int(neg.size),
-              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size), "pairs": 0,
-              "auc": None, "se": None, "low": None, "high": None, "complete_separation": None, "skipped": None,
-              "alpha": alpha,
-              "method": "AUC (Mann-Whitney, ties half) over the comparable pairs, with DeLong's variance; Wald "
-                        "interval on the logit scale"}
+    missing = len(positive) + len(negative) - int(pos.size) - int(neg.size)
+    result = _auc_record(int(pos.size), int(neg.size), missing, alpha,
+                         "AUC (Mann-Whitney, ties half) over the comparable pairs, with DeLong's variance; Wald "
+                         "interval on the logit scale")
     if comparable is None:
         comparable = np.ones((pos.size, neg.size), dtype=bool)
     else:
         comparable = np.asarray(comparable, dtype=bool)
-        if result["n_missing"] or comparable.shape != (pos.size, neg.size):
+        if missing or comparable.shape != (pos.size, neg.size):
             raise ValueError(f"comparable must be ({len(positive)}, {len(negative)}) booleans for scores without "
-                             f"missing values, got shape {comparable.shape} and {result['n_missing']} missing")
+                             f"missing values, got shape {comparable.shape} and {missing} missing")
     if not pos.size or not neg.size:
         result["skipped"] = f"no {names[0] if not pos.size else names[1]} item: an AUC needs both classes"
         return result
-    if not comparable.any():
-        result["skipped"] = f"no {names[0]} item may be compared with a {names[1]} one"
-        return result
-    auc, variance, pairs = _delong_components(pos, neg, comparable)
-    result.update(auc=auc, se=math.sqrt(variance), pairs=pairs, complete_separation=auc in (0.0, 1.0))
-    if 0.0 < auc < 1.0 and variance > 0:
-        from scipy.stats import norm
+    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
+    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    return _delong(wins, comparable, alpha, result)
 
-        z = float(norm.ppf(1 - alpha / 2))
-        centre, spread = math.log(auc / (1 - auc)), math.sqrt(variance) / (auc * (1 - auc))
-        result.update(low=1 / (1 + math.exp(-(centre - z * spread))), high=1 / (1 + math.exp(-(centre + z * spread))))
-    return result
+
+def matched_auc_delong(positive: np.ndarray, negative: np.ndarray, comparable: np.ndarray,
+                       alpha: float = 0.05) -> dict:
+    """:func:`auc_delong` where a pair's two scores depend on the pair: ``positive[i, j]`` and ``negative[i, j]``
+    are positive item i's and negative item j's scores as compared with each other (both taken at the step where
+    i turned positive, say); ``comparable`` (n_positive, n_negative) says which pairs count. Items stay the unit:
+    DeLong's structural components are per item, over its comparable pairs."""
+    alpha = _check_alpha(alpha)
+    positive, negative = np.asarray(positive, dtype=float), np.asarray(negative, dtype=float)
+    comparable = np.asarray(comparable, dtype=bool)
+    if not positive.shape == negative.shape == comparable.shape or positive.ndim != 2:
+        raise ValueError(f"positive, negative and comparable must be one (n_positive, n_negative) shape, got "
+                         f"{positive.shape}, {negative.shape} and {comparable.shape}")
+    comparable = comparable & np.isfinite(positive) & np.isfinite(negative)
+    result = _auc_record(int(positive.shape[0]), int(positive.shape[1]), 0, alpha,
+                         "AUC over the comparable pairs, each pair's scores taken at its own matched step (ties "
+                         "half), with DeLong's variance per item; Wald interval on the logit scale")
+    with np.errstate(invalid="ignore"):
+        wins = (positive > negative) + 0.5 * (positive == negative)
+    if not positive.size:
+        result["skipped"] = "an AUC needs both classes"
+        return result
+    return _delong(np.nan_to_num(wins), comparable, alpha, result)
