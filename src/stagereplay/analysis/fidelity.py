@@ -217,7 +217,7 @@ def _fidelity_words(n: dict) -> str:
 
 def _auc_text(r: dict) -> str:
     if r["auc"] is None:
-        return f"— ({r['skipped']})"
+        return "—"  # why: the note under the table; stats.json's ``skipped``
     if r["low"] is None:
         why = "complete separation" if r["complete_separation"] else "no spread in the scores"
         return f"{r['auc']:.2f} ({why}: no DeLong interval)"
@@ -328,6 +328,8 @@ def _predictors_lines(cells, positions: int, alike: dict) -> list[str]:
                                f"{p['cases']} / {p['controls']}", _auc_text(p["margin_boundary"]),
                                _auc_text(p["logit_diff_boundary"]), _auc_text(p["margin_step_before"]),
                                _auc_text(p["logit_diff_step_before"]), _auc_text(p["suffix_length"])))
+    lines += ["", "—: no AUC, a class being empty (no item split after step 0, or none unsplit) or no split item "
+              "comparable with an unsplit one (none observed past its split step)."]
     if shown:
         lines += ["", f"Items split within the first k suffix tokens, of all compared items (Wilson 95%, pointwise; "
                   f"the whole curve k = 1 .. {positions} is in `stats.json` and figure 10, right): what a shorter "

@@ -185,6 +185,10 @@ def beyond_study_section(revisions: dict[str, dict], data: dict | None = None) -
 BeyondRow = tuple[str, str, str, str]  # (finding, this run, control, what it can and cannot show)
 
 
+def _number(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}"
+
+
 def _at(revision: str, named: bool) -> str:
     return f" (`{revision}`)" if named else ""
 
@@ -226,7 +230,7 @@ def fidelity_rows(revision: str, numbers: dict, data, named: bool) -> list[Beyon
             alike = [construction, *n.get("same_readouts_as", [])]
             seen.update(alike)
             what = ("bit-identical at every step" if n["bit_identical"] else
-                    f"KL median {n['kl_forward_median']:.3g} nats, items split {n['items_split']['k']} / "
+                    f"KL median {_number(n.get('kl_forward_median'))} nats, items split {n['items_split']['k']} / "
                     f"{n['items_split']['n']}")
             shown.append(f"{' = '.join(f'`{c}`' for c in alike)}: {what}")
         exact = [name.split("_vs_", 1)[1] for name, n in pairs.items() if isinstance(n, dict) and n.get("bit_identical")]
@@ -281,7 +285,8 @@ def localisation_rows(revision: str, numbers: dict, data, named: bool) -> list[B
         follow = (numbers.get("transplant") or {}).get("all_layers") or {}
         k = sum(r["donor"] for d in follow.values() for r in d.values())
         n = sum(r["n"] for d in follow.values() for r in d.values())
-        return [(claim, f"donor arm only: {k} / {n}", "placebo not run (transplants have no `arm`/`noop` columns)",
+        return [(claim, f"donor arm only: {k} / {n}" if n else "no divergent item transplanted",
+                 "placebo not run (transplants have no `arm`/`noop` columns)",
                  "without a placebo, following the donor cannot be told apart from what any same-shape write "
                  "would do")]
     whole = table[(table["layer_set"] == "all") & (table["component"] == "kv") & (table["positions"] == "all")]

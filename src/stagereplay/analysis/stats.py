@@ -455,6 +455,6 @@ def matched_auc_delong(positive: np.ndarray, negative: np.ndarray, comparable: n
     with np.errstate(invalid="ignore"):
         wins = (positive > negative) + 0.5 * (positive == negative)
     if not positive.size:
-        result["skipped"] = "an AUC needs both classes"
+        result["skipped"] = f"no {'positive' if not positive.shape[0] else 'negative'} item: an AUC needs both classes"
         return result
     return _delong(np.nan_to_num(wins), comparable, alpha, result)
