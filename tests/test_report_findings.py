@@ -112,14 +112,14 @@ def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_
                          {"side": "stagereplay", "precision": "f16", "construction_a": "incremental",
                           "construction_b": "prefill", **stats.proportion(4, 64)}],
               "replicas": [{"precision": "f16", "construction": "live", "n": 64, "identical": 64}]}
-    fidelity = {"bf16": {"live_vs_prefill": {
-        "bit_identical": False, "kl_forward_median": 1e-3, "items_split": stats.proportion(5, 40),
-        "same_readouts_as": ["chunked"], "split_predictors": {
-            "cases": 4, "controls": 35, "split_at_boundary_step": 1,
-            "margin_boundary": stats.auc_delong([0.1, 0.2, 0.3, 2.0], [1.0, 2.0, 3.0] * 11 + [0.05, 0.4]),
-            "suffix_length": stats.auc_delong([10, 12, 30, 40], [20, 30] * 17 + [25])}},
-        "live_vs_chunked": {"bit_identical": False, "kl_forward_median": 1e-3,
-                            "items_split": stats.proportion(5, 40), "same_readouts_as": ["prefill"]},
+    association = {"cases": 4, "controls": 35, "split_at_boundary_step": 1,
+                   "margin_boundary": stats.auc_delong([0.1, 0.2, 0.3, 2.0], [1.0, 2.0, 3.0] * 11 + [0.05, 0.4]),
+                   "suffix_length": stats.auc_delong([10, 12, 30, 40], [20, 30] * 17 + [25])}
+    fidelity = {"bf16": {
+        "live_vs_prefill": {"bit_identical": False, "kl_forward_median": 1e-3, "items_split": stats.proportion(5, 40),
+                            "same_readouts_as": ["chunked"], "split_predictors": association},
+        "live_vs_chunked": {"bit_identical": False, "kl_forward_median": 1e-3, "items_split": stats.proportion(5, 40),
+                            "same_readouts_as": ["prefill"], "split_predictors": association},
         "live_vs_prefix_cached": {"bit_identical": True, "kl_forward_median": 0.0,
                                   "items_split": stats.proportion(0, 40), "same_readouts_as": []}}}
     lines, rows = beyond_study_section({"primary": {"engine_llama_cpp": engine, "fidelity": fidelity}})
@@ -129,7 +129,10 @@ def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_
     fid = next(r for r in rows if r["finding"].startswith("fidelity to live along the suffix, bf16"))
     assert fid["this_run"].count("prefill") == 1 and "`prefill` = `chunked`" in fid["this_run"]
     assert fid["control"].startswith("`prefix_cached` byte-equal with live")
-    assoc = next(r for r in rows if r["finding"].startswith("split associated"))
+    associated = [r for r in rows if r["finding"].startswith("split associated")]
+    assert [r["finding"] for r in associated] == [
+        "split associated with a small live margin before it, bf16 live vs prefill = chunked"]  # named once
+    assoc = associated[0]
     assert assoc["this_run"].startswith("AUC 0.") and "at the boundary" in assoc["this_run"] and "1 split at step 0 left out" in assoc["this_run"]
     assert assoc["control"].startswith("suffix length, scored the same way: AUC")
     assert "not a prediction" in assoc["reading"]

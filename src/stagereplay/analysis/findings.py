@@ -248,10 +248,15 @@ def association_rows(revision: str, numbers: dict, data, named: bool) -> list[Be
     suffix-length control."""
     rows = []
     for precision, pairs in (numbers.get("fidelity") or {}).items():
+        seen: set[str] = set()
         for name, n in (pairs or {}).items():
             block = n.get("split_predictors") if isinstance(n, dict) else None
-            if not block or not block.get("cases") or block["margin_boundary"]["auc"] is None:
+            construction = name.split("_vs_", 1)[-1]
+            if construction in seen or not block or not block.get("cases") or block["margin_boundary"]["auc"] is None:
                 continue
+            alike = [construction, *n.get("same_readouts_as", [])]
+            seen.update(alike)
+            name = name.split("_vs_", 1)[0] + "_vs_" + " = ".join(alike)
             margin, length = block["margin_boundary"], block["suffix_length"]
             before = block.get("margin_step_before")
             rows.append((f"split associated with a small live margin before it, {precision} "
