@@ -210,6 +210,83 @@ def test_share_by_position_known_answers():
         stats.share_by_position([0, 1, 2], 2, 3)
 
 
+# --- split predictors that cannot see the split ---------------------------------------------------------------
+
+def steps_of(items: list[dict]) -> pd.DataFrame:
+    """Per-step fidelity rows of bf16 live vs prefill from ``items``: {"steps", "split_at", "diff", "margin"}
+    (the per-step logit difference and live margin, lists of per-step values)."""
+    rows = []
+    for index, item in enumerate(items):
+        for step in range(item["steps"]):
+            rows.append({"item_index": index, "item_id": f"i{index}", "revision": "primary", "precision": "bf16",
+                         "reference": "live", "construction": "prefill", "step": step, "token_id": 3,
+                         "kl_forward": 1e-3, "kl_reverse": 1e-3, "kl_sym": 1e-3,
+                         "max_abs_logit_diff": item["diff"][step], "margin_reference": item["margin"][step],
+                         "margin_construction": item["margin"][step],
+                         "argmax_differs": item["split_at"] is not None and step >= item["split_at"],
+                         "logits_equal": False, "cache_equal": False})
+    return pd.DataFrame(rows)
+
+
+def test_a_predictor_does_not_see_the_split_step():
+    """Every item reads out the same at every step but its split step, where the logit difference is large and
+    the margin small (as a split makes them): a score over the whole suffix would separate perfectly; the scores
+    known before the split do not separate at all."""
+    items = []
+    for index in range(8):
+        split_at = 3 if index < 3 else None
+        diff, margin = [0.1] * 6, [1.0] * 6
+        if split_at is not None:
+            diff[split_at], margin[split_at] = 9.0, 0.001
+        items.append({"steps": 6, "split_at": split_at, "diff": diff, "margin": margin})
+    block = pair_numbers_of(steps_of(items))["split_predictors"]
+    assert block["cases"] == 3 and block["controls"] == 5
+    for name in ("logit_diff_boundary", "margin_boundary", "logit_diff_step_before", "margin_step_before"):
+        assert block[name]["auc"] == 0.5, name
+
+
+def test_the_step_before_the_split_is_read_at_the_same_step_for_both_classes():
+    """Split items' margin narrows at the step just before their split; unsplit items' margin is as narrow at
+    another step only. Read at the same step the narrowing separates; at the boundary nothing does."""
+    items = []
+    for index in range(8):
+        split_at = 4 if index < 3 else None
+        margin = [1.0] * 7
+        margin[3 if split_at else 5] = 0.01  # unsplit items narrow too, but at step 5
+        items.append({"steps": 7, "split_at": split_at, "diff": [0.1] * 7, "margin": margin})
+    block = pair_numbers_of(steps_of(items))["split_predictors"]
+    assert block["margin_step_before"]["auc"] == 1.0 and block["margin_step_before"]["pairs"] == 15
+    assert block["margin_boundary"]["auc"] == 0.5
+
+
+def test_suffix_length_is_held_even_and_step_zero_splits_are_left_out():
+    """An unsplit item whose suffix ended before a split item's first divergence is not compared with it (it was
+    never at risk that long), whatever its score; an item split at step 0 is counted apart, never scored."""
+    items = [{"steps": 8, "split_at": 5, "diff": [0.5] * 8, "margin": [1.0] * 8},  # splits at 5
+             {"steps": 8, "split_at": None, "diff": [0.1] * 8, "margin": [2.0] * 8},  # at risk through 5
+             {"steps": 3, "split_at": None, "diff": [0.9] * 3, "margin": [0.2] * 3},  # ended at step 2
+             {"steps": 8, "split_at": 0, "diff": [5.0] * 8, "margin": [0.0] * 8}]  # split at the boundary step
+    block = pair_numbers_of(steps_of(items))["split_predictors"]
+    assert block["split_at_boundary_step"] == 1 and block["cases"] == 1 and block["controls"] == 2
+    for name in ("logit_diff_boundary", "margin_boundary", "logit_diff_step_before", "margin_step_before"):
+        assert block[name]["pairs"] == 1 and block[name]["auc"] == 1.0, name  # the short item would make it 0.5
+
+
+def pair_numbers_of(frame: pd.DataFrame) -> dict:
+    _, numbers = section_of(frame)
+    return numbers["bf16"]["live_vs_prefill"]
+
+
+def test_constructions_that_read_out_alike_are_shown_once():
+    frame = hand_made(equal_b=False)
+    twin = frame[frame["construction"] == "prefill"].assign(construction="chunked")
+    text, numbers = section_of(pd.concat([frame, twin], ignore_index=True))
+    assert "| fp32 | chunked = prefill |" in text and "| fp32 | prefill |" not in text
+    assert "`chunked` and `prefill` read out the same" in text
+    assert numbers["fp32"]["live_vs_prefill"]["same_readouts_as"] == ["chunked"]
+    assert numbers["fp32"]["live_vs_prefix_cached"]["same_readouts_as"] == []
+
+
 # --- the report's wording ---------------------------------------------------------------------------------------
 
 def hand_made(equal_b: bool) -> pd.DataFrame:
@@ -247,7 +324,7 @@ def test_the_report_says_bit_identical_only_where_every_logit_vector_is_byte_equ
     assert block["kl_forward_max"] == 1e-14 and block["items_split"]["k"] == 1
     assert numbers["fp32"]["live_vs_prefix_cached"]["bit_identical"] is True
     assert block["split_by_position"]["split"][:4] == [0, 0, 1, 1]
-    assert block["split_predictors"]["min_margin_reference"]["auc"] == 1.0  # the split item has the smallest margin
+    assert block["split_predictors"]["margin_boundary"]["auc"] == 1.0  # the split item has the smallest margin
     # nothing byte-equal throughout: the word does not appear at all
     nothing = hand_made(equal_b=False)
     nothing = nothing[nothing["construction"] == "prefill"]

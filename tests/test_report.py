@@ -10,6 +10,7 @@ import pytest
 
 from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_differences, synthetic_ledger,
                          synthetic_transplant, write)
+from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report import build_report
 
@@ -232,8 +233,10 @@ def test_findings_lead_the_report_and_say_where_the_study_holds(built):
     fp32 = findings["fixed-prefix fp32, incremental vs prefill: suffixes differ"]
     assert fp32["this_run"].startswith("0 / ") and fp32["holds"] == "yes"
     acc = numbers["matched"]["bf16"]["accuracy_difference"]
-    covers = acc["bootstrap_low"] <= 0 <= acc["bootstrap_high"]
-    assert findings["bf16: accuracy difference live − prefill, points"]["holds"] == ("yes" if covers else "no")
+    # what was shown, from the exact interval and the equivalence test, never "yes" from an interval on 0
+    shown = stats.accuracy_equivalence(acc["discordant_a_only"], acc["discordant_b_only"], acc["n"], 0.05)
+    assert findings["bf16: accuracy difference live − prefill, points"]["holds"] == {
+        "difference": "no", "equivalent": "yes", "undecided": "not shown"}[shown["verdict"]]
     assert findings["all-layer transplant: divergent continuations follow their cache donor"]["holds"] == "yes"
     assert "| bridge: incremental cache bit-exact with the live cache | 12 / 12 | 11 / 12 | **no** |" in report
 

@@ -53,6 +53,7 @@ rule build_report:
         not_run=controls_not_run(),
         run=RUN,
         seed=config["seed"],
+        equivalence_margin=config["accuracy_equivalence_margin"],
         version=CODE_VERSION,
     script:
         "../scripts/build_report.py"

@@ -16,4 +16,5 @@ build_report(inputs.pop("ledger", {}), snakemake.output.report, snakemake.output
              snakemake.params.seed, inputs=inputs,
              figures=dict(zip(snakemake.params.figure_names, snakemake.input.figures)),
              results_dir=str(results_dir), item_browser=snakemake.input.item_browser,
-             out_html=snakemake.output.report_html, not_run=snakemake.params.not_run)
+             out_html=snakemake.output.report_html, not_run=snakemake.params.not_run,
+             equivalence_margin=snakemake.params.equivalence_margin)

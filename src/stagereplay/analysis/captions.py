@@ -115,14 +115,21 @@ CAPTIONS = {
         "steps with byte-equal logits is in fidelity.parquet and the report.",
     ),
     "fig10_split_predictors": (
-        "What predicts a split.",
+        "What is associated with a split (an association across items, not a prediction).",
         "One row of panels per revision and precision. Left: one marker per compared item and construction (colour "
-        "and marker): the smallest top-2 margin of live along its suffix (y) against the largest max-abs logit "
-        "difference between the two constructions along it (x), both symmetric-log, linear near 0 so that exact "
-        "zeros stay visible; filled: items whose greedy suffixes split (the argmax differs at some step under "
-        "teacher forcing), open: items that do not. Right: the share of all compared items split within the first k "
-        "suffix tokens, k = 1 to the suffix budget (step line), with pointwise Wilson 95% intervals (band); no curve "
-        "is fitted. The AUCs of both scores (Mann-Whitney U, bootstrap intervals) are in the report.",
+        "and marker): what the boundary state reads out at the first suffix step, before any suffix token is "
+        "compared: live's top-2 margin (y) against the max-abs logit difference between the two constructions (x), "
+        "both symmetric-log, linear near 0 so that exact zeros stay visible; filled: items whose greedy suffixes "
+        "split at a later step (the argmax differs under teacher forcing), open: items that do not split. Items "
+        "split at step 0 itself are left out of this panel (their difference there is the split; the report counts "
+        "them). No score is taken over the "
+        "suffix, which would include the split step and grow with the suffix's length. Right: the share of all "
+        "compared items split within the first k suffix tokens, k = 1 to the suffix budget (step line, one line "
+        "style per construction), with pointwise Wilson 95% intervals (band); no curve is fitted. Constructions "
+        "alike on every item are drawn once and named in the panel (a = b); a precision with no split says so "
+        "instead of drawing lines at 0. The AUCs of these scores and of the same scores at the step before each split "
+        "(split items compared only with unsplit items observed past their split step; DeLong intervals) and the "
+        "suffix-length control are in the report.",
     ),
 }
 

@@ -78,7 +78,7 @@ def matched_section(data: RevisionData) -> tuple[list[str], dict]:
                           "label_flips": flips, "accuracy_difference": acc, "replicas": rep.get(precision, {}),
                           "first_divergence": stats.first_divergence_summary(
                               cmp.loc[cmp["disagree"], "first_divergence"].tolist()),
-                          "suffixes_at_max_new_tokens": budget_stops(cmp)}
+                          "suffixes_at_max_new_tokens": budget_stops(cmp), "max_new_tokens": data.max_new_tokens}
         ref_dis = study.MATCHED_DISAGREEMENTS.get(precision)
         ref_flips = study.MATCHED_LABEL_FLIPS.get(precision)
         claim2.append(table_row(precision, ref_dis if ref_dis else "—", format_proportion(dis)))
@@ -120,6 +120,7 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
     rep_lines, rep = _replica_rows(data, "fixed_prefix")
     a, b = analysis.fixed_prefix_pair(ledger)
     study_pair = (a, b) == analysis.STUDY_FIXED_PREFIX
+    identical = analysis.identical_caches(ledger)
     out: dict = {}
     lines = header + table_head("precision", "reference study: suffixes that differ",
                                 f"this run: {a} vs {b}, suffixes that differ", "labels that differ",
@@ -135,7 +136,9 @@ def fixed_prefix_section(data: RevisionData) -> tuple[list[str], dict]:
                           "accuracy_difference": acc, "first_divergence": fd, "replicas": rep.get(precision, {}),
                           "nonfinite_rows": int(len(nonfinite)),
                           "nonfinite_items": int(nonfinite["item_index"].nunique()),
-                          "same_rows_as_matched": bool(same), "suffixes_at_max_new_tokens": budget_stops(cmp)}
+                          "same_rows_as_matched": bool(same), "suffixes_at_max_new_tokens": budget_stops(cmp),
+                          "max_new_tokens": data.max_new_tokens,
+                          "identical_caches": identical.get((data.revision, precision), [])}
         fd_text = f"{fd['median']:g} [{fd['q1']:g}, {fd['q3']:g}] (n={fd['n']})" if fd["n"] else "—"
         mark = " (= matched)" if same else ""
         reference = study.fixed_prefix_text(precision) if study_pair else "— (the study compared incremental vs prefill)"
@@ -178,8 +181,10 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
     cells = cells[cells["revision"] == data.revision]
     stand_in = (" (the stand-in for `live` where the bridge above finds it bit-exact with the live cache)"
                 if reference == "incremental" else "")
+    identical = analysis.identical_caches(data.ledger)
     lines = ["", f"Each replay construction against `{reference}`{stand_in}, over the same prefix ids, in the same "
-             "batches and layout, counted as in the 2x2: items whose suffix ids differ.", "",
+             "batches and layout, counted as in the 2x2: items whose suffix ids differ. Constructions whose boundary "
+             "caches are byte-identical on every item are one result, named once (a = b).", "",
              *table_head("precision", "construction", f"suffixes that differ from {reference}", "labels that differ")]
     for r in cells.itertuples(index=False):
         dis = stats.proportion(int(r.k), int(r.n))
@@ -187,7 +192,15 @@ def _replay_lines(data: RevisionData, out: dict) -> list[str]:
         out.setdefault(r.precision, {}).setdefault("against_reference", {})[r.construction_b] = {
             "constructions": [r.construction_a, r.construction_b], "n_compared": int(r.n),
             "suffix_disagreements": dis, "label_flips": flips}
-        lines.append(table_row(r.precision, r.construction_b, format_proportion(dis), format_proportion(flips)))
+        groups = [g["constructions"] for g in identical.get((data.revision, r.precision), [])]
+        label = next((" = ".join(names) if r.construction_b == names[0] else None
+                      for names in groups if r.construction_b in names), r.construction_b)
+        if label is not None and reference not in label.split(" = "):
+            lines.append(table_row(r.precision, label, format_proportion(dis), format_proportion(flips)))
+    named = [f"{p}: " + " = ".join(f"`{c}`" for c in g["constructions"]) + f", byte-identical on all {g['n']} items"
+             for (revision, p), groups in identical.items() if revision == data.revision for g in groups]
+    if named:
+        lines += ["", "Boundary caches byte-identical (the same fingerprint on every item): " + "; ".join(named) + "."]
     same = {}
     for r in cells.itertuples(index=False):
         if r.n and not r.k:

@@ -22,7 +22,7 @@ import pandas as pd
 
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.findings import DOES_NOT_HOLD, HOLDS, NOT_MEASURED, revision_rows
+from stagereplay.analysis.findings import DEFAULT_EQUIVALENCE_MARGIN, revision_rows, verdict_word
 from stagereplay.analysis.inputs import discover
 from stagereplay.analysis.report import revision_section
 from stagereplay.analysis.report_format import NOT_RECORDED, format_proportion, join_words, table_head, table_row
@@ -152,7 +152,11 @@ def factor_section(runs: list[RunResults]) -> tuple[list[str], dict]:
 
 # ---- The study's claims, a column per run ---------------------------------------------------------------------------
 
-VERDICTS = {HOLDS: "yes", DOES_NOT_HOLD: "no", NOT_MEASURED: "not measured"}
+def equivalence_margin(run: RunResults) -> float:
+    """The accuracy equivalence margin the run's own report used (its stats.json), else the default."""
+    path = run.folder / "report" / "stats.json"
+    recorded = json.loads(path.read_text()).get("accuracy_equivalence_margin") if path.is_file() else None
+    return float(recorded) if recorded else DEFAULT_EQUIVALENCE_MARGIN
 
 
 def run_numbers(run: RunResults) -> dict[str, dict]:
@@ -162,11 +166,10 @@ def run_numbers(run: RunResults) -> dict[str, dict]:
 
 def run_findings(run: RunResults, numbers: dict[str, dict]) -> dict[tuple[str, str], dict]:
     """(revision, claim) -> the Findings row of the run's report: the study's figure, this run's and the verdict."""
-    rows = {}
+    rows, margin = {}, equivalence_margin(run)
     for revision, by_section in numbers.items():
-        for claim, reference, figure, holds in revision_rows(revision, by_section, named=False):
-            verdict = next(v for k, v in VERDICTS.items() if holds.startswith(k))
-            rows[(revision, claim)] = {"reference_study": reference, "this_run": figure, "holds": verdict,
+        for claim, reference, figure, holds in revision_rows(revision, by_section, named=False, margin=margin):
+            rows[(revision, claim)] = {"reference_study": reference, "this_run": figure, "holds": verdict_word(holds),
                                        "holds_text": holds}
     return rows
 

@@ -1,8 +1,8 @@
 """The paper figures of the constructions' fidelity to live: figures 9 and 10.
 
-(9) the per-step KL divergence from live along the suffix, (10) what predicts a split: items' smallest margin
-against their largest logit difference, and the share of items split by each suffix position, one colour and marker
-per construction. Each takes its table, made by :mod:`stagereplay.analysis.fidelity`, and writes PDF and PNG in the
+(9) the per-step KL divergence from live along the suffix, (10) what is associated with a split: what items'
+boundary states read out at the first suffix step (live's margin against the logit difference), and the share of
+items split by each suffix position, one colour, marker and line style per construction. Each takes its table, made by :mod:`stagereplay.analysis.fidelity`, and writes PDF and PNG in the
 one style of :mod:`stagereplay.analysis.figure_style`. A figure whose table is absent or empty says which input it
 waits for.
 
@@ -11,6 +11,8 @@ were measured, nor of torch or Snakemake. matplotlib runs on the Agg backend.
 """
 
 from __future__ import annotations
+
+import textwrap
 
 import matplotlib
 
@@ -23,18 +25,21 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from stagereplay.analysis import tables as analysis  # noqa: E402
 from stagereplay.analysis.fidelity import KL as FIDELITY_KL  # noqa: E402
+from stagereplay.analysis.fidelity import SUMMARY_COLUMNS, construction_label, same_constructions  # noqa: E402
 from stagereplay.analysis.figure_style import (COLORS, STYLE, WIDTH, ordered_revisions, panel_keys,  # noqa: E402
                                                panel_title, placeholder_figure, save_figure, symlog_threshold)
 from stagereplay.analysis.stats import share_by_position  # noqa: E402
 
 
-CONSTRUCTION_STYLE = {"prefill": {"color": "#CC79A7", "marker": "o"}, "chunked": {"color": "#009E73", "marker": "s"},
-                      "prefix_cached": {"color": "#E69F00", "marker": "^"},
-                      "incremental": {"color": "#56B4E9", "marker": "D"}}
+# A line style each too: two curves that coincide on some positions stay told apart where they overlap.
+CONSTRUCTION_STYLE = {"prefill": {"color": "#CC79A7", "marker": "o", "linestyle": "-"},
+                      "chunked": {"color": "#009E73", "marker": "s", "linestyle": (0, (4, 2))},
+                      "prefix_cached": {"color": "#E69F00", "marker": "^", "linestyle": (0, (1, 1.5))},
+                      "incremental": {"color": "#56B4E9", "marker": "D", "linestyle": (0, (4, 1.5, 1, 1.5))}}
 
 
 def _construction_style(name: str) -> dict:
-    return CONSTRUCTION_STYLE.get(name, {"color": "0.4", "marker": "v"})
+    return CONSTRUCTION_STYLE.get(name, {"color": "0.4", "marker": "v", "linestyle": (0, (2, 2))})
 
 
 def plot_fidelity(steps: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
@@ -89,10 +94,59 @@ def plot_fidelity(steps: pd.DataFrame, paths: dict[str, str], revision_order=(),
         save_figure(fig, paths)
 
 
+def _split_panel(scatter, curve_ax, panel: pd.DataFrame, constructions, positions, precision: str) -> None:
+    """One row of figure 10: the boundary scores (left) and the split-by-position curves (right); constructions
+    alike on every item drawn once, under one label; a panel with no split says so instead of flat lines at 0."""
+    any_split = bool(panel["split"].astype(bool).any())
+    by = ["revision", "precision"]
+    groups = same_constructions(panel, by, SUMMARY_COLUMNS).get(tuple(panel[by].iloc[0]), [])
+    curves = same_constructions(panel, by, ["split", "first_divergence"]).get(tuple(panel[by].iloc[0]), [])
+    n = int(panel.groupby("construction").size().max())
+    for construction in constructions:
+        g = panel[panel["construction"] == construction]
+        if g.empty or construction_label(construction, groups) is None:
+            continue
+        style = _construction_style(construction)
+        split = g["split"].astype(bool)
+        first = pd.to_numeric(g["first_divergence"], errors="coerce")
+        later = split & (first > 0)
+        scatter.scatter(g.loc[~split, "logit_diff_boundary"], g.loc[~split, "margin_boundary"], s=10,
+                        marker=style["marker"], facecolors="none", edgecolors=style["color"], linewidths=0.6,
+                        clip_on=False, zorder=2)
+        # split items above every construction's unsplit ones, which would otherwise hide them
+        scatter.scatter(g.loc[later, "logit_diff_boundary"], g.loc[later, "margin_boundary"], s=10,
+                        marker=style["marker"], color=style["color"], linewidths=0, clip_on=False, zorder=3)
+        if not any_split or construction_label(construction, curves) is None:
+            continue
+        curve = share_by_position(list(g["first_divergence"]), len(g), positions)
+        k = np.asarray(curve["positions"])
+        curve_ax.fill_between(k, 100 * np.asarray(curve["wilson_low"], dtype=float),
+                              100 * np.asarray(curve["wilson_high"], dtype=float), step="post",
+                              color=style["color"], alpha=0.12, lw=0)
+        curve_ax.step(k, 100 * np.asarray(curve["rate"], dtype=float), where="post", color=style["color"],
+                      lw=1.0, ls=style["linestyle"])
+    notes = [f"{' = '.join(names)} (alike on all {n} items)" for names in groups]
+    if any_split:
+        notes += [f"{' = '.join(names)} (same splits on all {n} items)" for names in curves if names not in groups]
+    if notes:
+        text = "\n".join(textwrap.fill(note, 26) for note in notes) + "\ndrawn once"
+        curve_ax.text(0.03, 0.97, text, ha="left", va="top", fontsize=5, color="0.35", transform=curve_ax.transAxes,
+                      in_layout=False)
+    if not any_split:
+        curve_ax.text(0.55, 0.3, f"no splits at {precision}\n0 of {n} items,\nevery construction", ha="center",
+                      va="center", fontsize=6.5, color="0.35", transform=curve_ax.transAxes, in_layout=False)
+    for axis, column in (("x", "logit_diff_boundary"), ("y", "margin_boundary")):
+        values = panel[column].dropna().to_numpy(dtype=float)
+        if np.any(values > 0):
+            getattr(scatter, f"set_{axis}scale")("symlog", linthresh=symlog_threshold(values), linscale=0.6)
+        getattr(scatter, f"set_{axis}lim")(0, 2 * float(np.max(values)) if np.any(values > 0) else 1.0)
+
+
 def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_order=(), **_) -> None:
-    """Figure 10: per revision and precision (one row of panels each), items' smallest live margin against their
-    largest logit difference (split items filled; left), and the share of items split within the first k suffix
-    tokens with pointwise Wilson intervals (right)."""
+    """Figure 10: per revision and precision (one row of panels each), what the boundary state reads out at the
+    first suffix step, live's margin against the logit difference (items split later filled; left), and the share
+    of items split within the first k suffix tokens with pointwise Wilson intervals (right). Constructions whose
+    items are alike on every item are drawn once, labelled ``a = b``."""
     if items is None or items.empty:
         return placeholder_figure(paths, "No data yet for figure 10: needs fidelity.parquet (rule measure_fidelity) "
                             "with at least one compared item.")
@@ -105,42 +159,19 @@ def plot_split_predictors(items: pd.DataFrame, paths: dict[str, str], revision_o
             scatter, curve_ax = axes[row]
             panel = items[(items["revision"] == revision) & (items["precision"] == precision)]
             positions = int(panel["positions"].max())
-            for construction in constructions:
-                style = _construction_style(construction)
-                g = panel[panel["construction"] == construction]
-                if g.empty:
-                    continue
-                split = g["split"].astype(bool)
-                scatter.scatter(g.loc[~split, "max_logit_diff"], g.loc[~split, "min_margin_reference"], s=10,
-                                marker=style["marker"], facecolors="none", edgecolors=style["color"],
-                                linewidths=0.6, clip_on=False, zorder=2)
-                # split items above every construction's unsplit ones, which would otherwise hide them
-                scatter.scatter(g.loc[split, "max_logit_diff"], g.loc[split, "min_margin_reference"], s=10,
-                                marker=style["marker"], color=style["color"], linewidths=0, clip_on=False, zorder=3)
-                curve = share_by_position(list(g["first_divergence"]), len(g), positions)
-                k = np.asarray(curve["positions"])
-                curve_ax.fill_between(k, 100 * np.asarray(curve["wilson_low"], dtype=float),
-                                      100 * np.asarray(curve["wilson_high"], dtype=float), step="post",
-                                      color=style["color"], alpha=0.15, lw=0)
-                curve_ax.step(k, 100 * np.asarray(curve["rate"], dtype=float), where="post", color=style["color"],
-                              lw=1.0)
-            for axis, column in (("x", "max_logit_diff"), ("y", "min_margin_reference")):
-                values = panel[column].to_numpy(dtype=float)
-                if np.any(values > 0):
-                    getattr(scatter, f"set_{axis}scale")("symlog", linthresh=symlog_threshold(values), linscale=0.6)
-                getattr(scatter, f"set_{axis}lim")(0, 2 * float(np.max(values)) if np.any(values > 0) else 1.0)
-            scatter.set_ylabel("smallest live margin")
+            _split_panel(scatter, curve_ax, panel, constructions, positions, precision)
+            scatter.set_ylabel("live margin at step 0")
             curve_ax.set_xlim(1, positions)
             curve_ax.set_ylim(0, 100)
             curve_ax.xaxis.get_major_locator().set_params(integer=True)
             curve_ax.set_ylabel("items split within k (%)")
             panel_title(scatter, f"{revision} · {precision}" if len(revisions) > 1 else precision, True)
-        axes[-1][0].set_xlabel("largest max-abs logit diff")
+        axes[-1][0].set_xlabel("max-abs logit diff at step 0")
         axes[-1][1].set_xlabel("suffix position k")
-        handles = [Line2D([], [], ls="", marker=_construction_style(c)["marker"], color=_construction_style(c)["color"],
-                          label=c) for c in constructions]
-        handles += [Line2D([], [], ls="", marker="o", color="0.3", label="split"),
+        handles = [Line2D([], [], ls=_construction_style(c)["linestyle"], marker=_construction_style(c)["marker"],
+                          color=_construction_style(c)["color"], label=c) for c in constructions]
+        handles += [Line2D([], [], ls="", marker="o", color="0.3", label="split after step 0"),
                     Line2D([], [], ls="", marker="o", mfc="none", mec="0.3", label="not split"),
                     Patch(facecolor="0.3", alpha=0.15, label="Wilson 95%")]
-        fig.legend(handles=handles, loc="outside lower center", ncol=3, handlelength=1.2, columnspacing=1.0)
+        fig.legend(handles=handles, loc="outside lower center", ncol=3, handlelength=1.8, columnspacing=1.0)
         save_figure(fig, paths)

@@ -5,8 +5,8 @@ margins at the first divergence against the same item's other steps, (4) per-lay
 constructions' boundary caches, (5) the transplant outcome matrix, (6) paired accuracy differences with their CIs,
 (7) how often each part of the cache is in a minimal sufficient transplant, (8) the growth of the cache difference
 with depth in divergent items and the margin at the divergence against the last layer's difference, (9) the
-per-step KL divergence from live along the suffix, (10) what predicts a split: items' smallest margin against
-their largest logit difference, and the share of items split by each suffix position.
+per-step KL divergence from live along the suffix, (10) what is associated with a split: items' live margin
+against the logit difference at the first suffix step, and the share of items split by each suffix position.
 A figure whose input is absent or empty is still written, saying which input it waits for, so the pipeline never
 stops on a stage that has not run.
 

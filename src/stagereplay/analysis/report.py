@@ -22,7 +22,7 @@ The sections live in modules by what they report: :mod:`~stagereplay.analysis.cl
 bridge, exclusions), :mod:`~stagereplay.analysis.audit_report` (the audit's verdict, banner and section),
 :mod:`~stagereplay.analysis.transplant_report`, :mod:`~stagereplay.analysis.divergence_location` (minimal
 transplants, onset), :mod:`~stagereplay.analysis.beyond_study` (margins, cache differences, batch invariance),
-:mod:`~stagereplay.analysis.fidelity` (fidelity along the suffix, what predicts a split) and
+:mod:`~stagereplay.analysis.fidelity` (fidelity along the suffix, what a split is associated with) and
 :mod:`~stagereplay.analysis.run_identity` (what produced the run); the revision's files are read through
 :class:`~stagereplay.analysis.revision_data.RevisionData` and numbers are
 written by :mod:`~stagereplay.analysis.report_format`. This module assembles the page and ``stats.json``.
@@ -47,7 +47,7 @@ from stagereplay.analysis.claims import bridge_section, exclusions_section, fixe
 from stagereplay.analysis.divergence_location import divergence_onset_section, minimal_transplant_section
 from stagereplay.analysis.engine_report import engine_section
 from stagereplay.analysis.fidelity import fidelity_section
-from stagereplay.analysis.findings import findings_section
+from stagereplay.analysis.findings import DEFAULT_EQUIVALENCE_MARGIN, beyond_study_section, findings_section
 from stagereplay.analysis.inputs import merge_inputs
 from stagereplay.analysis.report_format import NOT_RECORDED, join_words
 from stagereplay.analysis.report_html import render_report_html
@@ -233,7 +233,8 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
                  inputs: dict[str, dict[str, str]] | None = None, figures: dict[str, str] | None = None,
                  results_dir: str | None = None, selection: str | None = None,
                  item_browser: str | None = None, out_html: str | None = None,
-                 not_run: dict[str, str] | None = None) -> dict:
+                 not_run: dict[str, str] | None = None,
+                 equivalence_margin: float = DEFAULT_EQUIVALENCE_MARGIN) -> dict:
     """``ledgers`` maps a revision slug to its ledger.parquet; ``inputs`` maps a kind of file (bridge, audit,
     audit_check, transplant, cache_differences, ...) to {revision: path}. A declared path that does not exist yet
     is fine: its sections are skipped with a note. With ``results_dir`` (``results/<run>``), every results file of
@@ -242,7 +243,9 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     ``figures`` maps a figure's name to its PNG, shown in the report with its caption; ``item_browser`` is the
     run's item browser page (items.html), linked near the top; ``out_html``, where given, gets the report as one
     HTML page too (:mod:`~stagereplay.analysis.report_html`); ``not_run`` maps a section whose stage was not
-    scheduled (a control with nothing to compare) to the reason, said in its place where no file of it exists."""
+    scheduled (a control with nothing to compare) to the reason, said in its place where no file of it exists.
+    ``equivalence_margin`` (the config's ``accuracy_equivalence_margin``) is the margin of the Findings' accuracy
+    equivalence test."""
     declared = {kind: dict(paths) for kind, paths in (inputs or {}).items()}
     declared["ledger"] = dict(ledgers)
     merged, only_on_disk = merge_inputs(declared, results_dir)
@@ -276,8 +279,11 @@ def build_report(ledgers: dict[str, str], out_md: str, out_json: str, run: str, 
     for data in revision_data:
         revision_lines, all_stats["revisions"][data.revision] = revision_section(data, not_run)
         lines += revision_lines
-    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"])
-    lines[findings_at:findings_at] = findings_lines
+    findings_lines, all_stats["findings"] = findings_section(all_stats["revisions"], equivalence_margin)
+    beyond_lines, all_stats["beyond_the_study"] = beyond_study_section(
+        all_stats["revisions"], {d.revision: d for d in revision_data})
+    all_stats["accuracy_equivalence_margin"] = equivalence_margin
+    lines[findings_at:findings_at] = findings_lines + beyond_lines
     lines += figures_section(figures, out_md, figure_notes(revision_data))
     markdown = "\n".join(lines) + "\n"
     # rendered first: a figure it cannot embed fails the report before any of its files is written

@@ -33,8 +33,8 @@ def format_percent(x: float | None, signed: bool = False) -> str:
 def format_accuracy(acc: dict) -> str:
     return (f"{format_percent(acc['accuracy_a'])}% / {format_percent(acc['accuracy_b'])}%, "
             f"{format_percent(acc['difference'], True)} points, "
-            f"paired bootstrap 95% CI [{format_percent(acc['bootstrap_low'], True)}, "
-            f"{format_percent(acc['bootstrap_high'], True)}], "
+            f"exact 95% interval [{format_percent(acc['exact_low'], True)}, "
+            f"{format_percent(acc['exact_high'], True)}], "
             f"exact McNemar p = {acc['mcnemar_p']:.3g} ({acc['discordant_a_only']} vs {acc['discordant_b_only']} "
             "discordant)")
 

@@ -199,6 +199,31 @@ def replay_cells(ledger: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=REPLAY_COLUMNS)
 
 
+def identical_caches(ledger: pd.DataFrame | None) -> dict[tuple[str, str], list[dict]]:
+    """Per (revision, precision) of the fixed-prefix rows: the sets of constructions (two or more) whose boundary
+    caches have the same fingerprint on every item that all of them reached the boundary on (replica 1), with that
+    number of items: {"constructions": [...], "n": items}. Decided from the fingerprints (sha256 of the bytes),
+    never from a tolerance; a construction alike with none is not listed."""
+    found: dict[tuple[str, str], list[dict]] = {}
+    if ledger is None or ledger.empty:
+        return found
+    rows = ledger[(ledger["experiment"] == "fixed_prefix") & (ledger["replica"] == 1)
+                  & ledger["cache_fingerprint"].notna()]
+    for (revision, precision), cell in rows.groupby(["revision", "precision"], sort=True):
+        wide = cell.pivot_table(index="item_index", columns="construction", values="cache_fingerprint",
+                                aggfunc="first").dropna()
+        if len(wide) == 0:
+            continue
+        order = [c for c in fixed_prefix_constructions(ledger) if c in wide.columns]
+        groups: dict[tuple, list[str]] = {}
+        for construction in order:
+            groups.setdefault(tuple(wide[construction]), []).append(construction)
+        alike = [{"constructions": names, "n": len(wide)} for names in groups.values() if len(names) > 1]
+        if alike:
+            found[(str(revision), str(precision))] = alike
+    return found
+
+
 def replica_agreement(ledger: pd.DataFrame) -> pd.DataFrame:
     """Per (revision, experiment, precision, construction): how many items' replicas are bit-identical.
 
