@@ -1,6 +1,6 @@
 """The Findings say what was shown: an interval on 0 is never "holds", pooled counts say so, a split count names
 its token budget, byte-identical constructions are named once, and the "Beyond the study" table sets each of
-this run's numbers beside its control (the placebo named as not run where transplants have no arm)."""
+this run's numbers beside its control (the placebo named as not run where the transplant file has none)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from stagereplay.analysis import stats, tables
 from stagereplay.analysis.claims import fixed_prefix_section
 from stagereplay.analysis.findings import beyond_study_section, findings_section, revision_rows
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.transplant_report import transplant_section
 
 
 def _accuracy(a_only: int, b_only: int, n: int) -> dict:
@@ -82,28 +83,29 @@ def test_byte_identical_constructions_are_named_once():
     assert tables.identical_caches(other) == {}  # incremental and prefill differ on some item
 
 
-def test_the_localisation_row_says_the_placebo_was_not_run_without_arms():
+def test_the_localisation_row_says_the_placebo_was_not_run_without_it():
+    frame = synthetic_transplant().drop(columns=["placebo_outcome", "noop"])
     data = RevisionData("primary", {}, 0)
-    data._frames["transplant"] = synthetic_transplant()
-    follow = {"a->b": stats.follow_rate(["donor"] * 3), "b->a": stats.follow_rate(["donor"] * 3)}
-    _, beyond = beyond_study_section({"primary": {"transplant": {"all_layers": {"bf16": follow}}}},
-                                     {"primary": data})
-    row = next(r for r in beyond if r["finding"].startswith("all-layer transplant net of placebo"))
-    assert row["control"].startswith("placebo not run") and row["this_run"] == "donor arm only: 6 / 6"
+    data._frames["transplant"] = frame
+    _, numbers = transplant_section(data)
+    _, beyond = beyond_study_section({"primary": {"transplant": numbers}}, {"primary": data})
+    row = next(r for r in beyond if r["finding"].startswith("parts of the cache that carry"))
+    assert row["control"].startswith("placebo not run") and row["this_run"].endswith("donor arm only")
 
 
-def test_the_localisation_row_nets_the_placebo_out_when_it_ran():
+def test_the_localisation_row_counts_rows_beyond_their_placebo_against_chance():
     frame = synthetic_transplant()
-    whole = frame[(frame["layer_set"] == "all") & (frame["component"] == "kv") & (frame["positions"] == "all")]
-    placebo = whole.assign(arm="placebo", outcome="recipient", noop=False)
-    sham = whole.head(1).assign(arm="sham", outcome="recipient", noop=True)
+    carried = (frame["layer_set"] == "0-1") & (frame["direction"] == "incremental->prefill")
+    frame.loc[carried, "outcome"] = "donor"  # six of six items follow the donor, no placebo does: p 2/64
+    frame.loc[carried, "placebo_outcome"] = "recipient"
     data = RevisionData("primary", {}, 0)
-    data._frames["transplant"] = pd.concat([frame.assign(arm="donor", noop=False), placebo, sham],
-                                           ignore_index=True)
-    _, beyond = beyond_study_section({"primary": {}}, {"primary": data})
-    row = next(r for r in beyond if r["finding"].startswith("all-layer transplant net of placebo"))
-    assert row["this_run"].startswith("+") and "placebo arm 0 / " in row["control"]
-    assert "1 no-op transplant(s) left out" in row["control"]
+    data._frames["transplant"] = frame
+    _, numbers = transplant_section(data)
+    _, beyond = beyond_study_section({"primary": {"transplant": numbers}}, {"primary": data})
+    row = next(r for r in beyond if r["finding"].startswith("parts of the cache that carry"))
+    tested = len(numbers["sweep"])
+    assert row["this_run"].startswith(f"1 of {tested} row(s)")
+    assert f"{0.05 * tested:.1f} row(s) expected by chance" in row["control"]
 
 
 def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_control():

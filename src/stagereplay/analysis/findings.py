@@ -279,35 +279,42 @@ def _auc(r: dict) -> str:
 
 
 def localisation_rows(revision: str, numbers: dict, data, named: bool) -> list[BeyondRow]:
-    """The all-layer transplant net of its placebo: donor-following among the donor arm's transplants minus among
-    the placebo arm's, no-ops left out and counted. Without the ``arm`` and ``noop`` columns the placebo was not
-    run, and the row says so (never a placebo invented)."""
-    table = data.frame("transplant") if data is not None and data.has("transplant") else None
-    if table is None or table.empty:
-        return []
-    claim = "all-layer transplant net of placebo: follows the donor" + _at(revision, named)
-    if not {"arm", "noop"} <= set(table.columns):
-        follow = (numbers.get("transplant") or {}).get("all_layers") or {}
-        k = sum(r["donor"] for d in follow.values() for r in d.values())
-        n = sum(r["n"] for d in follow.values() for r in d.values())
-        return [(claim, f"donor arm only: {k} / {n}" if n else "no divergent item transplanted",
-                 "placebo not run (transplants have no `arm`/`noop` columns)",
-                 "without a placebo, following the donor cannot be told apart from what any same-shape write "
-                 "would do")]
-    whole = table[(table["layer_set"] == "all") & (table["component"] == "kv") & (table["positions"] == "all")]
-    if "divergent" in whole.columns:
-        whole = whole[whole["divergent"].fillna(False).astype(bool)]
-    noop = whole["noop"].fillna(False).astype(bool)
-    arms = {arm: stats.proportion(int((g["outcome"] == "donor").sum()), len(g))
-            for arm, g in whole[~noop].groupby("arm")}
-    donor, placebo = arms.get("donor"), arms.get("placebo")
-    if not donor or not placebo or not donor["n"] or not placebo["n"]:
-        return [(claim, f"donor arm: {_count(donor)}", "placebo not run for the all-layer transplant",
-                 "without a placebo, following the donor cannot be told apart from any same-shape write")]
-    net = donor["rate"] - placebo["rate"]
-    return [(claim, f"{net * 100:+.1f} points: donor arm {_count(donor)}",
-             f"placebo arm {_count(placebo)}; {int(noop.sum())} no-op transplant(s) left out",
-             "what the donor's bytes carry beyond a same-shape write; it cannot say which layers carry it")]
+    """The localisation net of its placebo: how many partial-transplant rows (precision x direction x part of the
+    cache) carry the donor's continuation beyond their placebo, against what chance gives; and the minimal search's
+    verdicts. Files written before the placebo control say that it was not run (never a placebo invented)."""
+    rows = []
+    transplant = numbers.get("transplant") or {}
+    sweep = transplant.get("sweep") or []
+    if sweep:
+        claim = "parts of the cache that carry the divergence beyond their placebo" + _at(revision, named)
+        read = transplant.get("localisation_net_of_placebo")
+        if read is None:
+            rows.append((claim, f"{len(sweep)} partial-transplant row(s), donor arm only",
+                         "placebo not run (the transplant file predates the controls)",
+                         "without a placebo, following the donor cannot be told apart from what any push of the "
+                         "same size does"))
+        else:
+            tested = sum(n for said, n in read.items() if not said.startswith("no-op"))
+            beyond = read.get("carries beyond its placebo", 0)
+            noops = sum(n for said, n in read.items() if said.startswith("no-op"))
+            rows.append((claim, f"{beyond} of {tested} row(s) (McNemar exact p < 0.05, unadjusted)",
+                         f"each row's placebo (the difference shifted within its span), same items and layout; "
+                         f"{0.05 * tested:.1f} row(s) expected by chance; {noops} no-op row(s) counted apart",
+                         "which parts carry more than a push of their size; not that the others carry nothing "
+                         "(few items give little power)"))
+    minimal = numbers.get("minimal_transplant") or {}
+    cells = [c for by_direction in (minimal.get("cells") or {}).values() for c in by_direction.values()]
+    if cells and all(c.get("not_separable") is not None for c in cells):
+        n = sum(c["n"] for c in cells)
+        localised = sum(c["localised"]["k"] for c in cells)
+        tied = sum(c["not_separable"]["k"] for c in cells)
+        rows.append(("minimal sufficient transplant" + _at(revision, named),
+                     f"localised beyond placebo: {localised} of {n} item-direction(s), pooled over precisions "
+                     f"and directions; not separable from its placebo: {tied}",
+                     "each box's placebo in the same wave and layout; a box counts only where the donor's bytes "
+                     "carry and its placebo does not",
+                     "a small part that suffices beyond a push of its size; not a global minimum, not necessity"))
+    return rows
 
 
 def identical_rows(revision: str, numbers: dict, data, named: bool) -> list[BeyondRow]:
