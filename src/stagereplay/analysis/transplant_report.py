@@ -115,7 +115,8 @@ def localisation_lines(rest: pd.DataFrame, out: dict) -> list[str]:
              "handed over" + (", beside the same share for its placebo." if controlled else "."), ""]
     if controlled:
         lines += [CONTROLS, "", *table_head("precision", "layers · component · positions", "direction",
-                                            "follows donor", "placebo follows donor", "only donor / only placebo",
+                                            "follows donor", "placebo follows donor", "difference (points)",
+                                            "only donor / only placebo",
                                             "McNemar exact p", "no-ops", "reading")]
     else:
         lines += ["_This file predates the placebo control: its rates are not shown to exceed what any push of "
@@ -137,9 +138,12 @@ def localisation_lines(rest: pd.DataFrame, out: dict) -> list[str]:
             said = placebo.reading(cell)
             readings.setdefault(said, []).append(f"{r.label} ({r.precision}, {r.direction})")
             row.update(placebo=int(r.placebo), only_donor=int(r.only_donor), only_placebo=int(r.only_placebo),
-                       p_value=float(r.p_value), noop=int(r.noop), reading=said, control_method=placebo.METHOD)
+                       p_value=float(r.p_value), noop=int(r.noop), reading=said, control_method=placebo.METHOD,
+                       difference=None if not r.n else (int(r.donor) - int(r.placebo)) / int(r.n))
+            difference = "—" if not r.n else f"{100 * (int(r.donor) - int(r.placebo)) / int(r.n):+.1f}"
             lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", f"{r.placebo} / {r.n}",
-                                   f"{r.only_donor} / {r.only_placebo}", f"{r.p_value:.3g}", int(r.noop), said))
+                                   difference, f"{r.only_donor} / {r.only_placebo}", f"{r.p_value:.3g}", int(r.noop),
+                                   said))
         else:
             lines.append(table_row(r.precision, r.label, r.direction, f"{r.donor} / {r.n}", r.recipient, r.neither,
                                    f"[{format_percent(r.wilson_low)}, {format_percent(r.wilson_high)}]%"))
