@@ -234,7 +234,10 @@ def transplant_counts(folder: Path, batch_of: dict | None) -> dict:
     return {"items": int(table["item_index"].nunique()),
             "batches": batches_holding(table["item_index"].unique(), batch_of),
             "directions": sorted(table["direction"].unique()),
-            "specs_per_direction": int(runs.max()) if len(runs) else None}
+            "specs_per_direction": int(runs.max()) if len(runs) else None,
+            # the controls: the placebo beside each transplant, one sham per direction and batch (none before them)
+            "arms": 2 if "placebo_outcome" in table.columns else 1,
+            "shams": 1 if "sham_cache_fingerprint" in table.columns else 0}
 
 
 def minimal_counts(folder: Path, batch_of: dict | None) -> dict:
@@ -244,7 +247,9 @@ def minimal_counts(folder: Path, batch_of: dict | None) -> dict:
     table["batch"] = [i if batch_of is None else batch_of[int(i)] for i in table["item_index"]]
     rounds = table.groupby(["direction", "batch"])["runs"].max().groupby("direction").sum()
     return {"items": int(table["item_index"].nunique()), "batches": int(table["batch"].nunique()),
-            "rounds_per_direction": {d: int(r) for d, r in rounds.items()}}
+            "rounds_per_direction": {d: int(r) for d, r in rounds.items()},
+            "arms": 2 if "trial_placebo_outcomes" in table.columns else 1,
+            "shams": 1 if "sham_cache_fingerprint" in table.columns else 0}
 
 
 def recorded_counts(work: Path) -> dict:

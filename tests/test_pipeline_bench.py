@@ -154,20 +154,27 @@ def test_the_batch_invariance_control_decodes_its_sample_alone_at_every_precisio
     assert at_batch1[0].loads == [] and _steps(at_batch1, 1) == 0  # nothing to compare, no model loaded
 
 
-def test_transplants_count_a_rebuild_and_one_recipient_cell_per_spec_and_direction():
+def test_transplants_count_a_rebuild_and_their_controls_per_spec_and_direction():
     """The default sweeps are 11 transplants per direction at 28 layers; each batch holding a selected item
-    rebuilds both constructions, then decodes the recipient once per spec and direction."""
+    rebuilds both constructions, then decodes the recipient twice per spec and direction (the donor's bytes and
+    their placebo) and once per direction for the sham; a run recorded before the controls ran one arm, no sham."""
     cell = S + N - 1
     divergent = _jobs(_run(n_items=8), "transplant_caches")  # divergent share 0.5: 4 items, derived
     assert divergent[0].loads == ["bf16"]
     held = batches_holding(4, 8, 4)
     assert 1 < held < 2
-    assert abs(_steps(divergent, 4) - held * (1 + 11) * 2 * cell) < 1e-9
-    recorded = _run(counts={"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7}})
+    assert abs(_steps(divergent, 4) - held * (1 + 2 * 11 + 1) * 2 * cell) < 1e-9
+    recorded = _run(counts={"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7}})  # before controls
     assert _steps(_jobs(recorded, "transplant_caches"), 4) == 2 * (1 + 7) * 2 * cell
+    controlled = _run(counts={"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7, "arms": 2,
+                                             "shams": 1}})
+    assert _steps(_jobs(controlled, "transplant_caches"), 4) == 2 * (1 + 2 * 7 + 1) * 2 * cell
     searched = _run(counts={"minimal": {"items": 3, "batches": 2,
                                         "rounds_per_direction": {"live->prefill": 5, "prefill->live": 3}}})
     assert _steps(_jobs(searched, "find_minimal_transplants"), 4) == (2 * 2 + 5 + 3) * cell
+    searched = _run(counts={"minimal": {"items": 3, "batches": 2, "arms": 2, "shams": 1,
+                                        "rounds_per_direction": {"live->prefill": 5, "prefill->live": 3}}})
+    assert _steps(_jobs(searched, "find_minimal_transplants"), 4) == (2 * 2 + 2 * (5 + 3) + 2 * 2) * cell
 
 
 def test_a_rule_absent_from_the_run_is_reported_absent_and_the_cli_writes_its_json(tmp_path):
@@ -208,7 +215,13 @@ def test_recorded_minimal_rounds_are_each_batchs_longest_search(tmp_path):
     pd.DataFrame({"item_index": [0, 1, 2, 0, 1, 2], "direction": ["a->b"] * 3 + ["b->a"] * 3,
                   "runs": [4, 2, 3, 1, 5, 2]}).to_parquet(tmp_path / "minimal_transplant.parquet")
     counts = pipeline_run.minimal_counts(tmp_path, {0: 0, 1: 0, 2: 1})  # items 0 and 1 share batch 0
-    assert counts == {"items": 3, "batches": 2, "rounds_per_direction": {"a->b": 4 + 3, "b->a": 5 + 2}}
+    # a table from before the controls: one arm, no sham; with them, the placebo beside each trial and a sham
+    assert counts == {"items": 3, "batches": 2, "rounds_per_direction": {"a->b": 4 + 3, "b->a": 5 + 2},
+                      "arms": 1, "shams": 0}
+    table = pd.read_parquet(tmp_path / "minimal_transplant.parquet")
+    table.assign(trial_placebo_outcomes=[["recipient"]] * 6, sham_cache_fingerprint="s").to_parquet(
+        tmp_path / "minimal_transplant.parquet")
+    assert pipeline_run.minimal_counts(tmp_path, {0: 0, 1: 0, 2: 1})["arms"] == 2
 
 
 def test_the_wall_adds_the_time_the_log_shows_without_a_model_job():

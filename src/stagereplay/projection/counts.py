@@ -48,11 +48,13 @@ a count of items (the batch-invariance sample, the dumped bytes) its share of th
   with their suffixes (live as incremental; the stage's ``Rebuild``), and two caches per item written.
 - transplant_caches (per shard, at the transplant precision, always loaded): per batch holding a selected item
   (``transplant.select``: divergent, d * n; sample:k, k; a list), the Rebuild (two cells), then for each transplant
-  spec (``enumerate_sweeps(transplant.sweeps, layers)``: 11 for the default sweeps and 28 layers) one cell per
-  direction, of the recipient's construction (live -> prefill: a prefill cell; prefill -> live: incremental).
+  spec (``enumerate_sweeps(transplant.sweeps, layers)``: 11 for the default sweeps and 28 layers) two cells per
+  direction (the donor's bytes and their placebo), of the recipient's construction (live -> prefill: a prefill
+  cell; prefill -> live: incremental), and one sham cell per direction.
 - find_minimal_transplants (per shard; no model loaded at budget 0 or without a divergent selected item): per batch
-  holding a searched item (the divergent selected ones), the Rebuild, then per direction one recipient cell per
-  round of the lockstep search (a batch's rounds: the most runs any of its rows used; at most the budget).
+  holding a searched item (the divergent selected ones), the Rebuild, then per direction one sham cell and two
+  recipient cells (the box and its placebo) per round of the lockstep search (a batch's rounds: the most runs any
+  of its rows used; at most the budget).
 - measure_divergence_onset (per shard): per precision of the ledger with divergent items, one load, and per batch
   holding one, the Rebuild.
 - replay_fixed_prefixes (per shard, transplant revisions other than the primary; bench/pipeline_run.py runs none):
@@ -338,16 +340,30 @@ def directions(shape: RunShape) -> list[str]:
     return [f"{a}->{b}", f"{b}->{a}"]
 
 
+ARMS = 2  # each transplant and each search trial runs twice: the donor's bytes and their placebo
+SHAMS = 1  # and once per direction and batch, the sham (the recipient's own bytes written back)
+
+
+def controls(shape: RunShape, stage: str) -> tuple[int, int]:
+    """(arms, shams) of a transplant stage: as the run recorded them (a record from before the controls: one arm,
+    no sham), else this code's."""
+    arms = shape.count(f"{stage}_arms", lambda r: r[stage].get("arms", 1), lambda: ARMS)
+    shams = shape.count(f"{stage}_shams", lambda r: r[stage].get("shams", 0), lambda: SHAMS)
+    return arms, shams
+
+
 def transplant_caches(shape: RunShape) -> list[JobWork]:
     p = shape.transplant_precision
     items = shape.count("transplant_items", lambda r: r["transplant"]["items"], lambda: selected_items(shape))
     specs = shape.count("transplant_specs", lambda r: r["transplant"]["specs_per_direction"],
                         lambda: transplant_specs(shape))
 
+    arms, shams = controls(shape, "transplant")
+
     def per_shard(shard):
         held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items, shard)
         return {p: by_kind(held, lambda rows: rebuild(shape, rows)
-                           + recipient_cells(shape, {d: specs for d in directions(shape)}, rows))}
+                           + recipient_cells(shape, {d: arms * specs + shams for d in directions(shape)}, rows))}
 
     return per_shard_jobs(shape, "transplant_caches", [p], per_shard)
 
@@ -363,14 +379,15 @@ def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
     rounds = shape.count("minimal_rounds", lambda r: r["minimal"]["rounds_per_direction"] or None,
                          lambda: {d: budget * sum(held.values()) for d in directions(shape)})
     by_rows = {d: spread(runs, held, shape.rows) for d, runs in rounds.items()}  # each batch's rounds, by its size
+    arms, shams = controls(shape, "minimal")
 
     def per_shard(shard):
         mine = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items, shard)
         # the shard's rounds: its share of the batches of each size
         return {p: total(batches * rebuild(shape, rows)
-                         + recipient_cells(shape, {d: r.get(rows, 0.0) * (batches / held[rows] if shape.shards > 1
-                                                                          else 1.0)
-                                                   for d, r in by_rows.items()}, rows)
+                         + recipient_cells(shape, {d: arms * r.get(rows, 0.0) * (batches / held[rows]
+                                                                                 if shape.shards > 1 else 1.0)
+                                                   + shams * batches for d, r in by_rows.items()}, rows)
                          for rows, batches in mine.items() if batches)}
 
     return per_shard_jobs(shape, "find_minimal_transplants", [p], per_shard)
