@@ -42,7 +42,7 @@ def small_run(workdir: Path, run: str, seed: int) -> list[PlannedJob]:
     select = write_as_job("select_items", {"kwargs": {"seed": seed, "n_items": 3}}, [],
                           {f"{root}/selection/items.parquet": items}, root)
     part = write_as_job("reconstruct_prefixes", {"kwargs": {"prepared": f"{root}/models/primary.json"}},
-                        [f"{root}/selection/items.parquet", "data/toy/primary"],
+                        [f"{root}/selection/items.parquet", f"{root}/models/primary.json", "data/toy/primary"],
                         {f"{root}/primary/parts/matched_bf16_0.parquet": items.assign(x=seed)}, root)
     ledger = write_as_job("gather_ledger", {"version": "1"}, [f"{root}/primary/parts/matched_bf16_0.parquet"],
                           {f"{root}/primary/ledger.parquet": items.assign(x=seed, y=1)}, root)
@@ -63,6 +63,8 @@ def test_each_written_file_records_its_jobs_binding_and_sha256sum_still_reads_th
     part = "primary/parts/matched_bf16_0.parquet"  # inputs named within the run; the model folder is in params
     assert binding == {"rule": "gather_ledger", "params": binding["params"],
                        "inputs": {part: read_hash_record(f"results/tiny/{part}").sha256}}
+    # the record of the model store entries binds through the params (their keys), not the store's folder it names
+    assert set(read_hash_record(f"results/tiny/{part}").binding["inputs"]) == {"selection/items.parquet"}
     check = subprocess.run(["sha256sum", "-c", hash_record_path(ledger).name], cwd=ledger.parent,
                            capture_output=True, text=True)
     assert (check.returncode, check.stdout, check.stderr) == (0, "ledger.parquet: OK\n", "")
@@ -119,7 +121,7 @@ def small_run_jobs(run: str, seed: int) -> list[PlannedJob]:
     return [PlannedJob("select_items", {"kwargs": {"seed": seed, "n_items": 3}}, [],
                        [f"{root}/selection/items.parquet"]),
             PlannedJob("reconstruct_prefixes", {"kwargs": {"prepared": f"{root}/models/primary.json"}},
-                       [f"{root}/selection/items.parquet", "data/toy/primary"],
+                       [f"{root}/selection/items.parquet", f"{root}/models/primary.json", "data/toy/primary"],
                        [f"{root}/primary/parts/matched_bf16_0.parquet"]),
             PlannedJob("gather_ledger", {"version": "1"}, [f"{root}/primary/parts/matched_bf16_0.parquet"],
                        [f"{root}/primary/ledger.parquet"])]

@@ -8,7 +8,8 @@ computes the same for the job of each results file that Snakemake will not make 
 in from another run with its record (``cp -a``, ``rsync``) carries the other run's binding: another selection,
 other settings or other upstream files, so it is refused by name before any job reads it.
 
-Paths count only below the run's folder, and with that folder's name taken out: a run copied whole under another
+Paths count only below the run's folder (the dataset and model files are fingerprinted in the params), and with
+that folder's name taken out: a run copied whole under another
 name (``cp -a results/a results/b``, the same config) is bound to itself, while the content of every input and
 setting counts. Knows nothing of Snakemake: callers pass the rule's name, params, inputs.
 """
@@ -23,6 +24,10 @@ from pathlib import Path
 from stagereplay.io.parquet import BINDING_ENV, read_hash_record
 
 RUN_FOLDER = "<run>"
+# Inputs that bind through the job's params instead: the run's records of its model store entries name the store's
+# folder too, which is not what was computed, and the entries' keys (the content) are in the params of every job
+# that loads them (snapshots); the record itself is bound as prepare_model's output.
+BOUND_BY_PARAMS = ("models/",)
 
 
 def results_root(run: str) -> str:
@@ -66,7 +71,7 @@ def job_binding(rule: str, params: dict, inputs: list[str], root: str, digests: 
     recorded = {}
     for path in map(str, inputs):
         name = in_run(path, root)
-        if name is None:
+        if name is None or name.startswith(BOUND_BY_PARAMS):
             continue
         if path not in digests:
             digests[path] = recorded_digest(path)

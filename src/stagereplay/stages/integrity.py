@@ -149,9 +149,9 @@ class PlannedJob:
 
 
 def unit(path: Path) -> Path:
-    """What a message names and a user moves: a cache dump's folder (Snakemake's output is the folder), else the
-    file."""
-    return path.parent if path.parent.name == "caches" else path
+    """What a message names and a user moves: a cache dump's folder (``caches``, ``parts/caches_<shard>``:
+    Snakemake's output is the folder), else the file."""
+    return path.parent if path.parent.name.startswith("caches") else path
 
 
 def binding_difference(recorded: dict, expected: dict, root: str) -> str | None:
@@ -174,18 +174,18 @@ def binding_difference(recorded: dict, expected: dict, root: str) -> str | None:
 
 
 def foreign_message(path: Path, problem: str, root: str) -> str:
-    record = f"the records .<name>.sha256 of its files" if path.is_dir() else f"its record {hash_record_path(path).name}"
+    record = "the records .<name>.sha256 of its files" if path.is_dir() else f"its record {hash_record_path(path).name}"
     return (f"{path} is not this run's: {problem}. It was copied in from another run (cp -a, rsync) or left by a run "
             f"on other inputs; move it and {record} out of {root} to recompute it (and what depends on it) with the "
             "next run, or restore this run's own copy")
 
 
 def foreign_files(jobs, root: str) -> list[str]:
-    """One message per results file (a cache folder once) under ``root`` written by a job whose binding is not that
+    """One message per output under ``root`` (a folder once) holding a file written by a job whose binding is not that
     of the job that makes it in this run (``jobs``: :class:`PlannedJob` of the jobs Snakemake will not run, which
     would read the file as this run's). Files without a recorded binding (written before bindings were recorded)
     are not judged."""
-    messages, digests, named = [], {}, set()
+    messages, digests = [], {}
     for job in jobs:
         expected = None
         for output in map(Path, job.outputs):
@@ -193,13 +193,13 @@ def foreign_files(jobs, root: str) -> list[str]:
                 continue
             for path in results_files(output) if output.is_dir() else [output]:
                 record = read_hash_record(path)
-                if record is None or record.binding is None or unit(path) in named:
+                if record is None or record.binding is None:
                     continue
                 expected = expected or job_binding(job.rule, job.params, job.inputs, root, digests)
                 problem = binding_difference(record.binding, expected, root)
                 if problem:
-                    named.add(unit(path))
-                    messages.append(foreign_message(unit(path), problem, root))
+                    messages.append(foreign_message(output, problem, root))
+                    break  # a folder output is named once
     return messages
 
 
