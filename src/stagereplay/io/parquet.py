@@ -6,7 +6,8 @@ leaves a half-written file that a rerun would trust, and a damaged file is refus
 
 Every file written through :func:`atomic_path` (Parquet, text, figures, cache dumps) also gets the sha256 of its
 bytes recorded beside it, in ``.<name>.sha256`` (the ``sha256sum`` format, so ``sha256sum -c`` checks it too; a
-comment line adds the size and inode it was written with):
+comment line adds the size and inode it was written with, another the binding of the job that wrote it,
+:mod:`stagereplay.io.bindings`):
 :mod:`stagereplay.stages.integrity` compares a run's files with these records before Snakemake may delete anything.
 """
 

@@ -13,7 +13,15 @@ The mtime cannot be the key: Snakemake touches every output after its job, after
 before a job: an edit in place that keeps the size; a stage reading the file still refuses it (the content
 fingerprint of a Parquet file, the per-layer sha256 of a dump). Files without a record (written before records
 existed, or a record lost to a kill between the file and its record) get a structural check only: a Parquet file
-must open (its footer), a safetensors dump must have the size its header declares. Knows nothing of Snakemake.
+must open (its footer), a safetensors dump must have the size its header declares.
+
+Whole is not enough: a file copied in from another run together with its record (``cp -a``, ``rsync`` of a results
+folder) has the bytes its record names. Each record also holds the binding of the job that wrote it (its rule,
+params and inputs' sha256: :mod:`stagereplay.io.bindings`); :func:`foreign_files` compares it with the binding of the
+job that makes the file in this run, for every job Snakemake will not run (a job that reruns writes its own files),
+and :func:`refuse_foreign` stops the run naming each foreign file, before any job and with nothing rewritten. A dry
+run plans before the jobs can be seen: :func:`foreign_inputs` compares the recorded inputs alone. Knows nothing of
+Snakemake: the workflow hands it the jobs (:class:`PlannedJob`).
 """
 
 from __future__ import annotations
