@@ -91,19 +91,18 @@ def test_answers_too_large_for_a_float_are_compared_without_an_error():
 
 @contextlib.contextmanager
 def read_only(folder: Path):
-    """``folder`` unwritable, for root too (chmod alone does not stop root: the immutable flag does)."""
-    folder.chmod(0o555)
-    flagged = False
-    if os.access(folder, os.W_OK):
-        flagged = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    """``folder`` and all in it unwritable, as on a read-only mount, for root too (chmod does not stop root: the
+    immutable flag does)."""
+    subprocess.run(["chmod", "-R", "a-w", str(folder)], check=True)
+    if os.access(folder, os.W_OK):  # links inside cannot take the flag: chattr fails on them, the rest is flagged
+        subprocess.run(["chattr", "-R", "+i", str(folder)], capture_output=True)
     try:
-        if os.access(folder, os.W_OK):
+        if os.access(folder, os.W_OK) or os.access(folder / ".locks", os.W_OK):
             pytest.skip("cannot make a folder read-only here")
         yield
     finally:
-        if flagged:
-            subprocess.run(["chattr", "-i", str(folder)], check=True)
-        folder.chmod(0o755)
+        subprocess.run(["chattr", "-R", "-i", str(folder)], capture_output=True)
+        subprocess.run(["chmod", "-R", "u+w", str(folder)], check=True)
 
 
 def test_a_model_store_that_is_a_file_or_read_only_is_refused(tmp_path, tiny_model_dir):
