@@ -99,10 +99,11 @@ def _pairs_once(pairs: list[tuple]) -> dict:
     return seen
 
 
-def _check_texts(raw: dict, at: str) -> None:
-    """Every text field must be encodable: a JSON escape of half a UTF-16 pair (``"\\ud800"``) decodes to a lone
+def _check_texts(raw: dict, at: str, fields: dict) -> None:
+    """Every text field read must be encodable: a JSON escape of half a UTF-16 pair (``"\\ud800"``) decodes to a lone
     surrogate, which no tokenizer, Parquet file or log can write (``UnicodeEncodeError`` in a later stage)."""
-    for field, value in raw.items():
+    for field in dict.fromkeys(f for f in fields.values() if f):
+        value = raw.get(field)
         if not isinstance(value, str):
             continue
         try:
@@ -119,7 +120,7 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
     at = f"{where}: {unit} {line_no}"
     if not isinstance(raw, dict):
         raise DatasetError(f"{at} is not an object with fields; fix or remove it")
-    _check_texts(raw, at)
+    _check_texts(raw, at, fields)
     question = raw.get(fields["question"])
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{at} has no question (field {fields['question']!r}); fix or remove it")
