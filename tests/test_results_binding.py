@@ -172,3 +172,23 @@ def test_the_workflow_refuses_another_runs_ledger_before_any_job_and_reruns_its_
         path.write_bytes(data)
     proc = snakemake(tmp_path, "--cores", "2", target, "--forcerun", "gather_audit")  # this run's own files pass
     assert "Results checked:" in proc.stdout + proc.stderr
+
+
+def test_gathered_cache_dumps_carry_their_records_so_other_dumps_of_the_same_names_are_told_apart(tmp_path):
+    """gather_caches links the shards' dumps into caches/: each link gets the record of its part (a stat checks it
+    before a run), so the folder's digest in its readers' bindings is by content, not by file names alone."""
+    from stagereplay.io.bindings import recorded_digest
+    from stagereplay.io.parquet import record_link, write_text_atomic
+
+    folders = {}
+    for run, content in (("mine", "dump a"), ("theirs", "dump b")):
+        part = tmp_path / run / "parts" / "caches_0" / "item000001_bf16_live.safetensors"
+        write_text_atomic(part, content)
+        target = tmp_path / run / "caches" / part.name
+        target.parent.mkdir()
+        target.hardlink_to(part)
+        record_link(part, target)
+        assert read_hash_record(target).sha256 == read_hash_record(part).sha256
+        assert verify_results(tmp_path / run).unrecorded == []
+        folders[run] = recorded_digest(target.parent)
+    assert folders["mine"] != folders["theirs"]

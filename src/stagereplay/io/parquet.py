@@ -121,8 +121,7 @@ class _AtomicPath:
         record.unlink(missing_ok=True)
         os.replace(self.tmp, self.path)
         _fsync_folder(self.path.parent)
-        binding = os.environ.get(BINDING_ENV)
-        write_hash_record(self.path, digest, json.loads(binding) if binding else None)
+        write_hash_record(self.path, digest, job_binding())
         return False
 
 
@@ -141,6 +140,22 @@ def sha256_of_file(path: str | Path) -> str:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def job_binding() -> dict | None:
+    """The binding of the job writing in this process (:mod:`stagereplay.io.bindings`), None outside a job."""
+    binding = os.environ.get(BINDING_ENV)
+    return json.loads(binding) if binding else None
+
+
+def record_link(source: str | Path, target: str | Path) -> None:
+    """Record ``target``, a hard link to ``source`` (the same bytes, the same inode), with the sha256 recorded for
+    ``source`` and this job's binding; a copy is hashed. Nothing where ``source`` has no record."""
+    recorded = read_hash_record(source)
+    if recorded is None:
+        return
+    same = os.stat(source).st_ino == os.stat(target).st_ino
+    write_hash_record(target, recorded.sha256 if same else sha256_of_file(target), job_binding())
 
 
 def hash_record_path(path: str | Path) -> Path:
