@@ -2,7 +2,7 @@
 # weights, so that a bad input fails before Snakemake deletes any old output. See stagereplay.stages.preflight.
 from stagereplay.models.store import ModelStore
 from stagereplay.runtime.bytecode import uncompiled_note
-from stagereplay.stages.preflight import PassedChecks, check_output_folders, check_run_once
+from stagereplay.stages.preflight import PassedChecks, check_model_store, check_output_folders, check_run_once
 from stagereplay.stages.rule_job import start_job_server, starts_warm
 
 # A file where the run's folders go would fail Snakemake's own listing of them (NotADirectoryError), before any hook.
@@ -35,6 +35,10 @@ def preflight():
         for slug, name in ALL_REVISIONS.items()
     }
     fingerprints = {name: model_files(name) for name in ALL_REVISIONS.values()}
+    # every time, as the device: the store is the machine's, not the inputs'
+    check_model_store(
+        store, [key for slug in ALL_REVISIONS for key in snapshot_keys(slug, revision_precisions(slug)).values()]
+    )
     # A check that passed on the very same inputs (by content) is not made again (stagereplay.stages.preflight,
     # inputs_key); the device is checked every time.
     summary = check_run_once(

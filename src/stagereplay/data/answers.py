@@ -12,6 +12,17 @@ from fractions import Fraction
 
 ANSWER_FORMATS = ("last_number", "gsm8k", "boxed")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)\s*$")
+MAX_EXPONENT = 308  # a float's range: 1e308 is about its largest value
+
+
+def parse_fraction(s: str) -> Fraction:
+    """``s`` as an exact fraction: ValueError where it is no number, OverflowError where its exponent puts it
+    beyond a float's range (``1e400``; ``Fraction`` would write out every digit of ``1e999999999`` first)."""
+    exponent = _EXPONENT.search(s)
+    if exponent and abs(int(exponent.group(1))) > MAX_EXPONENT:
+        raise OverflowError(f"{s!r} is beyond a float's range")
+    return Fraction(s)
 
 
 def normalize_answer(text: str | None) -> str | None:
@@ -22,12 +33,15 @@ def normalize_answer(text: str | None) -> str | None:
     if not s:
         return None
     try:
-        value = Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return s
+        value = parse_fraction(s)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return s  # no number, or one too large to write out: compared as written
     if value.denominator == 1:
         return str(value.numerator)
-    decimal = value.numerator / value.denominator
+    try:
+        decimal = value.numerator / value.denominator
+    except OverflowError:  # a quotient beyond a float's range has no decimal form: the reduced fraction
+        return f"{value.numerator}/{value.denominator}"
     if "/" not in s and Fraction(repr(decimal)) == value:
         return repr(decimal)
     return f"{value.numerator}/{value.denominator}"

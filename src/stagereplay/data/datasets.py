@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stagereplay.data.answers import normalize_answer
+from stagereplay.data.answers import normalize_answer, parse_fraction
 from stagereplay.data.toy import synthetic_items
 
 ITEM_COLUMNS = ["item_index", "item_id", "question", "gold_answer", "source_row"]
@@ -81,10 +81,46 @@ def _check_rows(rows: list[dict], where: str) -> list[dict]:
     return rows
 
 
+class RepeatedKeyError(ValueError):
+    """A JSON object that gives one key twice: ``json`` keeps the last value and drops the first without a word."""
+
+    def __init__(self, key: str, first, last):
+        super().__init__(key)
+        self.key, self.first, self.last = key, first, last
+
+
+def _pairs_once(pairs: list[tuple]) -> dict:
+    """``object_pairs_hook`` for :func:`json.loads`: a dict, unless a key repeats (at any depth)."""
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise RepeatedKeyError(key, seen[key], value)
+        seen[key] = value
+    return seen
+
+
+def _check_texts(raw: dict, at: str, fields: dict) -> None:
+    """Every text field read must be encodable: a JSON escape of half a UTF-16 pair (``"\\ud800"``) decodes to a lone
+    surrogate, which no tokenizer, Parquet file or log can write (``UnicodeEncodeError`` in a later stage)."""
+    for field in dict.fromkeys(f for f in fields.values() if f):
+        value = raw.get(field)
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DatasetError(
+                f"{at}: field {field!r} holds {value[exc.start]!r} at character {exc.start}, half of a UTF-16 "
+                "surrogate pair (a JSON escape such as \\ud800 without its partner), which is no character and "
+                "cannot be tokenized or written; write the character itself, or its full pair (\\ud83d\\ude00 "
+                "for U+1F600), or remove the row") from None
+
+
 def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit: str = "line") -> dict:
     at = f"{where}: {unit} {line_no}"
     if not isinstance(raw, dict):
         raise DatasetError(f"{at} is not an object with fields; fix or remove it")
+    _check_texts(raw, at, fields)
     question = raw.get(fields["question"])
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{at} has no question (field {fields['question']!r}); fix or remove it")
@@ -97,6 +133,7 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
             raise DatasetError(f"{at} has the gold answer {str(value)!r} (field {fields[key]!r}), which is how a "
                                "missing value is written, not an answer; fix or remove it")
     if fields.get("gold") and raw.get(fields["gold"]) not in (None, ""):
+        gold_field = fields["gold"]
         gold = normalize_answer(str(raw[fields["gold"]]))
     else:
         answer = raw.get(fields["answer"])
@@ -104,7 +141,7 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
             raise DatasetError(
                 f"{at} has no gold answer (field {fields['answer']!r}); fix or remove it"
             )
-        answer = str(answer)
+        answer, gold_field = str(answer), fields["answer"]
         gold = normalize_answer(answer.rsplit("####", 1)[1]) if "####" in answer else normalize_answer(answer)
     if gold is None:
         raise DatasetError(f"{at} has an empty gold answer after '####'; fix or remove it")
@@ -115,6 +152,13 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
             raise DatasetError(
                 f"{at} has a non-numeric gold answer {gold!r}, but answer_format needs a number; "
                 "fix the row or choose answer_format: boxed"
+            ) from None
+        except OverflowError:
+            shown = gold if len(gold) <= 40 else f"{gold[:20]}…{gold[-8:]} ({len(gold)} characters)"
+            raise DatasetError(
+                f"{at} has the gold answer {shown!r} (field {gold_field!r}), a number beyond a float's range (about 1.8e308): answers are "
+                "read from the model's text as written-out digits, so no answer could ever match it, and it is most "
+                "likely a mistake in the row; fix the row, or choose answer_format: boxed to compare answers as text"
             ) from None
     if fields.get("id"):
         item_id = raw.get(fields["id"])
@@ -128,9 +172,8 @@ def _row(raw: dict, line_no: int, where: str, fields: dict, numeric: bool, unit:
 
 
 def eval_fraction(s: str) -> float:
-    from fractions import Fraction
-
-    return float(Fraction(s))
+    """``s`` as a float: ValueError where it is no number, OverflowError beyond a float's range."""
+    return float(parse_fraction(s))
 
 
 def load_jsonl(path: str | Path, fields: dict, numeric: bool = True) -> list[dict]:
@@ -141,11 +184,24 @@ def load_jsonl(path: str | Path, fields: dict, numeric: bool = True) -> list[dic
         if not line.strip():
             continue
         try:
-            raw = json.loads(line)
+            raw = json.loads(line, object_pairs_hook=_pairs_once)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}: line {line_no} is not valid JSON ({exc.msg}); fix or remove it") from None
+        except RepeatedKeyError as exc:
+            raise DatasetError(
+                f"{path}: line {line_no} gives the key {exc.key!r} twice ({exc.first!r}, then {exc.last!r}); a JSON "
+                "reader keeps only the last value, so the row would be read as other than written: remove one of "
+                "them") from None
         rows.append(_row(raw, line_no, str(path), fields, numeric))
     return _check_rows(rows, str(path))
+
+
+def _check_columns(names: list[str], path: Path, where: str) -> None:
+    """A column named twice: a row would keep the last one's value only, read as other than written."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise DatasetError(f"{path}: {where} names the column {repeated[0]!r} twice ({', '.join(map(str, names))}); "
+                           "a row would keep only the last one's value: rename or remove one of them")
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -153,6 +209,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
     by its line number (pandas would shift the first fields into an index, each value into the wrong column)."""
     reader = csv.reader(io.StringIO(_read_text(path), newline=""))
     header = next(reader, [])
+    _check_columns(header, path, "line 1 (the header)")
     records = []
     for record in reader:
         if not record:
@@ -172,6 +229,7 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    _check_columns(pq.read_schema(path).names, path, "its schema")
     table = pq.read_table(path)
     return pd.DataFrame({
         name: column.to_pandas() if pa.types.is_floating(column.type) else pd.Series(column.to_pylist(), dtype=object)

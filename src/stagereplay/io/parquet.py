@@ -6,7 +6,8 @@ leaves a half-written file that a rerun would trust, and a damaged file is refus
 
 Every file written through :func:`atomic_path` (Parquet, text, figures, cache dumps) also gets the sha256 of its
 bytes recorded beside it, in ``.<name>.sha256`` (the ``sha256sum`` format, so ``sha256sum -c`` checks it too; a
-comment line adds the size and inode it was written with):
+comment line adds the size and inode it was written with, another the binding of the job that wrote it,
+:mod:`stagereplay.io.bindings`):
 :mod:`stagereplay.stages.integrity` compares a run's files with these records before Snakemake may delete anything.
 """
 
@@ -30,6 +31,9 @@ PROVENANCE_KEY = b"stagereplay"
 
 
 CONTENT_KEY = b"stagereplay.content_sha256"
+# The binding of the job writing in this process (stagereplay.io.bindings), recorded beside every file it writes.
+BINDING_ENV = "STAGEREPLAY_JOB_BINDING"
+BINDING_LINE = "# binding "
 
 
 def atomic_path(path: str | Path, size_hint: int | None = None):
@@ -117,7 +121,7 @@ class _AtomicPath:
         record.unlink(missing_ok=True)
         os.replace(self.tmp, self.path)
         _fsync_folder(self.path.parent)
-        write_hash_record(self.path, digest)
+        write_hash_record(self.path, digest, job_binding())
         return False
 
 
@@ -138,20 +142,38 @@ def sha256_of_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def job_binding() -> dict | None:
+    """The binding of the job writing in this process (:mod:`stagereplay.io.bindings`), None outside a job."""
+    binding = os.environ.get(BINDING_ENV)
+    return json.loads(binding) if binding else None
+
+
+def record_link(source: str | Path, target: str | Path) -> None:
+    """Record ``target``, a hard link to ``source`` (the same bytes, the same inode), with the sha256 recorded for
+    ``source`` and this job's binding; a copy is hashed. Nothing where ``source`` has no record."""
+    recorded = read_hash_record(source)
+    if recorded is None:
+        return
+    same = os.stat(source).st_ino == os.stat(target).st_ino
+    write_hash_record(target, recorded.sha256 if same else sha256_of_file(target), job_binding())
+
+
 def hash_record_path(path: str | Path) -> Path:
     """Where the sha256 of ``path``'s bytes is recorded: ``.<name>.sha256`` beside it."""
     path = Path(path)
     return path.parent / f".{path.name}.sha256"
 
 
-def write_hash_record(path: str | Path, digest: str) -> None:
-    """Record ``digest`` as the sha256 of ``path``, with the size and inode the file has now (atomically)."""
+def write_hash_record(path: str | Path, digest: str, binding: dict | None = None) -> None:
+    """Record ``digest`` as the sha256 of ``path``, with the size and inode the file has now (atomically), and the
+    ``binding`` of the job that wrote it where there is one (:mod:`stagereplay.io.bindings`)."""
     path = Path(path)
     stat = path.stat()
     record = hash_record_path(path)
     tmp = record.parent / f"{record.name}.{secrets.token_hex(8)}.tmp"
+    bound = f"{BINDING_LINE}{json.dumps(binding, sort_keys=True)}\n" if binding else ""
     with open(tmp, "w") as f:
-        f.write(f"{digest}  {path.name}\n# size={stat.st_size} inode={stat.st_ino}\n")
+        f.write(f"{digest}  {path.name}\n# size={stat.st_size} inode={stat.st_ino}\n{bound}")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, record)
@@ -163,6 +185,7 @@ class HashRecord:
     sha256: str
     size: int | None  # None: a record without the comment line (written by hand, sha256sum)
     inode: int | None
+    binding: dict | None = None  # the job that wrote the file (stagereplay.io.bindings); None: not written by a job
 
 
 def read_hash_record(path: str | Path) -> HashRecord | None:
@@ -174,12 +197,17 @@ def read_hash_record(path: str | Path) -> HashRecord | None:
     digest = lines[0].split(" ", 1)[0] if lines else ""
     if len(digest) != 64:
         return None
-    key = dict(part.split("=", 1) for line in lines[1:] if line.startswith("# ") for part in line[2:].split()
-               if "=" in part)
+    key = dict(part.split("=", 1) for line in lines[1:] if line.startswith("# ") and not line.startswith(BINDING_LINE)
+               for part in line[2:].split() if "=" in part)
+    bindings = [line[len(BINDING_LINE):] for line in lines[1:] if line.startswith(BINDING_LINE)]
     try:
-        return HashRecord(digest, int(key["size"]), int(key["inode"]))
+        binding = json.loads(bindings[0]) if bindings else None
+    except ValueError:
+        binding = {"unreadable": bindings[0][:80]}  # never matches a job's: the file is refused, not trusted
+    try:
+        return HashRecord(digest, int(key["size"]), int(key["inode"]), binding)
     except (KeyError, ValueError):
-        return HashRecord(digest, None, None)
+        return HashRecord(digest, None, None, binding)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -241,6 +241,8 @@ def ensure(store: ModelStore, keys: dict[str, str], source_sha256: str | None, p
     one call ``prepare({precision: folder}) -> {precision: digests or None}`` (every precision the run needs from
     one read of the source); returns each entry's manifest and path. Entries that are damaged are moved aside and
     prepared again. Locks the keys while it checks and prepares, so concurrent runs prepare a key once."""
+    if not any(store.problems(key, source_sha256) for key in keys.values()):
+        return _entries(store, keys, {})  # all whole: read only, so that a read-only store serves its entries
     with store.locked(keys.values()):
         missing = {}
         for precision, key in keys.items():
@@ -258,12 +260,16 @@ def ensure(store: ModelStore, keys: dict[str, str], source_sha256: str | None, p
             finally:
                 for folder in folders.values():
                     shutil.rmtree(folder, ignore_errors=True)
-        out = {}
-        for precision, key in keys.items():
-            store.touch(key)
-            out[precision] = {"key": key, "path": str(store.path(key)), "manifest": store.manifest(key),
-                              "prepared_now": precision in missing}
-        return out
+        return _entries(store, keys, missing)
+
+
+def _entries(store: ModelStore, keys: dict[str, str], prepared_now) -> dict[str, dict]:
+    out = {}
+    for precision, key in keys.items():
+        store.touch(key)
+        out[precision] = {"key": key, "path": str(store.path(key)), "manifest": store.manifest(key),
+                          "prepared_now": precision in prepared_now}
+    return out
 
 
 # ---- The command line ------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, failures_message
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.keys import ITEM_FIELDS, ITEM_KEY, LEDGER_KEY, within_revision
-from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet, write_text_atomic
+from stagereplay.io.parquet import read_parquet, read_provenance, record_link, write_parquet, write_text_atomic
 from stagereplay.io.provenance import recorded_batch_plan
 
 PREFIX_SCHEMA = pa.schema([
@@ -153,6 +153,7 @@ def gather_caches(manifests: list[str], folders: list[str], out_dir: str, manife
                 os.link(f, target)
             except OSError:
                 shutil.copy2(f, target)
+            record_link(f, target)  # checked by a stat before each run, and bound to this job
     counts = {k: sum(int(read_provenance(m).get(k) or 0) for m in manifests) for k in DUMP_COUNTS}
     df, schema, records = in_job_order(manifests, sorted({p for m in manifests for p in read_parquet(m)["precision"]}),
                                        recorded_batch_plan(manifests[0]), per_part=DUMP_COUNTS)

@@ -27,6 +27,7 @@ from stagereplay.decode.options import check_device_options, check_static_option
 from stagereplay.io.parquet import write_text_atomic
 from stagereplay.models.gguf_files import gguf_read_once
 from stagereplay.models.sources import ModelLoadError, ModelSource, go_offline, resolve_source
+from stagereplay.models.store import ModelStore, StoreError
 
 # What a passed check of the inputs is remembered by, beside the workflow's file digests (io.file_hashes).
 PASSED_CHECKS = Path(".snakemake") / "stagereplay" / "preflight.json"
@@ -101,6 +102,26 @@ def check_output_folders(*folders: str | Path) -> None:
                     f"{path} is a file, but the run writes its outputs into the folder {folder}/: move or delete "
                     f"{path}, or choose another run name (run: in the config)"
                 )
+
+
+def check_model_store(store: ModelStore, keys: list[str | None]) -> None:
+    """Refuse a ``model_store`` that is a file (or under one), and one the run cannot write where it must prepare
+    a snapshot into it (``keys``: the store entries the run loads, None for one not known before its job); a store
+    whose entries are all whole is only read, so a read-only one serves them."""
+    root = store.root
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise StoreError(
+            f"model_store: {existing} is a file, but the run keeps its prepared snapshots in the folder {root}: point "
+            "model_store (config) at a folder (it is created where missing), or move the file away")
+    unprepared = [k or "(a hub model not yet downloaded)" for k in keys if k is None or store.problems(k)]
+    if unprepared and not os.access(existing, os.W_OK | os.X_OK):
+        what = "the store" if existing == root else f"{existing}, where the store {root} would be created,"
+        raise StoreError(
+            f"model_store: {what} is not writable (read-only, or another user's), but {len(unprepared)} snapshot(s) "
+            f"this run loads are not prepared there yet ({', '.join(unprepared[:3])}) and prepare_model writes them "
+            "into it: make it writable, point model_store (config) at a writable folder, or prepare them once where "
+            "the store is writable")
 
 
 def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = True,

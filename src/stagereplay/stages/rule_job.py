@@ -1,7 +1,8 @@
 """How every rule script starts: ``start_job(snakemake)`` is its first statement (tests/test_rule_scripts.py checks
-each one). It sends the job's standard error to the rule's log, logs to it at INFO, and for the rules that import
+each one). It sends the job's standard error to the rule's log, logs to it at INFO, for the rules that import
 the model or analysis stack (``warm=True``) hands the job over to a warm job server
-(:mod:`stagereplay.runtime.hand_over`, :mod:`stagereplay.runtime.job_server`) that has imported :data:`PRELOAD`.
+(:mod:`stagereplay.runtime.hand_over`, :mod:`stagereplay.runtime.job_server`) that has imported :data:`PRELOAD`,
+and binds the files the job writes to it (:func:`bind_job`).
 
 Imports nothing heavy itself: a table job that starts with it imports no torch (tests/test_job_imports.py).
 """
@@ -47,6 +48,18 @@ def start_job(snakemake, warm: bool = False) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     if warm:
         hand_over(snakemake.config, PRELOAD)
+    bind_job(snakemake)
+
+
+def bind_job(snakemake) -> None:
+    """Record the job's binding (rule, params, its inputs' sha256) beside every file it writes, so that the results
+    check can tell a file of this run from one copied in from another (:mod:`stagereplay.io.bindings`)."""
+    from stagereplay.io.bindings import bind_written_files, job_binding, results_root
+
+    run = (snakemake.config or {}).get("run")
+    if run:
+        bind_written_files(job_binding(snakemake.rule, dict(snakemake.params.items()), list(snakemake.input),
+                                       results_root(run)))
 
 
 @functools.cache
