@@ -159,3 +159,31 @@ def test_a_sliding_window_is_a_limit_on_a_run_checked_up_front(fp32_model):
     with model_never_runs(model), pytest.raises(ValueError, match=r"take 24 positions; the model's sliding window "
                                                                   r"is 12 positions"):
         stagereplay.replay(model, tokenizer, prompt, stage, ("prefill", "incremental"), max_new_tokens=8)
+
+
+def test_the_pipeline_measures_prompts_against_a_sliding_window(tmp_path):
+    """reconstruct_prefixes (and the preflight, through the same limit) refuses a prompt whose budgets outgrow a
+    Mistral model's window, naming the item, before any batch is decoded."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from stagereplay.data.prompts import PromptTooLongError
+    from stagereplay.data.toy import build_tokenizer
+    from stagereplay.stages.reconstruct import reconstruct_prefixes
+    from stagereplay.stages.select import select_items
+    from stagereplay.stages.settings import ReconstructSettings, from_params
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, sliding_window=24, eos_token_id=1,
+                                             pad_token_id=0, bos_token_id=None))
+    model.save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    items = tmp_path / "items.parquet"
+    select_items({"source": "synthetic", "size": 50, "seed": 0}, 2, 0, str(items))
+    params = dict(model=str(tmp_path / "mistral"), revision="local", precision="fp32", boundary={"marker": ";"},
+                  max_stage_tokens=8, max_new_tokens=8, device="cpu", progress=False, bridge={"n_rows": 0, "seed": 0})
+    out = [str(tmp_path / name) for name in ("l.parquet", "p.parquet", "b.parquet")]
+    with pytest.raises(PromptTooLongError, match=r"max_new_tokens 8 exceeds the model's context of 24"):
+        reconstruct_prefixes(str(items), *out, from_params(ReconstructSettings, params))
