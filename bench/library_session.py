@@ -66,7 +66,7 @@ def main() -> None:
 
     model, tokenizer = random_model(args.shape, args.seed)
     n_layers = model.config.num_hidden_layers
-    print(f"{args.shape} (random weights, fp32, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)"
+    print(f"{args.shape} (random weights, fp32, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
           f" on the CPU, {torch.get_num_threads()} threads; {args.prompts} prompts, stage {args.stage_tokens} "
           f"tokens, suffix {args.new_tokens} tokens", flush=True)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -9,6 +9,7 @@ over one batch, the recipient decoded again with the donor's K/V written in. Arg
 
 from __future__ import annotations
 
+from stagereplay.api import arguments
 from stagereplay.api.progress import Progress
 from stagereplay.api.results import Continuation, Replay, ReplayBatch, StageNotGeneratedError, Transplant
 from stagereplay.decode.greedy import RowResult
@@ -115,15 +116,15 @@ class Session:
                 self.logits[name] = seen
         finally:
             bar.close()
-        out = []
+        out, provenance = [], self.provenance()  # once a call: it asks git for the commit
         for i in range(len(self.prompts)):
             conts = {name: self.continuation(name, self.result(name, i), replicas, *exact[name][i],
                                              logits=self.stacked(name, i) if logits else None, cache=caches)
                      for name in names}
-            out.append(Replay(self.prompts[i], self.stages[i], self.precision, conts, self.provenance(), i, self))
+            out.append(Replay(self.prompts[i], self.stages[i], self.precision, conts, provenance, i, self))
         if not self.batched:
             return out[0]
-        return ReplayBatch(out, self.precision, self.provenance(), self)
+        return ReplayBatch(out, self.precision, provenance, self)
 
     @staticmethod
     def observer(rows: list[int], seen: dict):
@@ -188,8 +189,6 @@ class Session:
                    rows: list[int] | None = None) -> list[Transplant]:
         """Donor's K/V over ``layers`` of the recipient's boundary cache, for ``rows`` (None: every prompt), one
         decode per batch that holds one of them; donor and recipient are built once per session."""
-        from stagereplay.api import arguments
-
         if donor == recipient:
             raise ValueError(f"donor and recipient are both {donor!r}: a transplant between a construction and "
                              "itself writes its own bytes back (a no-op); name two constructions")
@@ -222,7 +221,7 @@ class Session:
         with bar.decode(f"{donor}->{recipient}"), determinism() as flags:
             self.flags = flags
             done = transplant_rows(self.decoder, prompts, stages, self.settings, own, donor, recipient, specs)
-        out = {}
+        out, provenance = {}, self.provenance()
         for r, (res, outcome) in done.items():
             i, spec = batch[r], specs[r]
             (d, match_d), (c, match_c) = self.label(donor, i), self.label(recipient, i)
@@ -233,5 +232,5 @@ class Session:
                                 outcome.first_divergence_donor, outcome.first_divergence_recipient,
                                 self.continuation(f"{d}->{c}", res), self.continuation(d, mine),
                                 self.continuation(c, theirs), match_d if match_c is None else match_c,
-                                self.precision, self.provenance(), i)
+                                self.precision, provenance, i)
         return out
