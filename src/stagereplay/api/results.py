@@ -75,6 +75,8 @@ class Replay:
         continuations: by construction name, in the order asked: its :class:`Continuation`.
         provenance: versions, git commit, dtype, device, decode regime, determinism flags and the batch plan.
         prompt_index: the prompt's place in the call's list of prompts (0 for one prompt).
+        session: the call's model, rows and kept boundary caches, which :meth:`transplant` reuses (they live as
+            long as the result does).
     """
 
     prompt_ids: list[int]
@@ -137,6 +139,7 @@ class ReplayBatch:
         replays: one :class:`Replay` per prompt.
         precision: the model's dtype name.
         provenance: as :attr:`Replay.provenance`, with the batch plan.
+        session: the call's session, shared with its replays.
     """
 
     replays: list[Replay]
