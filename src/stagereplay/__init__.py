@@ -8,7 +8,8 @@ transformers (the workflow's jobs that load no model stay light).
 
 from stagereplay.version import __version__
 
-_API = ("replay", "transplant", "generate_stage", "Replay", "Continuation", "Transplant", "StageNotGeneratedError")
+_API = ("replay", "transplant", "generate_stage", "Replay", "ReplayBatch", "Continuation", "Transplant",
+        "StageNotGeneratedError")
 __all__ = ["__version__", *_API]
 
 

@@ -173,15 +173,34 @@ def checked_config(source: ModelSource, trust_remote_code: bool = False, allow_p
 
 
 def unsupported(config) -> str | None:
-    """Why the cache code cannot handle a model of ``config`` (its model type, sliding-window attention), as the
-    end of a sentence naming the model; None when it can."""
+    """Why the cache code cannot handle a model of ``config`` (its model type), as the end of a sentence naming the
+    model; None when it can. A sliding window is a limit on a run's length (:func:`context_positions`)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"is a {model_type!r} model; the cache code supports {list(SUPPORTED_MODEL_TYPES)} (decoder-only, "
                 "every layer full attention): point model at one of those")
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return "uses sliding-window attention, which the cache code does not support"
     return None
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window of the model's attention in positions, None without one. Mistral's configs set
+    ``sliding_window`` alone (4096 for Mistral-7B-v0.1), Qwen2's and Qwen3's turn theirs on with
+    ``use_sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
+
+
+def context_positions(config) -> int | None:
+    """The most positions one run may take (prompt, stage and suffix together) on a model of ``config``: its
+    ``max_position_embeddings``, or its sliding window where that is shorter; None when neither is known.
+
+    Within the window no position ever falls out of any token's attention, so the model computes full attention
+    and its cache holds every position. Past it the window's cache drops the oldest positions, and a boundary cache
+    must hold the whole prefix: such a run is refused before it starts, not failed deep in the decode."""
+    limits = [int(n) for n in (getattr(config, "max_position_embeddings", None), sliding_window(config)) if n]
+    return min(limits) if limits else None
 
 
 # Text every tokenizer of a model that reasons about numbers turns into tokens.

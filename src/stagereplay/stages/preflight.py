@@ -172,7 +172,9 @@ def check_run(config: dict, base_dir: str | Path = ".", jobs_run_here: bool = Tr
         if token_id is None:
             check_marker((config.get("boundary") or {}).get("marker"), tokenizer, source.describe())
         prompter = Prompter(tokenizer, **(config.get("prompt") or {}))
-        context = getattr(model_config, "max_position_embeddings", None)
+        from stagereplay.models.loading import context_positions
+
+        context = context_positions(model_config)  # a sliding window shorter than the context limits it
         longest, alone = 0, {}
         for item_id, question in zip(selected["item_id"], selected["question"]):
             check_characters(item_id, question, tokenizer, source.describe(), alone, prompter)

@@ -16,7 +16,7 @@ from stagereplay.experiments.bridge import BRIDGE_SCHEMA, bridge, bridge_rows_of
 from stagereplay.experiments.matched import matched
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.io.parquet import read_parquet, write_parquet
-from stagereplay.models.loading import eos_token_ids
+from stagereplay.models.loading import context_positions, eos_token_ids
 from stagereplay.stages.gather import PREFIX_SCHEMA
 from stagereplay.stages.jobs import config_of, load
 from stagereplay.stages.preflight import check_decode_settings
@@ -52,7 +52,7 @@ def reconstruct_prefixes(items_path: str, ledger_path: str, prefixes_path: str, 
     matcher = matcher_from_config(s.boundary, tokenizer)
     settings = job.run_settings()
     # Every prompt of this shard, each checked against the model's context before any batch is decoded.
-    context = getattr(job.loaded.model.config, "max_position_embeddings", None)
+    context = context_positions(job.loaded.model.config)  # a shorter sliding window limits it
     prompts_of = [[prompter(item["question"]) for item in batch.items] for batch in batches]
     for batch, prompts in zip(batches, prompts_of):
         for item, prompt in zip(batch.items, prompts):
