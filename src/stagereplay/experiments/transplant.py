@@ -201,8 +201,8 @@ def transplant_edit(row: int, spec: TransplantSpec, donor: Layers, prompt_len: i
 
 def transplanted_bytes_equal(spec: TransplantSpec, donor: Layers, recipient: Layers, prompt_len: int) -> bool:
     """Whether the donor's bytes that ``spec`` would write equal the recipient's there: such a transplant is a
-    no-op by construction (e.g. the prompt positions of ``live`` and ``prefill``, which both prefill the prompt) and
-    is evidence of nothing."""
+    no-op (e.g. prompt positions that both constructions computed to the same bytes, which happens where the
+    prompt's K/V do not depend on the forward's length) and is evidence of nothing."""
     parts = _components(spec)
     for i in spec.layers:
         lo, hi = span_of(spec, prompt_len, recipient[i][0])
