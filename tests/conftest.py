@@ -80,6 +80,16 @@ def loaded_fp32(tiny_model_dir):
     return load_model(ModelSource("local", str(tiny_model_dir)), "fp32", "cpu")
 
 
+@pytest.fixture(scope="module")
+def fp32_model(tiny_model_dir):
+    """The tiny model as a user of the library brings it: transformers' own loading, fp32, with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def loaded_bf16(tiny_model_dir):
     from stagereplay.models.loading import load_model, set_determinism

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 from stagereplay.testing.gguf import SPECIALS, byte_level_vocabulary, character_vocabulary, write_gguf
 from stagereplay.testing.shapes import SHAPES
 
@@ -29,3 +31,19 @@ def write_vocab_gguf(path: Path, regular: int, seed: int = 0, padding: int = 64)
     vocabulary = byte_level_vocabulary(regular + len(SPECIALS) + padding, regular, seed)
     write_gguf(path, dict(TINY, num_hidden_layers=1, rope_theta=1000000.0), vocabulary=vocabulary,
                name="random-qwen2-vocab", seed=seed, from_model=True)
+
+
+def llama_cpp_or_skip():
+    """llama-cpp-python, imported; a test module that needs it calls this at import: without the binding it is
+    skipped saying so, and fails where ``CI`` is set (CI installs the extra ``engines``)."""
+    import pytest
+
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - which branch runs depends on the machine
+        why = (f"llama-cpp-python is not installed ({exc}); install it with pip install -e '.[engines]' "
+               "(docs/ENGINES.md)")
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+    return llama_cpp

@@ -16,14 +16,6 @@ PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 
 
 @pytest.fixture(scope="module")
-def fp32_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def stage(fp32_model):
     """The model's own first 6 greedy ids from PROMPT (a marker that never comes: the whole budget)."""
     model, tokenizer = fp32_model

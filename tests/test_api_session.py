@@ -24,14 +24,6 @@ NAMES = ("live", "incremental", "prefill")
 
 
 @pytest.fixture(scope="module")
-def fp32_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def stages(fp32_model):
     """Each prompt's own first 6 greedy ids (the random model writes no marker)."""
     model, _ = fp32_model

@@ -15,15 +15,9 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-try:
-    import llama_cpp
-except ImportError as exc:  # pragma: no cover - which branch runs depends on the machine
-    WHY = f"llama-cpp-python is not installed ({exc}); install it with pip install -e '.[engines]' (docs/ENGINES.md)"
-    if os.environ.get("CI"):
-        pytest.fail(WHY, pytrace=False)
-    pytest.skip(WHY, allow_module_level=True)
+from gguf_fixture import TINY, llama_cpp_or_skip, write_tiny_gguf
 
-from gguf_fixture import TINY, write_tiny_gguf
+llama_cpp = llama_cpp_or_skip()
 
 from stagereplay.analysis.engine_report import engine_section, split_counts
 from stagereplay.analysis.revision_data import RevisionData

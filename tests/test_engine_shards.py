@@ -5,7 +5,6 @@ Needs the extra ``engines``, as tests/test_engine_llama_cpp.py does."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pandas as pd
@@ -13,15 +12,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-try:
-    import llama_cpp
-except ImportError as exc:  # pragma: no cover - which branch runs depends on the machine
-    WHY = f"llama-cpp-python is not installed ({exc}); install it with pip install -e '.[engines]' (docs/ENGINES.md)"
-    if os.environ.get("CI"):
-        pytest.fail(WHY, pytrace=False)
-    pytest.skip(WHY, allow_module_level=True)
+from gguf_fixture import llama_cpp_or_skip, write_tiny_gguf
 
-from gguf_fixture import write_tiny_gguf
+llama_cpp = llama_cpp_or_skip()
 
 from stagereplay.engines import llama_cpp as engine
 from stagereplay.io.parquet import read_parquet, write_parquet

@@ -106,6 +106,15 @@ def start_server(env, key, preload="json", idle_s=60, prefix=(), cwd=None) -> su
     return server
 
 
+def refusing_server(tmp, env) -> tuple[str, subprocess.CompletedProcess]:
+    """A server whose preloaded module starts a Python thread, run until it refuses to serve: its key and output."""
+    (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
+                                                "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
+    key = key_of(env, "starts_a_thread")
+    return key, subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
+                                "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
+
+
 def hold_lock(env, key):
     """Hold a key's lock as a starting server would: a job that misses the server then starts none."""
     folder = Path(env["STAGEREPLAY_JOB_SERVER_DIR"])
@@ -187,11 +196,7 @@ def test_a_forked_job_is_the_job(tree):
 
 def test_a_server_whose_imports_start_a_thread_refuses_and_jobs_run_in_their_own_processes(tree):
     tmp, env = tree
-    (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
-                                                "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
-    key = key_of(env, "starts_a_thread")
-    server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
-                             "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
+    key, server = refusing_server(tmp, env)
     assert server.returncode == 1 and "refusing to serve" in server.stdout and "2 Python threads" in server.stdout
     assert (Path(env["STAGEREPLAY_JOB_SERVER_DIR"]) / f"{key}.refused").exists()
     proc, seen = run_job(tmp, env, JOB_PRELOAD="starts_a_thread")  # no server answers, none is started again

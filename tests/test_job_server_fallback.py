@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_job_server import key_of, make_tree, start_server
+from test_job_server import key_of, make_tree, refusing_server, start_server
 
 # A job as a rule script starts it (stagereplay.stages.rule_job.start_job): its stderr is its log from its first
 # line on, while its descriptor 2 is still the console of the run that started it.
@@ -241,11 +241,7 @@ def test_a_server_that_refused_to_serve_is_told_on_the_console_with_its_reason(t
     """A server whose imports left it unlike a fresh process refuses to serve, once: the jobs of its key then run in
     their own processes, and the run's console is told why (the server's own words), once."""
     tmp, env = tree
-    (tmp / "src/starts_a_thread.py").write_text("import threading, time\n"
-                                                "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
-    key = key_of(env, "starts_a_thread")
-    server = subprocess.run([sys.executable, "-m", "stagereplay.runtime.job_server", "--key", key, "--preload",
-                             "starts_a_thread"], env=env, capture_output=True, text=True, timeout=60)
+    key, server = refusing_server(tmp, env)
     assert server.returncode == 1 and "refusing to serve" in server.stdout
     jobs = run_jobs(tmp, env, 2, JOB_PRELOAD="starts_a_thread", **{RUN_ENV: str(a_run(tmp, "run"))})
     said = f"the job server of key {key} refused to serve: 2 Python threads after the imports"
