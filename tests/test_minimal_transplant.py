@@ -210,6 +210,8 @@ def test_sections_count_per_direction_and_say_when_the_search_is_off(tmp_path):
     cell = numbers["cells"]["bf16"]["live->prefill"]
     assert cell["n"] == 5 and cell["budget_exhausted"]["k"] == 1 and cell["locally_minimal"]["k"] == 4
     assert cell["k_or_v_alone"]["k"] == 3 and cell["components"] == {"kv": 2, "k": 2, "v": 1}
+    # a file without the placebo's verdicts says so, never reads its boxes as localised beyond a control
+    assert cell["not_separable"] is None and "predates the placebo control" in "\n".join(lines)
     assert cell["single_layer"]["k"] == 2 and cell["stage_positions_only"]["k"] == 5
     assert cell["k_or_v_alone"]["wilson_low"] is not None and cell["layer_included"]["0"]["k"] == 3
     assert "not a global minimum" in "\n".join(lines)
@@ -218,6 +220,14 @@ def test_sections_count_per_direction_and_say_when_the_search_is_off(tmp_path):
     assert onset["n"] == 6 and onset["onset_layer_counts"] == {"0": 1, "1": 5}
     assert onset["onset_at_layer_0"]["k"] == 1 and onset["rms_grows_to_last_layer"]["k"] == 6
     assert onset["margin_vs_last_layer_max_abs"]["n"] == 6
+    # with the verdicts, an item whose whole cache's placebo carried too is named, and counts as not localised
+    tied = minimal.assign(verdict=["not separable from its placebo"] + ["localised"] * (len(minimal) - 1))
+    controlled = RevisionData("primary", {"minimal_transplant": write_with(tied, tmp_path / "t.parquet",
+                                                                     {"config": {"budget": 24}})})
+    _, numbers = minimal_transplant_section(controlled)
+    first = numbers["cells"][tied["precision"].iloc[0]][tied["direction"].iloc[0]]
+    assert first["not_separable"]["k"] == 1 and first["localised"]["k"] == first["n"] - 1
+    assert numbers["not_separable"] == [f"{tied['item_id'].iloc[0]} {tied['direction'].iloc[0]}"]
 
     empty = pd.DataFrame(columns=MINIMAL_TRANSPLANT_SCHEMA.names)
     off = RevisionData("primary", {"minimal_transplant": write_with(empty, tmp_path / "off.parquet",
