@@ -16,11 +16,13 @@ from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.experiments.transplant import (
     PlaceboError,
+    Transplant,
     TransplantSpec,
     enumerate_sweeps,
     placebo_bytes,
     transplant_batch,
     transplant_edit,
+    run_transplants,
     transplant_rows,
     transplanted_bytes_equal,
 )
@@ -90,19 +92,21 @@ def test_every_transplant_row_carries_its_placebo_and_sham(batch):
                 assert rec["placebo_cache_fingerprint"] != rec["cache_fingerprint"]
 
 
-def test_a_placebo_that_is_the_real_donor_is_caught(batch, monkeypatch):
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_placebo_that_is_the_real_donor_is_caught(batch, monkeypatch, pack):
     decoder, s, own = batch
     # a donor whose bytes differ from the recipient's (the tiny model's two constructions may agree byte for byte,
     # which would make every transplant a no-op); the shams are left out, since they check the recipients' own
     pushed = {name: [dataclasses.replace(res, layers=[(k + push, v + push) for k, v in res.layers])
                      for res in results] for push, (name, results) in zip((1, 2), own.items())}
     monkeypatch.setattr(transplant_module, "run_shams", lambda *a: {name: {0: None} for name in own})
+    monkeypatch.setattr(transplant_module, "check_sham", lambda *a: None)
     spec = TransplantSpec("all", tuple(range(N_LAYERS)))
-    rows = transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec])  # the real placebo passes
+    rows = transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec], pack=pack)  # the real placebo passes
     assert [r["noop"] for r in rows[0]] == [False, False]
     monkeypatch.setattr(transplant_module, "placebo_bytes", lambda donor, recipient: (donor, "shifted"))
     with pytest.raises(PlaceboError, match="placebo that is the real donor"):
-        transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec])
+        transplant_batch(decoder, PROMPTS, STAGES, s, pushed, [0], [spec], pack=pack)
 
 
 def test_a_sham_that_does_not_copy_is_caught(batch, monkeypatch):
@@ -119,6 +123,9 @@ def test_a_sham_that_does_not_copy_is_caught(batch, monkeypatch):
     with pytest.raises(PlaceboError, match="sham transplant"):
         transplant_rows(decoder, PROMPTS, STAGES, s, own, "prefill", "prefill",
                         {1: TransplantSpec("sham", tuple(range(N_LAYERS)))}, arm="sham")
+    sham = Transplant(1, "prefill", "prefill", TransplantSpec("sham", tuple(range(N_LAYERS))), "sham")
+    with pytest.raises(PlaceboError, match="sham .* packed decode"):  # the same check in a packed decode
+        run_transplants(decoder, PROMPTS, STAGES, s, own, [sham], pack=True)
 
 
 def test_transplant_edit_refuses_an_unknown_arm():

@@ -78,6 +78,14 @@ class EagerDecoder:
             caches.append(cache)
         return EagerBatch(caches)
 
+    def place(self, pads: list[int], caches: list[Layers | None]) -> EagerBatch:
+        """Each row's own cache holding a copy of ``caches[r]`` (rows have no padding here: ``pads`` must be 0)."""
+        if any(int(p) for p in pads):
+            raise ValueError(f"the eager regime pads no row; got left pads {pads}")
+        if len(caches) != len(pads):
+            raise ValueError(f"{len(caches)} caches for {len(pads)} rows")
+        return EagerBatch([None if c is None else compat.cache_from_tensors(self.model, c) for c in caches])
+
     def row_layers(self, batch: EagerBatch, row: int, end: int) -> Layers:
         layers = compat.cache_layers(batch.caches[row])
         if layers and layers[0][0].shape[2] != end:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from stagereplay.decode.protocol import Decoder, Layers
+from stagereplay.decode.protocol import Decoder, Layers, RegimeError
 from stagereplay.io.fingerprints import fingerprint_layers
 
 # torch is imported where the loop computes, not here: the ledger's rows and the experiments' tables import this
@@ -206,6 +206,7 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
                 edit: Callable[[int, Layers], None] | None = None, keep: set[int] | frozenset = frozenset(),
                 suffixes: list[list[int] | None] | None = None,
                 observe: Callable[[int, int, torch.Tensor], None] | None = None,
+                placed: tuple[list[int], list[Layers | None]] | None = None,
                 ) -> list[RowResult]:
     """Each row's boundary and suffix, decoded together.
 
@@ -220,6 +221,11 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
     are the ids fed and its margins its own logits' at each step. ``observe(row, step, logits)`` sees each row's
     finite fp32 logits (vocab,) at every suffix step before the step's id is chosen or forced; the tensor may be
     reused by the next step (copy what is kept). Either turns the lookahead off.
+
+    ``placed`` (pads, caches): instead of building them, row r continues from ``caches[r]``, a boundary cache of
+    its prompt and stage ids but the last (as a result's ``layers``), placed at left pad ``pads[r]``
+    (:meth:`~stagereplay.decode.protocol.Decoder.place`): the rows of a packed decode, each keeping the layout it
+    was recorded in. Only where the decoder continues rows from their boundaries.
     """
     import torch
 
@@ -234,23 +240,26 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         raise ValueError("a row's stage ids are empty (give None for a row without a prefix)")
     rows = [_Row(None if stages is None else stages[r]) for r in range(n)]
     cut, plan = None, None
+    if placed is not None:
+        _check_placed(decoder, n, stages, prompts, placed)
     if stages is not None:
-        if build is None:
+        if build is None and placed is None:
             raise ValueError("a construction over given stage ids needs its CacheBuild")
         for row in rows:
             row.done = None if row.forced is not None else "no_prefix"
         max_stage_tokens = max([len(s) for s in stages if s is not None], default=0)
         cut = [None if s is None else list(p) + list(s[:-1]) for p, s in zip(prompts, stages)]
-        plan = [None if c is None else build.segments(len(p), len(c) - len(p)) for p, c in zip(prompts, cut)]
+        plan = [None if c is None or build is None else build.segments(len(p), len(c) - len(p))
+                for p, c in zip(prompts, cut)]
         if all(x is None or len(x) == 1 for x in plan):
             plan = None  # one forward per row: the decoder runs them as one batch forward
     results_at: dict[int, tuple] = {}
     first = 0  # the first iteration the loop runs
-    from_boundaries = stages is not None and (decoder.independent_rows(n) or (
+    from_boundaries = stages is not None and (placed is not None or decoder.independent_rows(n) or (
         not build.schedule and decoder.rows_from_boundaries(n)))
     if from_boundaries:
-        # rows start at their boundaries, from the construction's cache
-        batch, built = decoder.build(prompts, cut, plan), None
+        # rows start at their boundaries, from the construction's cache (or the caches placed)
+        batch, built = decoder.place(*placed) if placed is not None else decoder.build(prompts, cut, plan), None
         for r, row in enumerate(rows):
             if row.forced is not None:
                 row.generated = list(row.forced)
@@ -358,6 +367,25 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         out.append(RowResult(row.generated[:b + 1], row.generated[b + 1:], row.margins[b + 1:],
                              row.done or "max_new_tokens", pad, position, fps, layers))
     return out
+
+
+def _check_placed(decoder: Decoder, n: int, stages, prompts, placed) -> None:
+    """Placed boundary caches need stage ids (for the pending tokens), one cache per row of the prompt and stage
+    but the last id, and a decoder whose rows continue from their own boundaries."""
+    pads, caches = placed
+    if stages is None:
+        raise ValueError("placed boundary caches continue given stage ids; the live construction generates its own")
+    if len(pads) != n or len(caches) != n:
+        raise ValueError(f"{len(pads)} pads and {len(caches)} placed caches for {n} rows")
+    if not (decoder.independent_rows(n) or decoder.rows_from_boundaries(n)):
+        raise RegimeError(f"{decoder.record()['decode_regime']} with {n} rows does not continue rows from their own "
+                          "boundaries: given boundary caches cannot be placed")
+    for r, (cache, stage) in enumerate(zip(caches, stages)):
+        if (cache is None) != (stage is None):
+            raise ValueError(f"row {r}: a placed cache and stage ids go together (both or neither)")
+        if cache is not None and int(cache[0][0].shape[2]) != len(prompts[r]) + len(stage) - 1:
+            raise ValueError(f"row {r}: a placed cache of {int(cache[0][0].shape[2])} positions for a prompt of "
+                             f"{len(prompts[r])} and a stage of {len(stage)} ids (the cache holds all but the last)")
 
 
 def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple:

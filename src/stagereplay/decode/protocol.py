@@ -66,6 +66,12 @@ class Decoder(Protocol):
         and stage but the last token; None: a row without a prefix) fed in forwards of ``segments[r]`` tokens
         (None: every row's ids in one forward). The next ``step`` feeds each row at its own boundary."""
 
+    def place(self, pads: list[int], caches: list[Layers | None]) -> Any:
+        """A batch of ``len(pads)`` rows in which row r holds a copy of ``caches[r]`` (a boundary cache, as
+        ``row_layers`` gives it) at buffer positions from ``pads[r]`` on, each row's next step at its own boundary:
+        the layout a built batch gives the row, without computing it (None: an idle row). Only where
+        ``rows_from_boundaries`` holds for that many rows; the next ``step`` feeds each row its pending token."""
+
     def row_layers(self, batch: Any, row: int, end: int) -> Layers:
         """Row ``row``'s cache over its positions up to buffer position ``end`` (exclusive), as views: writing
         into them changes what the row's continuation reads."""

@@ -335,6 +335,41 @@ class StaticDecoder(StaticForward):
         batch.seat(ends)
         return batch
 
+    @torch.inference_mode()
+    def place(self, pads: list[int], caches: list[Layers | None]) -> StaticKV:
+        """Rows continuing from given boundary caches, each at its own position: the buffer zeroed, row r's cache
+        copied over positions [pads[r], pads[r] + its length), the rest left at zero, which no row reads (keys
+        before a row's pad or after its position are masked, and a masked key adds exactly nothing)."""
+        if not self.suffix_schedule:
+            raise RegimeError("decode_suffix_schedule is off: rows do not continue from their own boundaries here")
+        if len(caches) != len(pads):
+            raise ValueError(f"{len(caches)} caches for {len(pads)} rows")
+        batch = StaticKV(self, self._checked_pads(pads))
+        ends = [int(p) + (0 if c is None else int(c[0][0].shape[2])) for p, c in zip(pads, caches)]
+        batch.length = max(ends + [1])
+        if batch.length > self.max_len:
+            raise ValueError(f"a boundary cache to position {batch.length} does not fit the static cache's "
+                             f"{self.max_len} positions: raise decode_max_len")
+        self._make_resident(batch)
+        for r, cache in enumerate(caches):
+            if cache is None:
+                continue
+            if len(cache) != self.n_layers:
+                raise ValueError(f"row {r}: a cache of {len(cache)} layers for a model of {self.n_layers}")
+            lo, hi = int(pads[r]), ends[r]
+            for i, (k, v) in enumerate(cache):
+                self.k[i][r:r + 1, :, lo:hi].copy_(k)
+                self.v[i][r:r + 1, :, lo:hi].copy_(v)
+        batch.seat([e if c is not None else batch.length for e, c in zip(ends, caches)])
+        return batch
+
+    def _checked_pads(self, pads: list[int]) -> list[int]:
+        if not 1 <= len(pads) <= self.max_rows:
+            raise ValueError(f"a batch of {len(pads)} rows does not fit the decoder's {self.max_rows}")
+        if any(int(p) < 0 for p in pads):
+            raise ValueError(f"left pads {pads} must not be negative")
+        return [int(p) for p in pads]
+
     def row_layers(self, batch: StaticKV, row: int, end: int) -> Layers:
         pad = int(batch.pads[row])
         return [(k[row:row + 1, :, pad:end], v[row:row + 1, :, pad:end])

@@ -54,6 +54,16 @@ def run(decoder: Decoder, construction: str, prompts: list[list[int]], settings:
                        max_new_tokens=budget, edit=edit, keep=keep, suffixes=suffixes, observe=observe)
 
 
+def continue_placed(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None], pads: list[int],
+                    caches: list, settings: DecodeSettings, *, edit=None, keep=frozenset()) -> list[RowResult]:
+    """Rows continued from given boundary caches (row r's ``caches[r]``, of its prompt and stage ids but the last,
+    at left pad ``pads[r]``) instead of caches built from ids: a row's continuation is the one its construction
+    gives in its recorded batch wherever the row keeps that layout (its pad and position, the batch's row count
+    and buffer), whichever row slot it sits in (:mod:`stagereplay.experiments.packing` packs decodes on it)."""
+    return decode_rows(decoder, prompts, stages=stages, max_new_tokens=settings.max_new_tokens, edit=edit,
+                       keep=keep, placed=(pads, caches))
+
+
 def run_replicas(decoder: Decoder, construction: str, prompts: list[list[int]], settings: DecodeSettings, *,
                  replicas=(1, 2), stages=None, matcher=None, keep=frozenset()) -> list[list[RowResult]]:
     """The batch's results once per replica, each run from scratch; replica 1 keeps the caches of ``keep``."""

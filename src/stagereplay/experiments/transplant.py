@@ -301,54 +301,151 @@ def whole_cache(num_layers: int) -> TransplantSpec:
     return TransplantSpec("sham", tuple(range(num_layers)))
 
 
+@dataclass(frozen=True)
+class Transplant:
+    """One transplant to run: batch row ``row``'s ``recipient`` cache edited by ``spec`` with ``arm``'s bytes."""
+
+    row: int
+    donor: str
+    recipient: str
+    spec: TransplantSpec
+    arm: str = "donor"
+
+
+@dataclass
+class Done:
+    result: RowResult
+    outcome: Outcome
+    placebo_kind: str | None  # which placebo was written (arm ``placebo`` only)
+    shared: int  # transplants run in the same decode (``rows_transplanted``)
+
+
+def run_transplants(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
+                    settings: DecodeSettings, own: dict[str, list[RowResult]], transplants: list[Transplant],
+                    pack: bool = True) -> list[Done]:
+    """Each of ``transplants`` (rows of one recorded batch), in order.
+
+    Packed (``pack``): every decode's row slots filled with transplants, each continued from its recipient's
+    recorded boundary cache in the row's own layout (:mod:`stagereplay.experiments.packing`); a sham there must
+    reproduce its recipient's own result (cache fingerprint, suffix ids, margins) byte for byte, or
+    :class:`PlaceboError`. Unpacked: one decode of the recipient's whole batch per direction, arm and set of rows
+    (:func:`transplant_rows`, in order, each row once a decode), as the stages ran before packing."""
+    if pack:
+        return _packed(decoder, prompts, stages, settings, own, transplants)
+    out: list[Done | None] = [None] * len(transplants)
+    pending = list(range(len(transplants)))
+    while pending:
+        first = transplants[pending[0]]
+        group, rows, rest = [], set(), []
+        for i in pending:
+            t = transplants[i]
+            if (t.donor, t.recipient, t.arm) == (first.donor, first.recipient, first.arm) and t.row not in rows:
+                group.append(i)
+                rows.add(t.row)
+            else:
+                rest.append(i)
+        done = transplant_rows(decoder, prompts, stages, settings, own, first.donor, first.recipient,
+                               {transplants[i].row: transplants[i].spec for i in group}, first.arm)
+        for i in group:
+            r = transplants[i].row
+            out[i] = Done(done[r][0], done[r][1], done.placebo_kinds[r], len(group))
+        pending = rest
+    return out
+
+
+def _packed(decoder, prompts, stages, settings, own, transplants: list[Transplant]) -> list[Done]:
+    from stagereplay.experiments.packing import Task, run_packed
+
+    tasks, edits = [], []
+    for i, t in enumerate(transplants):
+        source = t.recipient if t.arm == "sham" else t.donor
+        edit = transplant_edit(t.row, t.spec, own[source][t.row].layers, len(prompts[t.row]), t.arm)
+        mine = own[t.recipient][t.row]
+        tasks.append(Task(i, len(prompts), mine.pad, list(prompts[t.row]), list(stages[t.row]), mine.layers,
+                          lambda layers, edit=edit, row=t.row: edit(row, layers)))
+        edits.append(edit)
+    packed = run_packed(decoder, tasks, settings)
+    out = []
+    for i, t in enumerate(transplants):
+        res, mine = packed[i].result, own[t.recipient][t.row]
+        if t.arm == "sham":
+            check_sham(t, res, mine, packed[i].shared)
+        outcome = classify(res.suffix_ids, own[t.donor][t.row].suffix_ids, mine.suffix_ids)
+        out.append(Done(res, outcome, edits[i].placebo_kind, packed[i].shared))
+    return out
+
+
+def check_sham(t: Transplant, res: RowResult, mine: RowResult, shared: int) -> None:
+    """A sham continued in a packed decode must reproduce its recipient's own recorded result byte for byte (cache
+    fingerprint, suffix ids, margins): the run's own check that the edit path only copies and that a row's
+    continuation does not depend on its slot."""
+    if res.fingerprints[0] != mine.fingerprints[0] or res.suffix_ids != mine.suffix_ids or res.margins != mine.margins:
+        raise PlaceboError(
+            f"batch row {t.row}: the sham (the {t.recipient} cache's own bytes written back), continued in a packed "
+            f"decode of {shared} rows, does not reproduce the recipient's own result byte for byte: either the edit "
+            "changes what it should only copy or a row's continuation depends on its slot; run the stage with "
+            "transplant.pack: false and report it")
+
+
 def run_shams(decoder: Decoder, prompts, stages, settings: DecodeSettings, own: dict[str, list[RowResult]],
-              rows: list[int]) -> dict[str, dict[int, str]]:
+              rows: list[int], pack: bool = True) -> dict[str, dict[int, str]]:
     """The machinery's check, once per direction: each recipient's own bytes over its whole cache written back
-    through the transplant's edit, in one decode of its batch; every row must reproduce its own result byte for
-    byte (:func:`transplant_rows` stops otherwise). Returns recipient -> row -> the sham's cache fingerprint."""
-    out = {}
-    for _, recipient in directions(own):
-        specs = {r: whole_cache(len(own[recipient][r].layers)) for r in rows}
-        done = transplant_rows(decoder, prompts, stages, settings, own, recipient, recipient, specs, arm="sham")
-        out[recipient] = {r: done[r][0].fingerprints[0] for r in rows}
+    through the transplant's edit; every row must reproduce its own result byte for byte
+    (:func:`run_transplants` stops otherwise). Returns recipient -> row -> the sham's cache fingerprint."""
+    shams = [Transplant(r, recipient, recipient, whole_cache(len(own[recipient][r].layers)), "sham")
+             for _, recipient in directions(own) for r in rows]
+    done = run_transplants(decoder, prompts, stages, settings, own, shams, pack)
+    out: dict[str, dict[int, str]] = {}
+    for t, d in zip(shams, done):
+        out.setdefault(t.recipient, {})[t.row] = d.result.fingerprints[0]
     return out
 
 
 def transplant_batch(decoder: Decoder, prompts: list[list[int]], stages: list[list[int] | None],
                      settings: DecodeSettings, own: dict[str, list[RowResult]], rows: list[int],
-                     specs: list[TransplantSpec], labels: dict[int, dict[str, str]] | None = None
-                     ) -> dict[int, list[dict]]:
+                     specs: list[TransplantSpec], labels: dict[int, dict[str, str]] | None = None,
+                     pack: bool = True) -> dict[int, list[dict]]:
     """Every spec in both directions between the two constructions of ``own`` (name -> the batch's own results,
-    the rows' caches kept) for each of ``rows``: per direction and spec, one decode of the recipient's whole batch
-    with every one of ``rows`` edited by the donor's bytes (:func:`transplant_rows`) and one with their placebo,
-    beside one sham per direction (:func:`run_shams`). ``labels[r]`` renames a construction for row ``r``'s
-    records (a rebuilt live cache that is not bit-exact is ``incremental``). Returns, per row, plain row dicts in
-    the order direction, spec."""
+    the rows' caches kept) for each of ``rows``, each with its placebo, beside one sham per row and direction
+    (:func:`run_shams`), run by :func:`run_transplants` (``pack``: packed decodes). ``labels[r]`` renames a
+    construction for row ``r``'s records (a rebuilt live cache that is not bit-exact is ``incremental``).
+    Returns, per row, plain row dicts in the order direction, spec."""
     pair = directions(own)
     a, b = pair[0]
     names = {r: labels[r] if labels else {a: a, b: b} for r in rows}
     num_layers = {r: len(own[a][r].layers) for r in rows}
     divergent = {r: first_divergence(own[a][r].suffix_ids, own[b][r].suffix_ids) is not None for r in rows}
-    shams = run_shams(decoder, prompts, stages, settings, own, rows)
+    shams = [Transplant(r, recipient, recipient, whole_cache(num_layers[r]), "sham") for _, recipient in pair
+             for r in rows]
+    wanted = [Transplant(r, donor, recipient, spec, arm) for donor, recipient in pair for spec in specs
+              for arm in ("donor", "placebo") for r in rows]
+    if pack:  # the shams in the same packed decodes as the transplants they vouch for
+        done = run_transplants(decoder, prompts, stages, settings, own, shams + wanted, pack)
+        sham = {(t.recipient, t.row): d.result.fingerprints[0] for t, d in zip(shams, done)}
+        done = done[len(shams):]
+    else:
+        sham = {(recipient, r): fp for recipient, fps in run_shams(decoder, prompts, stages, settings, own, rows,
+                                                                   pack).items() for r, fp in fps.items()}
+        done = run_transplants(decoder, prompts, stages, settings, own, wanted, pack)
+    by = {(t.donor, t.spec, t.arm, t.row): d for t, d in zip(wanted, done)}
     out: dict[int, list[dict]] = {r: [] for r in rows}
     for donor, recipient in pair:
         for spec in specs:
-            chosen = {r: spec for r in rows}
-            done = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, chosen)
-            placebo = transplant_rows(decoder, prompts, stages, settings, own, donor, recipient, chosen, "placebo")
             for r in rows:
                 name = names[r]
+                mine, placebo = by[donor, spec, "donor", r], by[donor, spec, "placebo", r]
                 noop = transplanted_bytes_equal(spec, own[donor][r].layers, own[recipient][r].layers, len(prompts[r]))
-                check_placebo(f"row {r} {name[donor]}->{name[recipient]} {spec}", placebo[r][0], done[r][0], noop)
+                check_placebo(f"row {r} {name[donor]}->{name[recipient]} {spec}", placebo.result, mine.result, noop)
                 out[r].append({
                     "donor": name[donor], "recipient": name[recipient],
                     "direction": f"{name[donor]}->{name[recipient]}", "sweep": spec.sweep,
                     "layer_set": spec.layer_set(num_layers[r]), "layers": list(spec.layers),
                     "component": spec.component, "positions": spec.positions, "divergent": divergent[r],
-                    **result_columns(done[r]), "noop": noop,
-                    **result_columns(placebo[r], "placebo_"), "placebo_kind": placebo.placebo_kinds[r],
-                    "sham_cache_fingerprint": shams[recipient][r],
-                    "layout_pad": done[r][0].pad, "layout_position": done[r][0].position, "rows_transplanted": len(rows),
+                    **result_columns((mine.result, mine.outcome)), "noop": noop,
+                    **result_columns((placebo.result, placebo.outcome), "placebo_"),
+                    "placebo_kind": placebo.placebo_kind, "sham_cache_fingerprint": sham[recipient, r],
+                    "layout_pad": mine.result.pad, "layout_position": mine.result.position,
+                    "rows_transplanted": mine.shared,
                 })
     return out
 

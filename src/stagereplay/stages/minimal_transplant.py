@@ -16,8 +16,8 @@ import pandas as pd
 import pyarrow as pa
 
 from stagereplay.experiments.minimal_transplant import search_together, span_shares
-from stagereplay.experiments.transplant import (check_placebo, directions, layer_set_name, run_shams,
-                                                transplant_rows, transplanted_bytes_equal)
+from stagereplay.experiments.transplant import (Transplant, check_placebo, directions, layer_set_name,
+                                                run_shams, run_transplants, transplanted_bytes_equal)
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
@@ -25,7 +25,7 @@ from stagereplay.io.provenance import software_versions
 from stagereplay.stages.jobs import config_of, load_as_recorded
 from stagereplay.stages.progress import progress
 from stagereplay.stages.settings import MinimalTransplantSettings
-from stagereplay.stages.transplant import Rebuild, batches_with
+from stagereplay.stages.transplant import Packing, Rebuild, batches_with
 from stagereplay.stages.transplant_selection import baseline_pair, baseline_rows
 
 log = logging.getLogger("stagereplay")
@@ -101,29 +101,33 @@ def _row(item, s, donor, recipient, result, outcomes, num_layers, cache_length, 
     return row
 
 
-def controlled_trials(decoder, rebuild: Rebuild, settings, donor: str, recipient: str, rows):
-    """The search's test of a round of boxes (one per row still searching) and the record it keeps: the donor's
-    bytes of each box in one decode of the batch, their placebo in another, in the same layout. A box suffices only
-    where the donor's bytes carry the donor's continuation and the placebo's do not; a placebo whose cache is the
-    donor transplant's stops the stage (:func:`check_placebo`). Returns (sufficient, outcomes per row)."""
-    outcomes = {r: {"donor": [], "placebo": [], "noop": []} for r in rows}
+def controlled_trials(decoder, rebuild: Rebuild, settings, rows, pack: bool = True):
+    """The search's test of a round of boxes (one per batch row and direction still searching, keyed
+    ``(row, donor)``) and the record it keeps: each box's donor bytes and their placebo, every one of the round
+    in packed decodes (``pack``; else one decode of the batch per direction and arm). A box suffices only where the
+    donor's bytes carry the donor's continuation and the placebo's do not; a placebo whose cache is the donor
+    transplant's stops the stage (:func:`check_placebo`). Returns (sufficient, outcomes per key)."""
+    recipient_of = dict(directions(rebuild.own))
+    outcomes = {(r, donor): {"donor": [], "placebo": [], "noop": []} for r in rows for donor in recipient_of}
 
     def sufficient(boxes: dict) -> dict:
-        specs = {r: box.spec() for r, box in boxes.items()}
-        done = transplant_rows(decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, donor, recipient,
-                               specs)
-        placebo = transplant_rows(decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, donor, recipient,
-                                  specs, "placebo")
+        order = sorted(boxes, key=lambda key: (list(recipient_of).index(key[1]), key[0]))
+        transplants = [Transplant(r, donor, recipient_of[donor], boxes[r, donor].spec(), arm)
+                       for arm in ("donor", "placebo") for r, donor in order]
+        done = run_transplants(decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, transplants, pack)
+        by = {(t.row, t.donor, t.arm): d for t, d in zip(transplants, done)}
         verdicts = {}
-        for r, spec in specs.items():
+        for r, donor in order:
+            recipient, spec = recipient_of[donor], boxes[r, donor].spec()
+            carried, control = by[r, donor, "donor"], by[r, donor, "placebo"]
             noop = transplanted_bytes_equal(spec, rebuild.own[donor][r].layers, rebuild.own[recipient][r].layers,
                                             len(rebuild.prompts[r]))
-            check_placebo(f"row {r} {donor}->{recipient} {boxes[r]}", placebo[r][0], done[r][0], noop)
-            carried, control = done[r][1].outcome, placebo[r][1].outcome
-            outcomes[r]["donor"].append(carried)
-            outcomes[r]["placebo"].append(control)
-            outcomes[r]["noop"].append(noop)
-            verdicts[r] = carried == "donor" and control != "donor"
+            check_placebo(f"row {r} {donor}->{recipient} {boxes[r, donor]}", control.result, carried.result, noop)
+            record = outcomes[r, donor]
+            record["donor"].append(carried.outcome.outcome)
+            record["placebo"].append(control.outcome.outcome)
+            record["noop"].append(noop)
+            verdicts[r, donor] = carried.outcome.outcome == "donor" and control.outcome.outcome != "donor"
         return verdicts
 
     return sufficient, outcomes
@@ -151,6 +155,7 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
         job = load_as_recorded(s, s.precision, baseline_path)
         settings = job.decode_settings()
         plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
+        packing = Packing(s.pack, job.decoder)
         for batch in progress(batches, f"find_minimal_transplants {s.revision}/{s.precision} shard {s.shard}",
                               enabled=s.progress):
             wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
@@ -162,12 +167,14 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                 if rebuild.own[pair[0]][r].suffix_ids == rebuild.own[pair[1]][r].suffix_ids:
                     raise ValueError(f"item {batch.items[r]['item_id']!r} is divergent in the selection but its "
                                      "rebuilt constructions continue alike; rerun the selection")
-            shams = run_shams(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted))
-            searched = {}
-            for donor, recipient in directions(rebuild.own):
-                sufficient, outcomes = controlled_trials(job.decoder, rebuild, settings, donor, recipient, wanted)
-                for r, result in search_together(sufficient, shape, s.budget).items():
-                    searched[r, donor] = (result, outcomes[r])
+            pack = packing.on(len(batch.items))
+            shams = run_shams(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted),
+                              pack)
+            # both directions' searches in lockstep: each round's boxes and their placebos in the same decodes
+            sufficient, outcomes = controlled_trials(job.decoder, rebuild, settings, sorted(wanted), pack)
+            starts = {(r, donor): shape[r] for donor, _ in directions(rebuild.own) for r in sorted(wanted)}
+            searched = {key: (result, outcomes[key])
+                        for key, result in search_together(sufficient, starts, s.budget).items()}
             for r in sorted(wanted):
                 name = rebuild.names[r]
                 for donor, recipient in directions(rebuild.own):
@@ -182,7 +189,7 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
     log.info("minimal transplants %s/%s: %d rows (budget %d); whole cache sufficient %d; budget ran out %d; "
              "runs used %d", s.revision, s.precision, len(df), s.budget, len(found),
              int(df["budget_exhausted"].sum()), int(df["runs"].sum()))
-    base = (job.provenance("find_minimal_transplants", config_of(s)) if job else
+    base = (job.provenance("find_minimal_transplants", config_of(s), packing=packing.record()) if job else
             {**software_versions(), "stage": "find_minimal_transplants", "config": config_of(s)})
     prov = {**base, "selection": read_provenance(selection_path).get("selection"),
             "search": {"budget": s.budget, "method": "greedy bisection: component (K, then V), layers and positions "
@@ -190,7 +197,8 @@ def find_minimal_transplants(selection_path: str, baseline_path: str, out_path: 
                        "donor's continuation and the box's placebo (the difference shifted within its span) does "
                        "not; minimal "
                        "against halving, not a global minimum; the searches of a batch's rows run in lockstep, one decode of "
-                       "the batch per round, every row not edited in it checked to reproduce its own result"},
+                       "the batch per round (packed: a round's boxes and placebos of both directions share decodes, "
+                       "beside the shams)"},
             "batch_plan": None if plan is None else plan.record()}
     write_parquet(df, out_path, prov, MINIMAL_TRANSPLANT_SCHEMA)
     return df

@@ -216,6 +216,7 @@ class TransplantSettings(ModelSettings):
     n_shards: int = config_field("shards")
     chunk_size: int = config_field("chunk_size", only_with="chunked")
     constructions: tuple[str, ...] = config_field("transplant.constructions")
+    pack: bool = config_field("transplant.pack")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +230,7 @@ class MinimalTransplantSettings(ModelSettings):
     n_shards: int = config_field("shards")
     chunk_size: int = config_field("chunk_size", only_with="chunked")
     constructions: tuple[str, ...] = config_field("transplant.constructions")
+    pack: bool = config_field("transplant.pack")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.matched import fixed_prefix
+from stagereplay.experiments.packing import packing_refusal
 from stagereplay.experiments.recipe import DecodeSettings, ReplicaMismatchError, run
 from stagereplay.experiments.rows import LEDGER_SCHEMA
 from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, transplant_batch
@@ -130,6 +131,28 @@ class Rebuild:
                 raise ReplicaMismatchError(f"item {row['item_id']!r}: the {name} continuation rebuilt here differs "
                                            "from the baseline's although the caches are bit-exact")
         return names, match
+
+
+class Packing:
+    """Whether a stage's decodes are packed (:mod:`stagereplay.experiments.packing`): as asked
+    (``transplant.pack``), refused for a batch size the decoder cannot pack (warned once, recorded)."""
+
+    def __init__(self, asked: bool, decoder):
+        self.asked, self.decoder, self.refused = bool(asked), decoder, {}
+
+    def on(self, rows: int) -> bool:
+        if not self.asked:
+            return False
+        if rows not in self.refused:
+            self.refused[rows] = packing_refusal(self.decoder, rows)
+            if self.refused[rows]:
+                log.warning("transplant.pack: packing refused for batches of %d rows (%s); they run unpacked", rows,
+                            self.refused[rows])
+        return self.refused[rows] is None
+
+    def record(self) -> dict:
+        """What provenance says: asked or not, and each refused batch size with the reason."""
+        return {"asked": self.asked, "refused": {str(k): v for k, v in sorted(self.refused.items()) if v}}
 
 
 def replay_fixed_prefixes(prefixes_path: str, items_path: str, out_path: str, s: ReplaySettings) -> None:
@@ -242,12 +265,13 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     specs = enumerate_sweeps(s.sweeps, int(job.loaded.model.config.num_hidden_layers))
     chosen = {int(i) for i in selection["item_index"]}
     plan, batches = batches_with(baseline_path, baseline, s.precision, chosen, s.shard, s.n_shards)
+    packing = Packing(s.pack, job.decoder)
     rows = []
     for batch in progress(batches, f"transplant_caches {s.revision}/{s.precision} shard {s.shard}", enabled=s.progress):
         wanted = {r for r, it in enumerate(batch.items) if int(it["item_index"]) in chosen}
         rebuild = Rebuild(job, batch, by_index, pair, settings, keep=wanted)
         done = transplant_batch(job.decoder, rebuild.prompts, rebuild.stages, settings, rebuild.own, sorted(wanted),
-                                specs, labels=rebuild.names)
+                                specs, labels=rebuild.names, pack=packing.on(len(batch.items)))
         for r in sorted(wanted):
             item = batch.items[r]
             fps = {rebuild.names[r][name]: (rebuild.own[name][r].fingerprints[0], rebuild.own[name][r].suffix_ids)
@@ -269,6 +293,6 @@ def transplant_caches(selection_path: str, baseline_path: str, out_path: str, s:
     log.info("transplant %s/%s: %d rows; all-layer K/V transplants of divergent items following their donor: %d / %d",
              s.revision, s.precision, len(df), int((all_rows["outcome"] == "donor").sum()), len(all_rows))
     prov = job.provenance("transplant_caches", config_of(s), selection=read_provenance(selection_path).get("selection"),
-                          batch_plan=None if plan is None else plan.record())
+                          batch_plan=None if plan is None else plan.record(), packing=packing.record())
     write_parquet(df, out_path, prov, TRANSPLANT_SCHEMA)
     return df
