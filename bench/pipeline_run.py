@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the package is not installed
 
 # what a run records of the package's greedy loop and schedule now (the projection prices a run by them)
+from stagereplay.io.parquet import read_provenance  # noqa: E402
 from stagereplay.projection.shape import GREEDY_LOOP, SCHEDULE  # noqa: E402
 
 
@@ -237,7 +238,15 @@ def transplant_counts(folder: Path, batch_of: dict | None) -> dict:
             "specs_per_direction": int(runs.max()) if len(runs) else None,
             # the controls: the placebo beside each transplant, one sham per direction and batch (none before them)
             "arms": 2 if "placebo_outcome" in table.columns else 1,
-            "shams": 1 if "sham_cache_fingerprint" in table.columns else 0}
+            "shams": 1 if "sham_cache_fingerprint" in table.columns else 0,
+            # packed decodes (transplant.pack), as the table's provenance records them (none before packing)
+            "packed": packed_decodes(folder / "transplant.parquet")}
+
+
+def packed_decodes(path: Path) -> bool:
+    """Whether a transplant table's decodes were packed: asked for and refused for no batch size."""
+    packing = read_provenance(path).get("packing") or {}
+    return bool(packing.get("asked")) and not packing.get("refused")
 
 
 def minimal_counts(folder: Path, batch_of: dict | None) -> dict:

@@ -353,6 +353,7 @@ def controls(shape: RunShape, stage: str) -> tuple[int, int]:
 
 
 def transplant_caches(shape: RunShape) -> list[JobWork]:
+    from stagereplay.projection.packing import packed, packed_work  # it prices in this module's units
     p = shape.transplant_precision
     items = shape.count("transplant_items", lambda r: r["transplant"]["items"], lambda: selected_items(shape))
     specs = shape.count("transplant_specs", lambda r: r["transplant"]["specs_per_direction"],
@@ -362,6 +363,10 @@ def transplant_caches(shape: RunShape) -> list[JobWork]:
 
     def per_shard(shard):
         held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items, shard)
+        if packed(shape):  # a batch's items: the selected items over the batches holding one
+            share = items * shape.item_share(shard) / max(sum(held.values()), 1e-9)
+            return {p: by_kind(held, lambda rows: rebuild(shape, rows) + packed_work(
+                shape, rows, share * len(directions(shape)) * (arms * specs + shams)))}
         return {p: by_kind(held, lambda rows: rebuild(shape, rows)
                            + recipient_cells(shape, {d: arms * specs + shams for d in directions(shape)}, rows))}
 
@@ -369,6 +374,7 @@ def transplant_caches(shape: RunShape) -> list[JobWork]:
 
 
 def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
+    from stagereplay.projection.packing import packed, packed_work
     p, budget = shape.transplant_precision, shape.config["transplant"]["minimal"]["budget"]
     items = shape.count("minimal_items", lambda r: r["minimal"]["items"],
                         lambda: selected_items(shape, divergent_only=True) if budget else 0)
@@ -383,6 +389,12 @@ def find_minimal_transplants(shape: RunShape) -> list[JobWork]:
 
     def per_shard(shard):
         mine = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items, shard)
+        if packed(shape):  # per batch and round, every searching row's box and placebo, both directions together
+            share = items / max(sum(held.values()), 1e-9)
+            return {p: total(batches * (rebuild(shape, rows) + packed_work(shape, rows, share * shams * len(by_rows)))
+                             + packed_work(shape, rows, share * len(by_rows) * arms)
+                             * (max(r.get(rows, 0.0) for r in by_rows.values()) / held[rows]) * batches
+                             for rows, batches in mine.items() if batches)}
         # the shard's rounds: its share of the batches of each size
         return {p: total(batches * rebuild(shape, rows)
                          + recipient_cells(shape, {d: arms * r.get(rows, 0.0) * (batches / held[rows]
