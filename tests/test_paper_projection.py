@@ -56,7 +56,7 @@ RECORDED = {"batches": 2, "decode": {"decode_max_len": P + STAGE_BUDGET + N}, "n
             "cache_differences": {p: {"items": 8, "batches": 2} for p in ("bf16", "fp32")},
             "dump": {"bf16": {"items": 8, "batches": 2, "bytes": 2 * 8 * (P + S - 1) * KV_GB_PER_POSITION * 1e9}},
             "transplant": {"items": 8, "batches": 2, "directions": ["live->prefill", "prefill->live"],
-                           "specs_per_direction": 11, "arms": 2, "shams": 1},
+                           "specs_per_direction": 11, "arms": 2, "shams": 1, "packed": True},
             "minimal": {"items": 8, "batches": 2, "rounds_per_direction": {"live->prefill": 8, "prefill->live": 8},
                         "arms": 2, "shams": 1},
             "onset": {"bf16": {"items": 8, "batches": 2}}}

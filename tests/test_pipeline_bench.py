@@ -177,6 +177,24 @@ def test_transplants_count_a_rebuild_and_their_controls_per_spec_and_direction()
     assert _steps(_jobs(searched, "find_minimal_transplants"), 4) == (2 * 2 + 2 * (5 + 3) + 2 * 2) * cell
 
 
+def test_packed_transplants_are_priced_by_the_decodes_their_tasks_fill():
+    """Packed (transplant.pack, the suffix schedule): per batch the rebuild, then ceil(tasks / rows) decodes of
+    the suffix alone; tasks = the batch's items x directions x (arms x specs + shams). Unpacked, or recorded
+    before packing, or in the lockstep schedule (where rows cannot continue from their own boundaries): as before."""
+    counts = {"transplant": {"items": 3, "batches": 2, "specs_per_direction": 7, "arms": 2, "shams": 1,
+                             "packed": True}}
+    shape = run_shape(_run(counts=counts, schedule="suffix"))
+    rebuild = (S - 1 + N) + N  # incremental by the live schedule, prefill from its boundaries
+    tasks = 3 / 2 * 2 * (2 * 7 + 1)  # a batch: 1.5 items x 2 directions x 15
+    assert tasks == 45  # 12 decodes of 4 rows
+    packed = _steps(_jobs(_run(counts=counts, schedule="suffix"), "transplant_caches"), 4)
+    assert shape.schedule == "suffix" and packed == 2 * (rebuild + 12 * N)
+    unpacked = {"transplant": dict(counts["transplant"], packed=False)}
+    assert _steps(_jobs(_run(counts=unpacked, schedule="suffix"), "transplant_caches"), 4) == 2 * (
+        rebuild + 2 * (2 * 7 + 1) * N + (2 * 7 + 1) * (S - 1 + N) - (2 * 7 + 1) * N)
+    assert _steps(_jobs(_run(counts=counts), "transplant_caches"), 4) == 2 * (1 + 2 * 7 + 1) * 2 * (S + N - 1)
+
+
 def test_a_rule_absent_from_the_run_is_reported_absent_and_the_cli_writes_its_json(tmp_path):
     paths = {name: tmp_path / f"{name}.json" for name in ("run", "measures", "batch1", "out")}
     paths["run"].write_text(json.dumps(_run()))

@@ -15,9 +15,11 @@ from stagereplay.projection.shape import RunShape
 
 
 def packed(shape: RunShape) -> bool:
-    """Whether the run packs its transplant decodes: as recorded, else the config's ``transplant.pack``."""
-    return bool(shape.count("transplant_packed", lambda r: r["transplant"].get("packed", False),
-                            lambda: shape.config["transplant"].get("pack", True)))
+    """Whether the run packs its transplant decodes: as recorded (a run from before packing did not), else the
+    config's ``transplant.pack``, refused where batched rows do not continue from their own boundaries."""
+    asked = shape.count("transplant_packed", lambda r: r["transplant"].get("packed", False),
+                        lambda: shape.config["transplant"].get("pack", True))
+    return bool(asked) and (not shape.lockstep or shape.schedule == "suffix")
 
 
 def decodes(tasks: float, rows: int) -> float:
