@@ -341,7 +341,8 @@ class StaticDecoder(StaticForward):
         copied over positions [pads[r], pads[r] + its length), the rest left at zero, which no row reads (keys
         before a row's pad or after its position are masked, and a masked key adds exactly nothing)."""
         if not self.suffix_schedule:
-            raise RegimeError("decode_suffix_schedule is off: rows do not continue from their own boundaries here")
+            raise RegimeError("this decoder was built with suffix_schedule=False: its rows do not continue from "
+                              "their own boundaries, so given boundary caches cannot be placed")
         if len(caches) != len(pads):
             raise ValueError(f"{len(caches)} caches for {len(pads)} rows")
         batch = StaticKV(self, self._checked_pads(pads))

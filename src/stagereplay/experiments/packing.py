@@ -13,8 +13,9 @@ and by ``bench/transplant_speed.py`` on the GPU, each with a control that moves 
 be caught. Every run checks it again: its shams (a recipient's own bytes written back) are packed beside the
 transplants and must reproduce the recipient's own recorded result byte for byte, or the stage stops.
 
-Where a decoder cannot continue rows from given boundary caches (``decode_suffix_schedule`` off), packing is
-refused and the stages run the unpacked path (:func:`packing_refusal` says why; provenance records it).
+Where a decoder cannot continue rows from given boundary caches (a static decoder built with
+``suffix_schedule=False``), packing is refused and the stages run the unpacked path (:func:`packing_refusal`
+says why; provenance records it).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def packing_refusal(decoder: Decoder, rows: int) -> str | None:
     if decoder.independent_rows(rows) or decoder.rows_from_boundaries(rows):
         return None
     return (f"decode_regime {decoder.record().get('decode_regime')} with {rows} rows does not continue rows from "
-            "their own boundaries (decode_suffix_schedule off): a row's continuation there is the lockstep "
-            "schedule's, which a packed decode cannot give")
+            "their own boundaries (a static decoder built with suffix_schedule=False): a row's continuation there "
+            "is the lockstep schedule's, which a packed decode cannot give")
 
 
 def decodes(tasks: list[Task]) -> list[list[Task]]:
