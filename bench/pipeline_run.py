@@ -60,10 +60,12 @@ def write_config(work: Path, args) -> Path:
         # share the GPU; with the schema's default of 0 no job claims it and every ready job starts at once
         "gpus_per_job": 1 if args.device == "cuda" else 0,
     }
-    if args.transplant_select or args.minimal_budget:
+    if args.transplant_select or args.minimal_budget or getattr(args, "pack", None):
         config["transplant"] = {"select": args.transplant_select or "divergent"}
         if args.minimal_budget:
             config["transplant"]["minimal"] = {"budget": args.minimal_budget}
+        if getattr(args, "pack", None):  # packed transplant decodes: on or off (else the schema's default, on)
+            config["transplant"]["pack"] = args.pack == "on"
     path = work / "config.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
     return path
@@ -82,6 +84,7 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--regime", default="eager", help="decode_regime")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--pack", choices=("on", "off"), default=None, help="transplant.pack (default: the schema's, on)")
     ap.add_argument("--numerics", default="default")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--cores", type=int, default=os.cpu_count())
