@@ -31,7 +31,8 @@ from stagereplay.io.ids import first_divergence  # noqa: E402
 from stagereplay.decode.regimes import make_decoder  # noqa: E402
 from stagereplay.experiments.recipe import run  # noqa: E402
 from stagereplay.experiments.rows import RunSettings  # noqa: E402
-from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit  # noqa: E402
+from stagereplay.experiments.transplant import transplant_batch, transplant_edit  # noqa: E402
+from stagereplay.experiments.transplant_specs import TransplantSpec  # noqa: E402
 from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
 from stagereplay.models.sources import ModelSource
 

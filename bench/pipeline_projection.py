@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from job_overhead import measure_overhead  # noqa: E402
 
-from stagereplay.experiments.transplant import enumerate_sweeps  # noqa: E402
+from stagereplay.experiments.transplant_specs import enumerate_sweeps  # noqa: E402
 from stagereplay.projection.paper import project_by_rule  # noqa: E402
 from stagereplay.projection.rates import Overhead, load_measures  # noqa: E402
 from stagereplay.projection.report import compare, project_config, render, render_gpus, render_projection  # noqa: E402

@@ -27,7 +27,8 @@ import stagereplay.decode.greedy as greedy
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
-from stagereplay.experiments.transplant import TransplantSpec, transplant_rows
+from stagereplay.experiments.transplant import transplant_rows
+from stagereplay.experiments.transplant_specs import TransplantSpec
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 

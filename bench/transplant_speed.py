@@ -38,7 +38,8 @@ from stagereplay.experiments.minimal_transplant import search_together
 from stagereplay.experiments.packing import Task, run_packed
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import RunSettings
-from stagereplay.experiments.transplant import enumerate_sweeps, transplant_batch
+from stagereplay.experiments.transplant import transplant_batch
+from stagereplay.experiments.transplant_specs import enumerate_sweeps
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 from stagereplay.stages.minimal_transplant import controlled_trials

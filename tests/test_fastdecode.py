@@ -24,7 +24,8 @@ from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.recipe import DecodeSettings
-from stagereplay.experiments.transplant import TransplantSpec, transplant_edit
+from stagereplay.experiments.transplant import transplant_edit
+from stagereplay.experiments.transplant_specs import TransplantSpec
 from stagereplay.io.fingerprints import fingerprint_layers
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]

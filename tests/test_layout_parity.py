@@ -18,7 +18,8 @@ import pytest
 
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments.recipe import DecodeSettings, run
-from stagereplay.experiments.transplant import TransplantSpec, transplant_batch, transplant_edit
+from stagereplay.experiments.transplant import transplant_batch, transplant_edit
+from stagereplay.experiments.transplant_specs import TransplantSpec
 
 ROWS = 6
 

@@ -12,7 +12,8 @@ import torch
 from stagereplay.decode.greedy import BoundaryMatcher, decode_rows
 from stagereplay.decode.static import StaticDecoder
 from stagereplay.experiments import constructions
-from stagereplay.experiments.transplant import TransplantSpec, transplant_edit
+from stagereplay.experiments.transplant import transplant_edit
+from stagereplay.experiments.transplant_specs import TransplantSpec
 from stagereplay.io.fingerprints import fingerprint_layers
 
 PROMPTS = [[19, 18, 7, 11, 14, 8, 9, 16, 2], [19, 18, 7, 11, 14], [7, 11, 14, 8, 9, 16, 2, 3, 4]]

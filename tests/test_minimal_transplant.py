@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stagereplay.experiments.minimal_transplant import Box, candidates, search, search_together, span_shares
-from stagereplay.experiments.transplant import TransplantSpec, position_range, transplant_edit
+from stagereplay.experiments.transplant import transplant_edit
+from stagereplay.experiments.transplant_specs import TransplantSpec, position_range
 
 REPO = Path(__file__).resolve().parents[1]
 # the suffix budget of the toy tests: items of the default selection split within it (tests/toy_divergence.py)

@@ -15,7 +15,8 @@ import torch
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments.packing import Task, decodes, packing_refusal, run_packed
 from stagereplay.experiments.recipe import DecodeSettings, run
-from stagereplay.experiments.transplant import enumerate_sweeps, transplant_batch
+from stagereplay.experiments.transplant import transplant_batch
+from stagereplay.experiments.transplant_specs import enumerate_sweeps
 
 ROWS = 5
 FILLER = {2}  # a row that reached no boundary: filler in the recorded batch

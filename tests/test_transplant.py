@@ -16,15 +16,13 @@ from stagereplay.experiments.matched import fixed_prefix
 from stagereplay.experiments.recipe import run
 from stagereplay.experiments.rows import ReplicaMismatchError, RunSettings
 from stagereplay.experiments.transplant import (
-    SWEEPS,
-    TransplantSpec,
-    classify,
-    enumerate_sweeps,
     choose_transplant_items,
+    classify,
     transplant_batch,
     transplant_edit,
     transplant_rows,
 )
+from stagereplay.experiments.transplant_specs import SWEEPS, TransplantSpec, enumerate_sweeps
 from stagereplay.io import cache_dumps as cache_io
 from stagereplay.io.fingerprints import fingerprint_layers, tensor_bytes
 from stagereplay.models import compat

@@ -17,15 +17,14 @@ from stagereplay.experiments.rows import RunSettings
 from stagereplay.experiments.transplant import (
     PlaceboError,
     Transplant,
-    TransplantSpec,
-    enumerate_sweeps,
     placebo_bytes,
+    run_transplants,
     transplant_batch,
     transplant_edit,
-    run_transplants,
     transplant_rows,
     transplanted_bytes_equal,
 )
+from stagereplay.experiments.transplant_specs import TransplantSpec, enumerate_sweeps
 
 PROMPT = [19, 18, 7, 11, 14, 8, 9, 16, 2]
 PROMPTS = [PROMPT, PROMPT[:5], PROMPT[2:]]

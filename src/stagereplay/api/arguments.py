@@ -12,7 +12,7 @@ import operator
 
 from stagereplay.decode.greedy import BoundaryMatcher
 from stagereplay.experiments import constructions as registry
-from stagereplay.experiments.transplant import COMPONENTS, POSITIONS
+from stagereplay.experiments.transplant_specs import COMPONENTS, POSITIONS
 from stagereplay.models.loading import PRECISIONS, context_positions, sliding_window, unsupported
 
 

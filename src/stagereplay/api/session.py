@@ -17,7 +17,8 @@ from stagereplay.decode.plans import batch_plan
 from stagereplay.decode.regimes import make_decoder
 from stagereplay.experiments import constructions as registry
 from stagereplay.experiments.recipe import DecodeSettings, replica_difference, run
-from stagereplay.experiments.transplant import TransplantSpec, rebuilt_as, transplant_rows
+from stagereplay.experiments.transplant import transplant_rows
+from stagereplay.experiments.transplant_specs import TransplantSpec, rebuilt_as
 from stagereplay.io.fingerprints import fingerprint_ids
 from stagereplay.io.ids import first_divergence
 from stagereplay.io.provenance import software_versions

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from stagereplay.experiments.transplant import TransplantSpec, layer_set_name
+from stagereplay.experiments.transplant_specs import TransplantSpec, layer_set_name
 
 SWEEP = "minimal"
 

@@ -76,7 +76,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as
+from stagereplay.experiments.transplant_specs import enumerate_sweeps, rebuilt_as
 from stagereplay.projection.shape import RunShape, spread
 
 

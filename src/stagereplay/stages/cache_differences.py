@@ -11,7 +11,7 @@ import pyarrow as pa
 from stagereplay.decode.plans import BatchPlan, batches_of
 from stagereplay.experiments.cache_differences import layer_differences, sample_items
 from stagereplay.experiments.recipe import DecodeSettings, run
-from stagereplay.experiments.transplant import rebuilt_as
+from stagereplay.experiments.transplant_specs import rebuilt_as
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.io.provenance import recorded_batch_plan, software_versions

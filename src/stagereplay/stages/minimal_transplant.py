@@ -16,8 +16,9 @@ import pandas as pd
 import pyarrow as pa
 
 from stagereplay.experiments.minimal_transplant import search_together, span_shares
-from stagereplay.experiments.transplant import (Transplant, check_placebo, directions, layer_set_name,
-                                                run_shams, run_transplants, transplanted_bytes_equal)
+from stagereplay.experiments.transplant import (Transplant, check_placebo, directions, run_shams, run_transplants,
+                                                transplanted_bytes_equal)
+from stagereplay.experiments.transplant_specs import layer_set_name
 from stagereplay.io.fingerprints import check_fingerprint_scheme
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet

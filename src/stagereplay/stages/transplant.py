@@ -27,7 +27,8 @@ from stagereplay.experiments.matched import fixed_prefix
 from stagereplay.experiments.packing import packing_refusal
 from stagereplay.experiments.recipe import DecodeSettings, ReplicaMismatchError, run
 from stagereplay.experiments.rows import LEDGER_SCHEMA
-from stagereplay.experiments.transplant import enumerate_sweeps, rebuilt_as, transplant_batch
+from stagereplay.experiments.transplant import transplant_batch
+from stagereplay.experiments.transplant_specs import enumerate_sweeps, rebuilt_as
 from stagereplay.io import cache_dumps
 from stagereplay.io.fingerprints import check_fingerprint_scheme, fingerprint_ids
 from stagereplay.io.keys import ITEM_FIELDS

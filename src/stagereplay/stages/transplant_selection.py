@@ -13,7 +13,8 @@ import logging
 import pandas as pd
 import pyarrow as pa
 
-from stagereplay.experiments.transplant import choose_transplant_items, rebuilt_as
+from stagereplay.experiments.transplant import choose_transplant_items
+from stagereplay.experiments.transplant_specs import rebuilt_as
 from stagereplay.io.keys import ITEM_FIELDS
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import recorded_stages, software_versions
