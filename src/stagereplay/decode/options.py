@@ -17,8 +17,18 @@ KERNELS = ("library", "fused")  # how the forward's small operations run; anothe
 
 def check_static_options(regime: str, attention: str = "masked", prefill_group: int | None = None,
                          kernels: str = "library") -> None:
-    """Refuse static-buffer options for the eager regime, which has no static buffer (the decoder factory and the
-    workflow's parse-time check both call this)."""
+    """The one check of the decode options' values and of which go together: each a known value, and no
+    static-buffer option for the eager regime, which has no static buffer. The workflow's parse-time check
+    (:func:`stagereplay.stages.preflight.check_decode_settings`), the decoder factory and the static decoder all call
+    this, so each setting is checked in one place."""
+    if regime not in REGIMES:
+        raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
+    if attention not in ATTENTIONS:
+        raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
+    if kernels not in KERNELS:
+        raise RegimeError(f"decode_kernels {kernels!r} is not one of {list(KERNELS)}")
+    if prefill_group is not None and (isinstance(prefill_group, bool) or int(prefill_group) < 1):
+        raise RegimeError(f"decode_prefill_group {prefill_group!r}: a positive number of rows, or null for all rows")
     if regime == "eager" and (attention != "masked" or prefill_group is not None or kernels != "library"):
         raise RegimeError(
             f"decode_attention: {attention}, decode_prefill_group: {prefill_group} and decode_kernels: {kernels} set "

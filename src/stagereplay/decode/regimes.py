@@ -7,7 +7,7 @@ in, so constructions stay comparable bit for bit.
 from __future__ import annotations
 
 from stagereplay.decode.eager import EagerDecoder
-from stagereplay.decode.options import REGIMES, check_static_options
+from stagereplay.decode.options import check_static_options
 from stagereplay.decode.protocol import Decoder, RegimeError
 from stagereplay.decode.static import StaticDecoder
 
@@ -15,8 +15,6 @@ def make_decoder(model, eos_ids=(), regime: str = "eager", max_len: int | None =
                  attention: str = "masked", prefill_group: int | None = None, kernels: str = "library") -> Decoder:
     """The eager decoder, or a static one for ``static``/``cuda_graph`` (a buffer of ``max_len`` positions for
     ``max_rows`` rows)."""
-    if regime not in REGIMES:
-        raise RegimeError(f"decode_regime {regime!r} is not one of {list(REGIMES)}")
     check_static_options(regime, attention, prefill_group, kernels)
     if regime == "eager":
         return EagerDecoder(model, tuple(eos_ids))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from stagereplay.decode.fused import fuse_layer
-from stagereplay.decode.options import ATTENTIONS, KERNELS, check_device_options
+from stagereplay.decode.options import check_device_options, check_static_options
 from stagereplay.decode.protocol import Layers, RegimeError
 from stagereplay.decode.static_forward import StaticForward
 from stagereplay.models.invariant import describe as describe_invariant
@@ -115,17 +115,12 @@ class StaticDecoder(StaticForward):
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise RegimeError("the static regime does not support sliding-window attention")
         self.max_len, self.max_rows, self.pad_id = int(max_len), int(max_rows), int(pad_id)
-        if attention not in ATTENTIONS:
-            raise RegimeError(f"decode_attention {attention!r} is not one of {list(ATTENTIONS)}")
+        check_static_options(regime, attention, prefill_group, kernels)  # the options' one check
         self.attention = attention
-        if prefill_group is not None and int(prefill_group) < 1:
-            raise RegimeError(f"decode_prefill_group {prefill_group!r}: a positive number of rows, or null for all rows")
         # rows of a multi-token forward (a batch's one-shot prefill) run in groups of this many, in row order: the
         # memory of a prefill's attention grows with rows x tokens x span. A regime parameter (in the default
         # numerics a row's bits may depend on the rows it is computed with); None: every row in one forward
         self.prefill_group = int(prefill_group) if prefill_group else None
-        if kernels not in KERNELS:
-            raise RegimeError(f"decode_kernels {kernels!r} is not one of {list(KERNELS)}")
         self.decode_kernels = kernels
         self.kernels = getattr(model, "_stagereplay_kernels", None)  # numerics: invariant
         if kernels == "fused" and self.kernels is not None:
