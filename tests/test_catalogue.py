@@ -212,7 +212,7 @@ def test_no_construction_context_spells_a_name_the_catalogue_lacks():
 
 # ---- (d) a new catalogue entry reaches the registry, the figures' styles and the schema's lists --------------------
 ADD_DUMMY = """
-import dataclasses, json, sys
+import json, sys
 from stagereplay import catalogue
 dummy = catalogue.Construction("dummy", "a dummy", "every id in one forward", "prefill",
                                style={"color": "#000000", "marker": "x", "linestyle": "-"})
@@ -220,8 +220,9 @@ catalogue.CONSTRUCTIONS = (*catalogue.CONSTRUCTIONS, dummy)
 from stagereplay.experiments import constructions
 from stagereplay.analysis.fidelity_figures import CONSTRUCTION_STYLE
 entry = constructions.get("dummy")
-json.dump({"registry": list(constructions.REGISTRY), "label": entry.label, "segments": entry.cache_build().segments(7, 3),
-           "style": CONSTRUCTION_STYLE["dummy"]["color"], "enums": catalogue.schema_enums()}, sys.stdout)
+json.dump({"registry": list(constructions.REGISTRY), "label": entry.label,
+           "segments": entry.cache_build().segments(7, 3), "style": CONSTRUCTION_STYLE["dummy"]["color"],
+           "enums": catalogue.schema_enums()}, sys.stdout)
 """
 
 
