@@ -1,9 +1,9 @@
 """The package's layers: a module imports only from its own layer or the layers below, and no modules import each
 other in a loop.
 
-The layers, from the ground up: data, io, config, runtime (process infrastructure) and testing (the test and bench
-GGUF writer) at 1; models and analysis at 2; decode at 3; experiments and engines (replay on llama.cpp and other
-serving engines) at 4; stages and projection (the workflow's priced DAG) and api (the library's functions) at 5;
+The layers, from the ground up: the catalogue (the extension points, declared by name), data, io, config, runtime
+(process infrastructure) and testing (the test and bench GGUF writer) at 1; models and analysis at 2; decode at 3;
+experiments and engines (replay on llama.cpp and other serving engines) at 4; stages and projection (the workflow's priced DAG) and api (the library's functions) at 5;
 the package itself (``stagereplay/__init__``, which hands out the API) at 6 (the workflow's rules and the
 benchmarks sit above the package). Every
 import counts, at any depth of the code (an import inside a function, or under ``if TYPE_CHECKING:``), read from the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = "stagereplay"
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = {"version": 1, "data": 1, "io": 1, "config": 1, "runtime": 1, "testing": 1, "models": 2, "analysis": 2,
+LAYERS = {"version": 1, "catalogue": 1, "data": 1, "io": 1, "config": 1, "runtime": 1, "testing": 1, "models": 2, "analysis": 2,
           "decode": 3, "experiments": 4, "engines": 4, "stages": 5, "projection": 5, "api": 5}
 ROOT_LAYER = 6  # stagereplay/__init__.py: the public face (the library API, imported lazily) over everything
 

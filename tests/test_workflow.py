@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from stagereplay import catalogue
 from stagereplay.analysis import captions
 from stagereplay.io.parquet import read_provenance
 from test_model_store import entry_files
@@ -34,9 +35,7 @@ def version(name):
 metadata.version = version
 """
 
-FIGURES = ["fig1_disagreement", "fig2_first_divergence", "fig3_margins", "fig4_cache_differences",
-           "fig5_transplant", "fig6_accuracy", "fig7_minimal_transplant", "fig8_divergence_onset", "fig9_fidelity",
-           "fig10_split_predictors"]
+FIGURES = catalogue.figure_names()
 
 
 @pytest.mark.slow

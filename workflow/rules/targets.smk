@@ -3,6 +3,7 @@
 # run, and the comparisons of runs (compare.smk).
 import time
 
+from stagereplay import catalogue
 from stagereplay.analysis.captions import CAPTIONS
 from stagereplay.analysis.compare import FIGURES as COMPARE_FIGURES
 from stagereplay.stages.compare import COMPARE_FOLDER, FORMATS as COMPARE_FORMATS, run_folders, run_state
@@ -78,18 +79,7 @@ BATCH_INVARIANCE_REVISIONS = [] if "batch_invariance" in controls_not_run() else
 
 
 # ---- Report: its figures, and the revisions of its per-revision inputs (report_inputs: inputs.smk) ----------------
-FIGURE_NAMES = [
-    "fig1_disagreement",
-    "fig2_first_divergence",
-    "fig3_margins",
-    "fig4_cache_differences",
-    "fig5_transplant",
-    "fig6_accuracy",
-    "fig7_minimal_transplant",
-    "fig8_divergence_onset",
-    "fig9_fidelity",
-    "fig10_split_predictors",
-]
+FIGURE_NAMES = catalogue.figure_names()  # the catalogue's figures, in the order that numbers them
 
 
 def figure_title(name):

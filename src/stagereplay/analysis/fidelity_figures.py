@@ -23,6 +23,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from stagereplay import catalogue  # noqa: E402
 from stagereplay.analysis import tables as analysis  # noqa: E402
 from stagereplay.analysis.fidelity import KL as FIDELITY_KL  # noqa: E402
 from stagereplay.analysis.fidelity import SUMMARY_COLUMNS, construction_label, same_constructions  # noqa: E402
@@ -31,11 +32,8 @@ from stagereplay.analysis.figure_style import (COLORS, STYLE, WIDTH, ordered_rev
 from stagereplay.analysis.stats import share_by_position  # noqa: E402
 
 
-# A line style each too: two curves that coincide on some positions stay told apart where they overlap.
-CONSTRUCTION_STYLE = {"prefill": {"color": "#CC79A7", "marker": "o", "linestyle": "-"},
-                      "chunked": {"color": "#009E73", "marker": "s", "linestyle": (0, (4, 2))},
-                      "prefix_cached": {"color": "#E69F00", "marker": "^", "linestyle": (0, (1, 1.5))},
-                      "incremental": {"color": "#56B4E9", "marker": "D", "linestyle": (0, (4, 1.5, 1, 1.5))}}
+# The catalogue's colour, marker and line style of each construction (live, the reference, has none).
+CONSTRUCTION_STYLE = {c.name: c.style for c in catalogue.CONSTRUCTIONS if c.style}
 
 
 def _construction_style(name: str) -> dict:

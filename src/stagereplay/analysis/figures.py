@@ -1,17 +1,19 @@
 """The paper figures, as PDF and PNG, from the tidy tables of :mod:`stagereplay.analysis.tables`.
 
-Ten figures: (1) suffix disagreement per construction x precision cell, (2) first-divergence positions, (3) top-2
-margins at the first divergence against the same item's other steps, (4) per-layer differences between
-constructions' boundary caches, (5) the transplant outcome matrix, (6) paired accuracy differences with their CIs,
-(7) how often each part of the cache is in a minimal sufficient transplant, (8) the growth of the cache difference
-with depth in divergent items and the margin at the divergence against the last layer's difference, (9) the
-per-step KL divergence from live along the suffix, (10) what is associated with a split: items' live margin
+The figures are the catalogue's (:data:`stagereplay.catalogue.FIGURES`: name, title, caption, inputs and plotter,
+in the order that numbers them): (1) suffix disagreement per construction x precision cell, (2) first-divergence
+positions, (3) top-2 margins at the first divergence against the same item's other steps, (4) per-layer differences
+between constructions' boundary caches, (5) the transplant outcome matrix, (6) paired accuracy differences with their
+CIs, (7) how often each part of the cache is in a minimal sufficient transplant, (8) the growth of the cache
+difference with depth in divergent items and the margin at the divergence against the last layer's difference, (9)
+the per-step KL divergence from live along the suffix, (10) what is associated with a split: items' live margin
 against the logit difference at the first suffix step, and the share of items split by each suffix position.
 A figure whose input is absent or empty is still written, saying which input it waits for, so the pipeline never
 stops on a stage that has not run.
 
-This module reads the results files into each figure's table (:func:`tables`) and hands each table to its figure
-(:data:`PLOTTERS`); it draws nothing itself. The figures drawn from the ledger (1, 2, 3, 6) live in
+This module reads the results files into each figure's table (:func:`tables`: a figure that draws its one input file
+as read needs no entry there) and hands each table to its figure's plotter (:data:`PLOTTERS`, imported from the
+catalogue's dotted paths); it draws nothing itself. The figures drawn from the ledger (1, 2, 3, 6) live in
 :mod:`stagereplay.analysis.ledger_figures`, those of the caches (4, 5, 7, 8) in
 :mod:`stagereplay.analysis.cache_figures`, those of fidelity (9, 10) in :mod:`stagereplay.analysis.fidelity_figures`,
 all in the one style of :mod:`stagereplay.analysis.figure_style`: no title or figure number drawn into the image,
@@ -23,19 +25,17 @@ DataFrames.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pandas as pd
 
+from stagereplay import catalogue
 from stagereplay.analysis import captions
 from stagereplay.analysis import tables as analysis
-from stagereplay.analysis.cache_figures import (plot_cache_differences, plot_divergence_onset, plot_minimal_transplant,
-                                                plot_transplant)
 from stagereplay.analysis.divergence_location import minimal_coverage
 from stagereplay.analysis.fidelity import items_of_files
-from stagereplay.analysis.fidelity_figures import plot_fidelity, plot_split_predictors
 from stagereplay.analysis.inputs import merge_inputs
-from stagereplay.analysis.ledger_figures import plot_accuracy, plot_disagreement, plot_first_divergence, plot_margins
 from stagereplay.io.parquet import read_parquet
 
 FIGURES = {name: title for name, (title, _) in captions.CAPTIONS.items()}
@@ -58,8 +58,7 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
     skip = {(revision, "fixed_prefix", precision) for revision, precision in coinciding}
     differences = _read_all(inputs.get("cache_differences"))
     transplant = _read_all(inputs.get("transplant"))
-    fidelity = _read_all(inputs.get("fidelity"))
-    return {
+    built = {
         "fig1_disagreement": analysis.disagreement_cells(pairs) if pairs is not None else None,
         "fig2_first_divergence": pairs,
         "fig3_margins": analysis.margin_pairs(ledger, pairs, skip=skip) if pairs is not None else None,
@@ -67,25 +66,20 @@ def tables(inputs: dict[str, dict[str, str]], seed: int = 0) -> dict[str, pd.Dat
         "fig5_transplant": analysis.transplant_matrix(transplant),
         "fig6_accuracy": analysis.accuracy_differences(pairs, seed=seed) if pairs is not None else None,
         "fig7_minimal_transplant": minimal_coverage(_read_all(inputs.get("minimal_transplant"))),
-        "fig8_divergence_onset": _read_all(inputs.get("divergence_onset")),
-        "fig9_fidelity": fidelity,
         "fig10_split_predictors": items_of_files(inputs.get("fidelity")),
-        "coinciding": coinciding,
     }
+    # every other figure draws its one input file as read
+    read = {f.name: _read_all(inputs.get(f.inputs[0])) for f in catalogue.FIGURES if f.name not in built}
+    return {**built, **read, "coinciding": coinciding}
 
 
-PLOTTERS = {
-    "fig1_disagreement": plot_disagreement,
-    "fig2_first_divergence": plot_first_divergence,
-    "fig3_margins": plot_margins,
-    "fig4_cache_differences": plot_cache_differences,
-    "fig5_transplant": plot_transplant,
-    "fig6_accuracy": plot_accuracy,
-    "fig7_minimal_transplant": plot_minimal_transplant,
-    "fig8_divergence_onset": plot_divergence_onset,
-    "fig9_fidelity": plot_fidelity,
-    "fig10_split_predictors": plot_split_predictors,
-}
+def plotter(dotted: str):
+    """The function a dotted path (``package.module.function``) names."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+PLOTTERS = {figure.name: plotter(figure.plotter) for figure in catalogue.FIGURES}
 
 
 def plot_figures(inputs: dict[str, dict[str, str]], outputs: dict[str, dict[str, str]] | str, seed: int = 0,

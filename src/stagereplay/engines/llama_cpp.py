@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from stagereplay import catalogue
+from stagereplay.catalogue import EngineConstruction
 from stagereplay.decode.greedy import BoundaryMatcher, RowResult, stage_end
 from stagereplay.engines.llama_cpp_binding import (  # noqa: F401 - the engine's errors and binding, named here too
     BINDING,
@@ -84,23 +86,9 @@ class ForwardTooLongError(ValueError):
     """A construction's forward longer than the context's ``n_ubatch``: llama.cpp would split it."""
 
 
-@dataclass(frozen=True)
-class EngineConstruction:
-    name: str
-    label: str
-    forwards_of: str  # the pipeline's construction whose forwards it runs
-    restores_prompt: bool = False  # the prompt's state is saved and restored after the prompt's forward
-    generates: bool = False  # it generates its own stage (``live``): for the engine's own stage ids only
-
-
-CONSTRUCTIONS = {c.name: c for c in (
-    EngineConstruction("live", "llama.cpp's own greedy generation, its retained state", "incremental",
-                       generates=True),
-    EngineConstruction("incremental", "llama.cpp token by token over given ids", "incremental"),
-    EngineConstruction("prefill", "llama.cpp one batch", "prefill"),
-    EngineConstruction("prompt_cache", "llama.cpp prompt cache (save_state/load_state)", "prefix_cached", True),
-    EngineConstruction("chunked", "llama.cpp chunked (n_batch pieces)", "chunked"),
-)}
+# The engine's constructions, as the catalogue declares them (name, label, the pipeline construction whose forwards
+# each runs, whether it restores the prompt's state or generates its own stage).
+CONSTRUCTIONS: dict[str, EngineConstruction] = {c.name: c for c in catalogue.engine(ENGINE).constructions}
 
 # Per row, beside the ledger's columns: whose stage ids it used, and the engine and the context that made it.
 ENGINE_FIELDS = [

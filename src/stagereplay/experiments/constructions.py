@@ -1,10 +1,14 @@
-"""The construction registry: every way this package builds a boundary cache, defined once.
+"""The construction registry: every way this package builds a boundary cache, as the decoder runs it.
 
 A construction is how the KV cache at the stage boundary is built (docs/STUDY.md): ``live`` is retained from the
 greedy generation itself; the others rebuild it from the prefix ids, each as forwards of some number of tokens.
 Every experiment (matched, fixed-prefix 2x2, bridge, audit, transplants, cache differences) names constructions
-and gets them from here; :func:`stagereplay.decode.greedy.decode_rows` runs them all in one layout. A new
-construction is one entry below (and its label).
+and gets them from here; :func:`stagereplay.decode.greedy.decode_rows` runs them all in one layout.
+
+The constructions themselves (name, label, segment rule) are declared in :mod:`stagereplay.catalogue`; this module
+owns the segment rules (:data:`SEGMENT_RULES`: how many tokens each forward feeds) and builds :data:`REGISTRY` from
+the catalogue's entries. A new construction is a catalogue entry, plus a rule here where no existing one fits
+(docs/EXTENDING.md).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from stagereplay import catalogue
 from stagereplay.decode.greedy import CacheBuild
 
 
@@ -53,13 +58,28 @@ class Construction:
         return CacheBuild(lambda p, n: segments(p, n, chunk_size), self.schedule)
 
 
-REGISTRY: dict[str, Construction] = {c.name: c for c in (
-    Construction("live", "live cache", None),
-    Construction("incremental", "incremental (token by token)", _incremental, schedule=True),
-    Construction("prefill", "one-shot prefill", _prefill),
-    Construction("chunked", "chunked prefill", _chunked),
-    Construction("prefix_cached", "prefix-cached prefill", _prefix_cached),
-)}
+# A catalogue entry's segment_rule -> the function: (prompt_len, n_cached, chunk_size) -> tokens per forward.
+SEGMENT_RULES: dict[str, Callable[[int, int, int], list[int]]] = {
+    "incremental": _incremental,
+    "prefill": _prefill,
+    "chunked": _chunked,
+    "prefix_cached": _prefix_cached,
+}
+
+
+def registry_of(entries) -> dict[str, Construction]:
+    """{name: Construction} of the catalogue's construction entries, each with its segment rule's function."""
+    registry = {}
+    for entry in entries:
+        if entry.segment_rule is not None and entry.segment_rule not in SEGMENT_RULES:
+            raise ValueError(f"construction {entry.name!r}: no segment rule {entry.segment_rule!r} in "
+                             f"{__name__}.SEGMENT_RULES (known: {sorted(SEGMENT_RULES)})")
+        segments = SEGMENT_RULES[entry.segment_rule] if entry.segment_rule is not None else None
+        registry[entry.name] = Construction(entry.name, entry.label, segments, entry.schedule)
+    return registry
+
+
+REGISTRY: dict[str, Construction] = registry_of(catalogue.CONSTRUCTIONS)
 
 
 def get(name: str) -> Construction:
