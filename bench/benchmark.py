@@ -38,10 +38,9 @@ from stagereplay.models.loading import set_determinism
 from stagereplay.projection.floor import fp32_floor, run_floor
 from stagereplay.projection.paper import project
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench/ helpers, also when loaded by file path
-from decode_rates import decode_rates  # noqa: E402
-from random_models import build_model, copy_rate, log, prompts_for, timed  # noqa: E402
-from stage_rates import projection_measure  # noqa: E402
+from decode_rates import decode_rates
+from random_models import build_model, copy_rate, log, prompts_for, timed
+from stage_rates import projection_measure
 
 RESULTS: dict = {"decode": [], "projection": [], "bridge": [], "errors": []}
 

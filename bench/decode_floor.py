@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_rates import rate_device_loop, rate_engine  # noqa: E402
-from random_models import SHAPES, build_model, copy_rate, prompts_for, weight_bytes  # noqa: E402
+from stagereplay.decode.static import StaticDecoder
+from stagereplay.models.loading import PRECISIONS, set_determinism
 
-from stagereplay.decode.static import StaticDecoder  # noqa: E402
-from stagereplay.models.loading import PRECISIONS, set_determinism  # noqa: E402
+from decode_rates import rate_device_loop, rate_engine
+from random_models import SHAPES, build_model, copy_rate, prompts_for, weight_bytes
 
 
 def step_profile(decoder: StaticDecoder, prompt: list[int], steps: int = 5) -> dict:

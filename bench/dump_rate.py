@@ -16,18 +16,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from stagereplay.io.cache_dumps import load_cache, save_cache  # noqa: E402
-from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
+from stagereplay.io.cache_dumps import load_cache, save_cache
+from stagereplay.io.fingerprints import fingerprint_layers
 
 
 def fake_layers(layers: int, kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, device: str):

@@ -34,9 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from stagereplay.models import invariant_triton as it  # noqa: E402
+from stagereplay.models import invariant_triton as it
 
 SHAPES = {"14B": (40, 8), "7B": (28, 4), "1.5B": (12, 2), "0.5B": (14, 2)}  # (query heads, K/V heads), d 128
 REFERENCE = {"attention_programs": "per_query_head"}

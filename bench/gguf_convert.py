@@ -31,12 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import prepared_load  # noqa: E402  (bench/ scripts import one another)
+from stagereplay.io.file_hashes import sha256_of_file
+from stagereplay.testing.shapes import SHAPES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from stagereplay.io.file_hashes import sha256_of_file  # noqa: E402
-from stagereplay.testing.shapes import SHAPES  # noqa: E402
+import prepared_load
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""

@@ -145,7 +145,6 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     gguf_file = "random-qwen2-vocab-2x256.gguf"
     if not (args.work / gguf_file).exists():
-        sys.path.insert(0, str(REPO / "bench"))
         from prepared_load import SHAPES, write_q4_mix
 
         t = time.perf_counter()

@@ -25,26 +25,23 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from stagereplay.decode.protocol import Decoder  # noqa: E402
-from stagereplay.decode.regimes import REGIMES, make_decoder  # noqa: E402
-from stagereplay.decode.static import StaticDecoder  # noqa: E402
-from stagereplay.io.fingerprints import fingerprint_layers  # noqa: E402
-from stagereplay.models import invariant  # noqa: E402
-from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
+from stagereplay.decode.protocol import Decoder
+from stagereplay.decode.regimes import REGIMES, make_decoder
+from stagereplay.decode.static import StaticDecoder
+from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.models import invariant
+from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 
-sys.path.insert(0, str(REPO / "bench"))
-from batch_invariance import StageOfLength, batch_invariance, live_rows  # noqa: E402
-from random_models import SHAPES, build_model  # noqa: E402  (random-weight Qwen2.5 shapes, built on the device)
+from batch_invariance import StageOfLength, batch_invariance, live_rows
+from random_models import SHAPES, build_model  # random-weight Qwen2.5 shapes, built on the device
+
+REPO = Path(__file__).resolve().parents[1]
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

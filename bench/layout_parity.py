@@ -18,23 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from batch_invariance import StageOfLength  # noqa: E402
-
-from stagereplay.io.ids import first_divergence  # noqa: E402
-from stagereplay.decode.regimes import make_decoder  # noqa: E402
-from stagereplay.experiments.recipe import run  # noqa: E402
-from stagereplay.experiments.rows import RunSettings  # noqa: E402
-from stagereplay.experiments.transplant import transplant_batch, transplant_edit  # noqa: E402
-from stagereplay.experiments.transplant_specs import TransplantSpec  # noqa: E402
-from stagereplay.models.loading import load_model, set_determinism  # noqa: E402
+from stagereplay.io.ids import first_divergence
+from stagereplay.decode.regimes import make_decoder
+from stagereplay.experiments.recipe import run
+from stagereplay.experiments.rows import RunSettings
+from stagereplay.experiments.transplant import transplant_batch, transplant_edit
+from stagereplay.experiments.transplant_specs import TransplantSpec
+from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
+
+from batch_invariance import StageOfLength
 
 
 def follows(decoder, prompts, stages, settings, rows) -> dict:

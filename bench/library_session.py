@@ -15,8 +15,8 @@ quality.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +25,15 @@ import torch
 import stagereplay
 from stagereplay.testing.shapes import SHAPES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_random_qwen import build_tokenizer  # noqa: E402  (a script, not a module of the package)
+
+def build_tokenizer(vocab_size: int):
+    """scripts/make_random_qwen.py's character tokenizer (a script, not a module of the package: loaded by path)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_qwen.py"
+    spec = importlib.util.spec_from_file_location("make_random_qwen", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.build_tokenizer(vocab_size)
+
 
 CONSTRUCTIONS = ("live", "incremental", "prefill", "chunked", "prefix_cached")
 

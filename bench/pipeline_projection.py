@@ -43,18 +43,14 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))  # the projection, also where the package is not installed
-sys.path.insert(0, str(REPO / "bench"))
+from stagereplay.experiments.transplant_specs import enumerate_sweeps
+from stagereplay.projection.paper import project_by_rule
+from stagereplay.projection.rates import Overhead, load_measures
+from stagereplay.projection.report import compare, project_config, render, render_gpus, render_projection
+from stagereplay.projection.schedule import on_gpus
+from stagereplay.projection.shape import SCHEDULE, SCHEDULES, config_run, load_config
 
-from job_overhead import measure_overhead  # noqa: E402
-
-from stagereplay.experiments.transplant_specs import enumerate_sweeps  # noqa: E402
-from stagereplay.projection.paper import project_by_rule  # noqa: E402
-from stagereplay.projection.rates import Overhead, load_measures  # noqa: E402
-from stagereplay.projection.report import compare, project_config, render, render_gpus, render_projection  # noqa: E402
-from stagereplay.projection.schedule import on_gpus  # noqa: E402
-from stagereplay.projection.shape import SCHEDULE, SCHEDULES, config_run, load_config  # noqa: E402
+from job_overhead import measure_overhead
 
 
 def parse_shares(text: str) -> dict:

@@ -34,12 +34,11 @@ from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))  # the report's own tables, also where the package is not installed
-
 # what a run records of the package's greedy loop and schedule now (the projection prices a run by them)
-from stagereplay.io.parquet import read_provenance  # noqa: E402
-from stagereplay.projection.shape import GREEDY_LOOP, SCHEDULE  # noqa: E402
+from stagereplay.io.parquet import read_provenance
+from stagereplay.projection.shape import GREEDY_LOOP, SCHEDULE
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_config(work: Path, args) -> Path:

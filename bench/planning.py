@@ -47,9 +47,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "src"))
 
 CASES = ("toy", "gguf-cold", "gguf-warm")
 MEASURES = ("plan", "plan_again", "first_job_again", "first_job")

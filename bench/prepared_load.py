@@ -42,10 +42,10 @@ import sys
 import time
 from pathlib import Path
 
+from stagereplay.testing.gguf import byte_level_vocabulary, write_gguf
+from stagereplay.testing.shapes import SHAPES
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-from stagereplay.testing.gguf import byte_level_vocabulary, write_gguf  # noqa: E402
-from stagereplay.testing.shapes import SHAPES  # noqa: E402
 
 
 def write_q4_mix(path: Path, shape: str | dict) -> None:

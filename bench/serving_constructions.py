@@ -7,7 +7,8 @@ pipeline's own stage (``generate_fixed_prefix``, two replicas per construction, 
 
 Prints, per pair and precision, the items whose replica-1 suffixes differ and whether every replica pair is
 bit-identical. A user gets the same rows from the workflow with ``--config 'fixed_prefix={constructions: [A, B]}'``
-(bench/RESULTS.md, "Serving engines' constructions in the fixed-prefix 2x2").
+(bench/RESULTS.md, "How strongly the embedded toy shows the effect", on the shipped toy; its first run is in
+bench/RESULTS_ARCHIVE.md).
 """
 
 from __future__ import annotations

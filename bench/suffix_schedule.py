@@ -34,22 +34,29 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import os
 import random
 import sys
 from pathlib import Path
 
+if __name__ == "__main__" and "--src" in sys.argv:
+    # --src DIR: another tree's package (say, an earlier commit's src, for its lockstep bytes). The script runs
+    # again with DIR first on PYTHONPATH, so that every import below is that tree's.
+    _src = str(Path(sys.argv[sys.argv.index("--src") + 1]).resolve())
+    _path = os.environ.get("PYTHONPATH", "")
+    if _path.split(os.pathsep)[0] != _src:
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_src, _path]))})
+
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-# --src DIR: another tree's package (say, an earlier commit's src, for its lockstep bytes); else this one's
-SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(REPO / "src")
-sys.path.insert(0, SRC)
+from stagereplay.decode.greedy import decode_rows
+from stagereplay.decode.protocol import RegimeError
+from stagereplay.decode.regimes import make_decoder
+from stagereplay.experiments import constructions
 
-from stagereplay.decode.greedy import decode_rows  # noqa: E402
-from stagereplay.decode.protocol import RegimeError  # noqa: E402
-from stagereplay.decode.regimes import make_decoder  # noqa: E402
-from stagereplay.experiments import constructions  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BUILT = ("prefill", "chunked", "prefix_cached")
 
@@ -214,7 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--control", choices=["alone", "rows", "span", "none"], default="alone")
     ap.add_argument("--schedule", choices=["both", "lockstep", "suffix"], default="both")
-    ap.add_argument("--src", default=None, help="the package tree to import (default: this repository's src)")
+    ap.add_argument("--src", default=None,
+                    help="the package tree to import (default: the installed package, or PYTHONPATH's)")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--digest", default=None, help="write every cell's bytes here (one schedule)")
     ap.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"))

@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _one(name: str, fields: dict, out: str, device: str, configs: list[str]) -> list[dict]:

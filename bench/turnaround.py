@@ -43,14 +43,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from stagereplay.testing.gguf import filler_vocabulary, prompt_characters, write_gguf
+from stagereplay.testing.shapes import SHAPES  # the real Qwen2.5 shapes
 
-from pipeline_run import GpuSampler, add_run_options, write_config  # noqa: E402
-from run_summary import compare, device_name, run_summary, store_entries, versions  # noqa: E402
-from stagereplay.testing.gguf import filler_vocabulary, prompt_characters, write_gguf  # noqa: E402
-from stagereplay.testing.shapes import SHAPES  # noqa: E402  (the real Qwen2.5 shapes)
+from pipeline_run import GpuSampler, add_run_options, write_config
+from run_summary import compare, device_name, run_summary, store_entries, versions
+
+REPO = Path(__file__).resolve().parents[1]
 
 REVISION = "local"  # the config's revisions: a GGUF file named by model needs no revision; its slug names folders
 QUANTS = ("Q8_0", "Q4_0")

@@ -50,6 +50,28 @@ def test_every_relative_link_names_an_existing_file_and_heading():
     assert not broken, broken
 
 
+def test_the_results_index_links_to_sections_that_exist():
+    """bench/RESULTS.md's current figures and index link every section, here or in its archive, by its heading."""
+    results = REPO / "bench" / "RESULTS.md"
+    broken, targets = [], []
+    for doc in (results, REPO / "bench" / "RESULTS_ARCHIVE.md"):
+        for target in LINK.findall(doc.read_text()):
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file) if file else doc
+            targets.append((path.name, anchor))
+            if not path.exists() or (anchor and anchor not in {slug(s) for s in sections(path)}):
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, broken
+    # every section of both files is in the index (the files' own title and front parts aside)
+    front = ("Measurements", "Current figures", "Index, newest first", "Superseded measurements")
+    for doc in (results, REPO / "bench" / "RESULTS_ARCHIVE.md"):
+        linked = {anchor for name, anchor in targets if name == doc.name}
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        headings = [m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", text, re.M)]
+        unlisted = [h for h in headings if h not in front and slug(h) not in linked]
+        assert not unlisted, (doc.name, unlisted)
+
+
 def test_every_repository_path_in_a_code_span_exists():
     missing = []
     for doc in DOCS:

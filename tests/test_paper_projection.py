@@ -228,7 +228,7 @@ def test_project_by_rule_splits_project_without_losing_any_of_it():
         whole = project(measures, 200, 166 / 200, bucketed=True, **kwargs)["total_s"]
         assert abs(sum(split.values()) - whole) < 1e-9 * whole
         assert ("find_minimal_transplants" in split) == bool(budget)
-    # the numbers bench/RESULTS.md quotes: 1.81 h, 2.58 h, 4.49 h
+    # the numbers bench/RESULTS_ARCHIVE.md quotes: 1.81 h, 2.58 h, 4.49 h
     assert round(sum(project_by_rule(measures, 200, 166 / 200, 11, 24, 12, 15.0).values()) / 3600, 2) == 4.49
 
 
