@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from stagereplay.analysis import stats
+from stagereplay.analysis import separation, stats
 from stagereplay.analysis.fidelity import fidelity_section, item_summary
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.experiments.fidelity import FIDELITY_SCHEMA, ReferenceMismatchError, step_measures
@@ -186,19 +186,19 @@ def test_a_sample_of_items_and_a_refused_reference(toy_run):
 # --- statistics on hand-made data ---------------------------------------------------------------------------------
 
 def test_rank_separation_known_answers():
-    perfect = stats.rank_separation([3, 4, 5], [1, 2], n_boot=500)
+    perfect = separation.rank_separation([3, 4, 5], [1, 2], n_boot=500)
     assert perfect["auc"] == 1.0 and perfect["complete_separation"] is True
     assert perfect["bootstrap_low"] == perfect["bootstrap_high"] == 1.0
-    mixed = stats.rank_separation([1, 3], [2, 4], n_boot=2000, seed=1)
+    mixed = separation.rank_separation([1, 3], [2, 4], n_boot=2000, seed=1)
     assert mixed["auc"] == 0.25 and mixed["u"] == 1.0 and mixed["complete_separation"] is False
     assert mixed["bootstrap_low"] <= 0.25 <= mixed["bootstrap_high"]
-    assert stats.rank_separation([1, 3], [2, 4], n_boot=2000, seed=1) == mixed  # seeded
-    assert stats.rank_separation([1.0], [1.0], n_boot=10)["auc"] == 0.5  # a tie counts half
-    ties = stats.rank_separation([2, 2, 3], [1, 2], n_boot=10)
+    assert separation.rank_separation([1, 3], [2, 4], n_boot=2000, seed=1) == mixed  # seeded
+    assert separation.rank_separation([1.0], [1.0], n_boot=10)["auc"] == 0.5  # a tie counts half
+    ties = separation.rank_separation([2, 2, 3], [1, 2], n_boot=10)
     assert ties["auc"] == pytest.approx((1 + 0.5 + 1 + 0.5 + 1 + 1) / 6, abs=0)
-    empty = stats.rank_separation([], [1, 2, float("nan")], n_boot=10)
+    empty = separation.rank_separation([], [1, 2, float("nan")], n_boot=10)
     assert empty["auc"] is None and "no positive item" in empty["skipped"] and empty["n_missing"] == 1
-    assert "no unsplit item" in stats.rank_separation([1], [], names=("split", "unsplit"))["skipped"]
+    assert "no unsplit item" in separation.rank_separation([1], [], names=("split", "unsplit"))["skipped"]
 
 
 def test_share_by_position_known_answers():

@@ -12,7 +12,8 @@ import yaml
 
 from bench_scripts import load_bench
 
-from stagereplay.projection.counts import cell, model_jobs
+from stagereplay.projection.counts import cell
+from stagereplay.projection.jobs import model_jobs
 from stagereplay.projection.floor import run_floor
 from stagereplay.projection.paper import project, project_by_rule
 from stagereplay.projection.pricing import price, projected_rules, rates_for

@@ -10,7 +10,7 @@ from snakemake.utils import validate
 
 from bench_scripts import load_bench
 
-from stagereplay.projection.counts import model_jobs
+from stagereplay.projection.jobs import model_jobs
 from stagereplay.projection.floor import fp32_floor
 from stagereplay.projection.paper import project
 from stagereplay.projection.rates import Overhead, decode_seconds

@@ -13,6 +13,8 @@ from report_data import (synthetic_audit, synthetic_bridge, synthetic_cache_diff
 from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report import build_report
+from stagereplay.analysis.row_keys import DuplicateRowsError
+from stagereplay.io.keys import LEDGER_KEY
 
 
 @pytest.fixture(scope="module")
@@ -189,21 +191,21 @@ def _duplicated(ledger: pd.DataFrame) -> pd.DataFrame:
     analysis.replica_agreement,
     analysis.exclusions,
     analysis.coinciding_comparisons,
-    lambda l: analysis.margin_pairs(l, analysis.all_pairs(l.drop_duplicates(list(analysis.LEDGER_KEY)))),
+    lambda l: analysis.margin_pairs(l, analysis.all_pairs(l.drop_duplicates(list(LEDGER_KEY)))),
 ])
 def test_every_ledger_pairing_refuses_a_duplicate_key(pairing):
     ledger = _duplicated(synthetic_ledger("primary", n_items=6))
-    with pytest.raises(analysis.DuplicateRowsError, match=r"ledger: 1 key\(s\).*\(0, primary, matched, bf16, "
+    with pytest.raises(DuplicateRowsError, match=r"ledger: 1 key\(s\).*\(0, primary, matched, bf16, "
                                                           r"prefill, 1\) x2"):
         pairing(ledger)
 
 
 def test_transplant_and_cache_difference_tables_refuse_duplicate_keys():
     transplant = synthetic_transplant()
-    with pytest.raises(analysis.DuplicateRowsError, match="transplant"):
+    with pytest.raises(DuplicateRowsError, match="transplant"):
         analysis.transplant_matrix(pd.concat([transplant, transplant.iloc[[0]]]))
     differences = synthetic_cache_differences()
-    with pytest.raises(analysis.DuplicateRowsError, match="cache_differences"):
+    with pytest.raises(DuplicateRowsError, match="cache_differences"):
         analysis.cache_difference_profile(pd.concat([differences, differences.iloc[[3]]]))
 
 
@@ -211,7 +213,7 @@ def test_report_refuses_duplicate_audit_rows(tmp_path):
     ledger = synthetic_ledger("primary", n_items=4)
     audit = synthetic_audit(ledger)
     paths = {"audit": {"primary": write(pd.concat([audit, audit.iloc[[2]]]), tmp_path / "audit.parquet")}}
-    with pytest.raises(analysis.DuplicateRowsError, match="audit"):
+    with pytest.raises(DuplicateRowsError, match="audit"):
         build_report({"primary": write(ledger, tmp_path / "ledger.parquet")}, str(tmp_path / "r.md"),
                      str(tmp_path / "s.json"), "t", inputs=paths)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from report_data import synthetic_ledger, synthetic_transplant
-from stagereplay.analysis import stats, tables
+from stagereplay.analysis import separation, stats, tables
 from stagereplay.analysis.claims import fixed_prefix_section
 from stagereplay.analysis.findings import beyond_study_section, findings_section, revision_rows
 from stagereplay.analysis.revision_data import RevisionData
@@ -115,8 +115,8 @@ def test_the_beyond_table_leads_with_the_engine_and_sets_each_number_beside_its_
                           "construction_b": "prefill", **stats.proportion(4, 64)}],
               "replicas": [{"precision": "f16", "construction": "live", "n": 64, "identical": 64}]}
     association = {"cases": 4, "controls": 35, "split_at_boundary_step": 1,
-                   "margin_boundary": stats.auc_delong([0.1, 0.2, 0.3, 2.0], [1.0, 2.0, 3.0] * 11 + [0.05, 0.4]),
-                   "suffix_length": stats.auc_delong([10, 12, 30, 40], [20, 30] * 17 + [25])}
+                   "margin_boundary": separation.auc_delong([0.1, 0.2, 0.3, 2.0], [1.0, 2.0, 3.0] * 11 + [0.05, 0.4]),
+                   "suffix_length": separation.auc_delong([10, 12, 30, 40], [20, 30] * 17 + [25])}
     fidelity = {"bf16": {
         "live_vs_prefill": {"bit_identical": False, "kl_forward_median": 1e-3, "items_split": stats.proportion(5, 40),
                             "same_readouts_as": ["chunked"], "split_predictors": association},

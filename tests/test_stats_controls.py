@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from stagereplay.analysis import stats
+from stagereplay.analysis import separation, stats
 
 
 def test_no_discordant_pair_is_not_an_interval_on_zero():
@@ -64,17 +64,17 @@ def test_delong_interval_covers_near_nominal_where_the_percentile_bootstrap_does
     delong = percentile = 0
     for run in range(runs):
         pos, neg = rng.normal(shift, 1, 9), rng.normal(0, 1, 55)
-        d = stats.auc_delong(pos, neg)
+        d = separation.auc_delong(pos, neg)
         delong += d["low"] is not None and d["low"] <= true <= d["high"]
-        b = stats.rank_separation(pos, neg, n_boot=500, seed=run)
+        b = separation.rank_separation(pos, neg, n_boot=500, seed=run)
         percentile += b["bootstrap_low"] <= true <= b["bootstrap_high"]
     assert 0.92 <= delong / runs <= 0.97
     assert percentile / runs < min(0.93, delong / runs)
 
 
 def test_delong_known_answers():
-    r = stats.auc_delong([1, 3, 5], [2, 0, 0.5])
+    r = separation.auc_delong([1, 3, 5], [2, 0, 0.5])
     assert r["auc"] == pytest.approx(8 / 9) and r["low"] < r["auc"] < r["high"] < 1
-    done = stats.auc_delong([3, 4], [1, 2])
+    done = separation.auc_delong([3, 4], [1, 2])
     assert done["auc"] == 1.0 and done["complete_separation"] and done["low"] is None
-    assert "no negative item" in stats.auc_delong([1], [float("nan")])["skipped"]
+    assert "no negative item" in separation.auc_delong([1], [float("nan")])["skipped"]

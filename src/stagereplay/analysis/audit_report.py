@@ -13,6 +13,7 @@ from stagereplay.analysis import stats, study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import count_true, format_ids, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.io.keys import LEDGER_KEY, within_revision
 
 
@@ -34,7 +35,7 @@ def audit_verdict(data: RevisionData) -> dict:
         return {"state": "not_run", "ledger_rows": len(ledger),
                 "why": f"no audit.parquet: none of its {len(ledger)} ledger rows has been recomputed"}
     audit = data.frame("audit")
-    analysis.check_unique(audit, "audit", ["revision", *AUDIT_KEY])
+    check_unique(audit, "audit", ["revision", *AUDIT_KEY])
     key = [k for k in AUDIT_KEY if k in audit.columns and k in ledger.columns]
     ledger_keys = set(map(tuple, ledger[key].astype(str).values.tolist()))
     audit_keys = set(map(tuple, audit[key].astype(str).values.tolist()))
@@ -95,7 +96,7 @@ def _trajectory_counts(ledger: pd.DataFrame, audit: pd.DataFrame) -> dict:
 def audit_section(data: RevisionData) -> tuple[list[str], dict]:
     """Claim 6: the saved-ledger audit, in the study's unit (trajectories) and the ledger's (rows)."""
     audit = data.frame("audit")
-    analysis.check_unique(audit, "audit", ["revision", *AUDIT_KEY])
+    check_unique(audit, "audit", ["revision", *AUDIT_KEY])
     ok = count_true(audit, "reproduced")
     stat = stats.proportion(ok, len(audit))
     lines = ["#### Claim: saved-ledger audit", "",

@@ -11,6 +11,7 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (NOT_RECORDED, count_true, format_percent, format_proportion,
                                                 join_words, table_head, table_row)
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 
 
 def margins_section(data: RevisionData) -> tuple[list[str], dict]:
@@ -85,7 +86,7 @@ def batch_invariance_section(data: RevisionData) -> tuple[list[str], dict]:
     Only rows with something to compare are counted: cache comparisons need a boundary-cache fingerprint on both
     sides, suffix and label comparisons status ``ok`` on both; the rows that had not are counted apart."""
     table = data.frame("batch_invariance")
-    analysis.check_unique(table, "batch_invariance")
+    check_unique(table, "batch_invariance")
     prov = data.job_record("batch_invariance")
     control = prov.get("batch_invariance") or {}
     if control.get("status") == "not_applicable" or table.empty:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from stagereplay.analysis import tables as analysis
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.io.parquet import read_parquet
 
 TRANSPLANT_FIELDS = ("precision", "direction", "donor", "recipient", "layer_set", "component", "positions",
@@ -52,7 +53,7 @@ def _transplant_rows(transplants: dict[str, pd.DataFrame]) -> dict[int, list[dic
     for revision, frame in transplants.items():
         if frame is None or frame.empty:
             continue
-        analysis.check_unique(frame, "transplant")
+        check_unique(frame, "transplant")
         frame = frame.copy()
         if "positions" not in frame.columns:
             frame["positions"] = "all"
@@ -79,7 +80,7 @@ def browser_data(ledgers: dict[str, pd.DataFrame], token_texts: dict[str, dict[i
     transplant_rows = _transplant_rows(transplants or {})
     cells, items = [], []
     for position, (revision, ledger) in enumerate(ledgers.items()):
-        analysis.check_unique(ledger, "ledger")
+        check_unique(ledger, "ledger")
         pairs = {(int(p["item_index"]), p["experiment"], p["precision"]): p
                  for p in analysis.all_pairs(ledger).to_dict("records")}
         coinciding = analysis.coinciding_comparisons(ledger)

@@ -17,6 +17,7 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import (count_true, format_accuracy, format_int, format_proportion,
                                                 join_words, table_head, table_row)
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.analysis.truncation import budget_stop_lines, budget_stops
 from stagereplay.io.provenance import recorded_batch_plan
 
@@ -261,7 +262,7 @@ def _bridge_reading(groups: list[tuple[str, pd.DataFrame]], asked: int | None = 
 def bridge_section(data: RevisionData) -> tuple[list[str], dict]:
     """Claim 5: the bridge, token-by-token incremental cache against the retained live cache."""
     bridge = data.frame("bridge")
-    analysis.check_unique(bridge, "bridge")
+    check_unique(bridge, "bridge")
     no_boundary = 0
     if "status" in bridge.columns:  # rows whose item never reached the boundary have no cache to compare
         no_boundary = int((bridge["status"] != "ok").sum())

@@ -27,6 +27,7 @@ from stagereplay.analysis.inputs import discover
 from stagereplay.analysis.report import revision_section
 from stagereplay.analysis.report_format import NOT_RECORDED, format_proportion, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.analysis.run_identity import identity, show_values
 from stagereplay.io.parquet import read_parquet, write_text_atomic
 
@@ -257,7 +258,7 @@ def read_fidelity(path: str | Path) -> pd.DataFrame:
     if missing:
         raise ValueError(f"{path}: a fidelity table without the column(s) {', '.join(missing)} (docs/OUTPUTS.md "
                          "lists its columns); rebuild it with the pipeline's fidelity stage")
-    analysis.check_unique(frame, "fidelity", FIDELITY_KEY)
+    check_unique(frame, "fidelity", FIDELITY_KEY)
     return frame
 
 

@@ -15,6 +15,7 @@ from stagereplay.analysis import stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import format_ids, format_proportion, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 
 VERDICT_NOT_SEPARABLE = "not separable from its placebo"  # stages.minimal_transplant.VERDICTS[1]
 
@@ -54,7 +55,7 @@ def minimal_coverage(minimal: pd.DataFrame | None) -> pd.DataFrame:
     frame = _rows(minimal)
     if frame.empty or not localised(frame).any():
         return pd.DataFrame(columns=cols)
-    analysis.check_unique(frame, "minimal_transplant")
+    check_unique(frame, "minimal_transplant")
     found = frame[localised(frame)]
     counts: dict[tuple, list[int]] = {}
     for r in found.itertuples(index=False):
@@ -80,7 +81,7 @@ def onset_items(onset: pd.DataFrame | None) -> pd.DataFrame:
     frame = _rows(onset)
     if frame.empty:
         return pd.DataFrame(columns=cols)
-    analysis.check_unique(frame, "divergence_onset")
+    check_unique(frame, "divergence_onset")
     rows = []
     for (revision, precision, item_index), g in frame.groupby(["revision", "precision", "item_index"], sort=True):
         first = g.iloc[0]
@@ -126,7 +127,7 @@ def _quartiles(values) -> str:
 def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     """The distribution over items of the minimal sufficient transplants (figure 7)."""
     frame = data.frame("minimal_transplant")
-    analysis.check_unique(frame, "minimal_transplant")
+    check_unique(frame, "minimal_transplant")
     search = data.job_record("minimal_transplant").get("config") or {}
     budget = search.get("budget")
     if budget == 0:
@@ -145,31 +146,7 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     out: dict = {"status": "searched", "budget": budget, "guarantee": GUARANTEE, "cells": {}}
     for (precision, direction), g in frame.groupby(["precision", "direction"], sort=True):
         found = g[localised(g)]
-        inseparable = (g["verdict"] == VERDICT_NOT_SEPARABLE) if controlled else pd.Series(False, index=g.index)
-        prompt = found["prompt_length"].astype(int)
-        stage_only = found["position_lo"].astype(int) >= prompt
-        prompt_only = found["position_hi"].astype(int) <= prompt
-        cell = {
-            "n": len(g), "whole_cache_sufficient": _share(g, g["full_sufficient"]),
-            "not_separable": _share(g, inseparable) if controlled else None,
-            "localised": _share(g, localised(g)),
-            "budget_exhausted": _share(g, g["budget_exhausted"]),
-            "locally_minimal": _share(found, found["locally_minimal"]),
-            "k_or_v_alone": _share(found, found["component"] != "kv"),
-            "components": {c: int((found["component"] == c).sum()) for c in ("kv", "k", "v")},
-            "single_layer": _share(found, (found["layer_hi"].astype(int) - found["layer_lo"].astype(int)) == 1),
-            "stage_positions_only": _share(found, stage_only),
-            "prompt_positions_only": _share(found, prompt_only),
-            "share_of_state": stats.first_divergence_summary(list(found["share_of_state"])),
-            "runs": stats.first_divergence_summary([int(x) for x in g["runs"]]),
-            "layer_included": {},
-        }
-        cell["share_of_state"]["method"] = cell["runs"]["method"] = "order statistics (numpy linear quantiles)"
-        if len(found):
-            num_layers = int(found["num_layers"].max())
-            for layer in range(num_layers):
-                inside = (found["layer_lo"].astype(int) <= layer) & (layer < found["layer_hi"].astype(int))
-                cell["layer_included"][str(layer)] = _share(found, inside)
+        cell = _minimal_cell(g, found, controlled)
         out["cells"].setdefault(precision, {})[direction] = cell
         lines.append(table_row(precision, direction, len(g), format_proportion(cell["whole_cache_sufficient"]),
                                format_proportion(cell["not_separable"]) if controlled else "not run",
@@ -182,22 +159,68 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                                _quartiles(g["runs"])))
     same = identical_layers(data.frame("divergence_onset")) if data.has("divergence_onset") else {}
     out["layers_bit_identical_in_every_divergent_item"] = same
+    lines += _layer_lines(out["cells"], same)
+    lines += _unlocalised_lines(frame, out, controlled)
+    return lines + _minimal_sets_table(frame) + [""], out
+
+
+def _minimal_cell(g: pd.DataFrame, found: pd.DataFrame, controlled: bool) -> dict:
+    """One precision and direction's proportions (over its items ``g``; ``found``: those localised) and quartiles."""
+    inseparable = (g["verdict"] == VERDICT_NOT_SEPARABLE) if controlled else pd.Series(False, index=g.index)
+    prompt = found["prompt_length"].astype(int)
+    stage_only = found["position_lo"].astype(int) >= prompt
+    prompt_only = found["position_hi"].astype(int) <= prompt
+    cell = {
+        "n": len(g), "whole_cache_sufficient": _share(g, g["full_sufficient"]),
+        "not_separable": _share(g, inseparable) if controlled else None,
+        "localised": _share(g, localised(g)),
+        "budget_exhausted": _share(g, g["budget_exhausted"]),
+        "locally_minimal": _share(found, found["locally_minimal"]),
+        "k_or_v_alone": _share(found, found["component"] != "kv"),
+        "components": {c: int((found["component"] == c).sum()) for c in ("kv", "k", "v")},
+        "single_layer": _share(found, (found["layer_hi"].astype(int) - found["layer_lo"].astype(int)) == 1),
+        "stage_positions_only": _share(found, stage_only),
+        "prompt_positions_only": _share(found, prompt_only),
+        "share_of_state": stats.first_divergence_summary(list(found["share_of_state"])),
+        "runs": stats.first_divergence_summary([int(x) for x in g["runs"]]),
+        "layer_included": {},
+    }
+    cell["share_of_state"]["method"] = cell["runs"]["method"] = "order statistics (numpy linear quantiles)"
+    if len(found):
+        num_layers = int(found["num_layers"].max())
+        for layer in range(num_layers):
+            inside = (found["layer_lo"].astype(int) <= layer) & (layer < found["layer_hi"].astype(int))
+            cell["layer_included"][str(layer)] = _share(found, inside)
+    return cell
+
+
+def _layer_lines(cells: dict, same: dict[str, list[int]]) -> list[str]:
+    """How many minimal sets include each layer, per precision and direction; layers bit-identical in every
+    divergent item (``same``) marked."""
     layer_lines = []
-    for precision, by_direction in out["cells"].items():
+    for precision, by_direction in cells.items():
         for direction, cell in by_direction.items():
             if cell["layer_included"]:
                 shares = ", ".join(f"layer {layer}{'*' if int(layer) in same.get(precision, []) else ''}: "
                                    f"{p['k']}/{p['n']}" for layer, p in cell["layer_included"].items())
                 layer_lines.append(f"- {precision} {direction}: {shares}")
-    if layer_lines:
-        lines += ["", "Minimal sets that include each layer (figure 7 adds the positions):", "", *layer_lines]
-        marked = {p: layers for p, layers in same.items() if layers and p in out["cells"]}
-        if marked:
-            where = "; ".join(f"{p}: layer(s) {', '.join(map(str, v))}" for p, v in marked.items())
-            lines += ["", "\\* Bit-identical in both constructions' caches of every divergent item "
-                      f"(divergence_onset.parquet): {where}. "
-                      "A minimal set includes such a layer only because its band of layers reaches it: the "
-                      "transplant changes nothing there."]
+    if not layer_lines:
+        return []
+    lines = ["", "Minimal sets that include each layer (figure 7 adds the positions):", "", *layer_lines]
+    marked = {p: layers for p, layers in same.items() if layers and p in cells}
+    if marked:
+        where = "; ".join(f"{p}: layer(s) {', '.join(map(str, v))}" for p, v in marked.items())
+        lines += ["", "\\* Bit-identical in both constructions' caches of every divergent item "
+                  f"(divergence_onset.parquet): {where}. "
+                  "A minimal set includes such a layer only because its band of layers reaches it: the "
+                  "transplant changes nothing there."]
+    return lines
+
+
+def _unlocalised_lines(frame: pd.DataFrame, out: dict, controlled: bool) -> list[str]:
+    """The items whose whole-cache transplant did not carry the donor's continuation, and those not separable from
+    their placebo (recorded in ``out``)."""
+    lines = []
     missed = frame[~frame["full_sufficient"].astype(bool)]
     out["whole_cache_insufficient"] = [f"{r.item_id} {r.direction}" for r in missed.itertuples(index=False)]
     if len(missed):
@@ -212,9 +235,14 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     else:
         lines += ["", "_This file predates the placebo control: its boxes are sufficient, not shown to carry more "
                   "than any push of their size._"]
+    return lines
+
+
+def _minimal_sets_table(frame: pd.DataFrame) -> list[str]:
+    """The first 40 minimal sets found, one per item and direction."""
     found = frame[localised(frame)].sort_values(["precision", "item_index", "direction"])
-    lines += ["", *table_head("item", "precision", "direction", "minimal set",
-                              "positions (cache; prompt / stage share)", "runs")]
+    lines = ["", *table_head("item", "precision", "direction", "minimal set",
+                             "positions (cache; prompt / stage share)", "runs")]
     for r in found.head(40).itertuples(index=False):
         stage = "—" if pd.isna(r.share_of_stage) else f"{100 * r.share_of_stage:.0f}%"
         prompt = "—" if pd.isna(r.share_of_prompt) else f"{100 * r.share_of_prompt:.0f}%"
@@ -224,7 +252,7 @@ def minimal_transplant_section(data: RevisionData) -> tuple[list[str], dict]:
                                f"{r.runs}{' (budget ran out)' if r.budget_exhausted else ''}"))
     if len(found) > 40:
         lines.append(table_row(f"... {len(found) - 40} more in minimal_transplant.parquet", "", "", "", "", ""))
-    return lines + [""], out
+    return lines
 
 
 def divergence_onset_section(data: RevisionData) -> tuple[list[str], dict]:

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from stagereplay.analysis import stats
+from stagereplay.analysis import separation, stats
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import format_proportion, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.io.parquet import read_parquet, read_provenance
 
 KL = "kl_forward"
@@ -86,13 +87,13 @@ def split_association(items: pd.DataFrame, steps: pd.DataFrame | None = None) ->
                            "item's first divergence; scores at suffix step 0, or both at the split item's step "
                            "before its divergence; split-at-step-0 items left out"}
     for name, (direction, score) in scores.items():
-        out[name] = {**stats.auc_delong(score(cases).tolist(), score(controls).tolist(), names=CLASSES,
+        out[name] = {**separation.auc_delong(score(cases).tolist(), score(controls).tolist(), names=CLASSES,
                                         comparable=comparable),
                      "score": f"{name}: AUC = P(a split item's is {direction} than a comparable unsplit item's)"}
     for name, column, sign, direction in (("margin_step_before", "margin_reference", -1.0, "smaller"),
                                           ("logit_diff_step_before", "max_abs_logit_diff", 1.0, "larger")):
         case_scores, control_scores = _step_before(steps, cases, controls, column)
-        out[name] = {**stats.matched_auc_delong(sign * case_scores, sign * control_scores, comparable),
+        out[name] = {**separation.matched_auc_delong(sign * case_scores, sign * control_scores, comparable),
                      "score": f"{name}: AUC = P(a split item's {column} at its step d - 1 is {direction} than a "
                               "comparable unsplit item's at that step)"}
     return out
@@ -232,7 +233,7 @@ def report_positions(positions: int) -> list[int]:
 def fidelity_section(data: RevisionData) -> tuple[list[str], dict]:
     """Which replay construction matches live, fidelity along the suffix, and what a split is associated with."""
     table = data.frame("fidelity")
-    analysis.check_unique(table, "fidelity")
+    check_unique(table, "fidelity")
     if table.empty:
         return ["_fidelity.parquet holds no rows: no item reached the stage boundary at this revision._", ""], {}
     items = item_summary(table)

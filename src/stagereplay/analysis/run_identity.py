@@ -114,6 +114,24 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         record[key] = value
 
     add("run", "run", f"`{run}`", run)
+    _model_rows(add, revision_data, per_revision, everything)
+    _dataset_rows(add, revision_data, selection, sel_prov)
+    _settings_rows(add, everything, sel_prov, seed)
+    _regime_rows(add, everything)
+    for data in revision_data:
+        text = transplant_text(_records(data.provenance("transplant")))
+        if text is not None:
+            add(f"transplants `{data.revision}`", f"transplant:{data.revision}", text, text)
+    _software_rows(add, everything)
+    lines = ["## What produced this run", "",
+             "From the provenance the results files record (their own and their parts'); several values are listed "
+             "where the files differ.", "", *table_head("", "recorded")]
+    lines += [table_row(label, text) for label, text in rows]
+    return lines + [""], record
+
+
+def _model_rows(add, revision_data: list[RevisionData], per_revision: dict, everything: list[dict]) -> None:
+    """The model, each revision as requested and as resolved, its type and layers."""
     model = _values(everything, "config", "model") or _values(everything, "model_source")
     add("model", "model", show_values(model), model)
     for data in revision_data:
@@ -132,6 +150,10 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     add("model type, layers", "model_type", f"{show_values(_values(everything, 'model_type'))}, "
         f"{show_values(_values(everything, 'num_layers'))} layers",
         {"model_type": _values(everything, "model_type"), "num_layers": _values(everything, "num_layers")})
+
+
+def _dataset_rows(add, revision_data: list[RevisionData], selection: str | None, sel_prov: dict) -> None:
+    """The dataset as configured, its content's fingerprints, and the items selected and decoded."""
     dataset = [applicable_dataset(d) if isinstance(d, dict) else d
                for d in (_values([sel_prov], "config", "dataset") if sel_prov else [])]
     add("dataset", "dataset", show_values(dataset, f"{NOT_RECORDED} (no selection/items.parquet)"), dataset)
@@ -151,6 +173,10 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     in_ledgers = sorted({int(i) for d in revision_data if d.has("ledger") for i in d.ledger["item_index"].unique()})
     add("items", "items", f"{show_values(n_items)} selected (config n_items); {len(in_ledgers)} in the ledger(s)",
         {"n_items": n_items, "in_ledgers": len(in_ledgers)})
+
+
+def _settings_rows(add, everything: list[dict], sel_prov: dict, seed: int) -> None:
+    """The token budgets, boundary, seeds and precisions."""
     add("token budgets", "budgets", f"max_stage_tokens {show_values(_values(everything, 'config', 'max_stage_tokens'))}; "
         f"max_new_tokens {show_values(_values(everything, 'config', 'max_new_tokens'))}",
         {"max_stage_tokens": _values(everything, "config", "max_stage_tokens"),
@@ -163,6 +189,11 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         {"recorded": seeds, "report": seed})
     precisions = _values(everything, "config", "precision")
     add("precisions", "precisions", show_values(precisions), precisions)
+
+
+def _regime_rows(add, everything: list[dict]) -> None:
+    """The numerics and decode regime (the settings that act in it) and the determinism flags (those that act on the
+    devices recorded)."""
     # numerics: the regime the model was loaded in (its record holds the invariant kernels' settings too), else the
     # configured name
     regime = {name: _values(everything, *path) for name, path in (
@@ -180,10 +211,10 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
     devices = _values(everything, "device")
     flags = [applicable_flags(f, devices) for f in _values(everything, "numerics")]
     add("determinism flags", "flags", show_values(flags), flags)
-    for data in revision_data:
-        text = transplant_text(_records(data.provenance("transplant")))
-        if text is not None:
-            add(f"transplants `{data.revision}`", f"transplant:{data.revision}", text, text)
+
+
+def _software_rows(add, everything: list[dict]) -> None:
+    """The device, attention, threads and dtype; the answer format and prompt; the package and software versions."""
     hardware = {name: _values(everything, *path) for name, path in (
         ("device", ("device",)), ("attn_implementation", ("attn_implementation",)), ("threads", ("config", "threads")),
         ("dtype", ("dtype",)))}
@@ -198,8 +229,3 @@ def identity(revision_data: list[RevisionData], selection: str | None, run: str,
         package)
     software = {name: _values(everything, name) for name in ("torch", "transformers", "cache_fingerprint_scheme")}
     add("software", "software", "; ".join(f"{k} {show_values(v)}" for k, v in software.items()), software)
-    lines = ["## What produced this run", "",
-             "From the provenance the results files record (their own and their parts'); several values are listed "
-             "where the files differ.", "", *table_head("", "recorded")]
-    lines += [table_row(label, text) for label, text in rows]
-    return lines + [""], record

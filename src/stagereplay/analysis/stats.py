@@ -1,5 +1,6 @@
 """Statistics for the report: interval bounds on rates, paired accuracy comparisons, transplant follow rates,
-the margin test at first divergences, rank correlations across items.
+the margin test at first divergences, rank correlations across items (the separation of two classes by a score,
+the AUC: :mod:`.separation`).
 
 Every function takes plain Python values (counts, per-item booleans, outcome strings, positions) and returns a
 JSON-serialisable dict of Python ints, floats and None that can go straight into ``stats.json``. Each dict names its
@@ -21,16 +22,18 @@ import numpy as np
 
 FOLLOW_OUTCOMES = ("donor", "recipient", "neither")
 # Bounds the (chunk, n) index matrix of the bootstrap to about 32 MB however many items there are.
-_BOOTSTRAP_INDICES_PER_CHUNK = 4_000_000
+BOOTSTRAP_INDICES_PER_CHUNK = 4_000_000
 
 
-def _check_alpha(alpha: float) -> float:
+def check_alpha(alpha: float) -> float:
+    """``alpha`` as a float, refused outside (0, 1)."""
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
     return float(alpha)
 
 
-def _check_count(name: str, value) -> int:
+def check_count(name: str, value) -> int:
+    """``value`` as an int, refused where it is not an integer (a bool included)."""
     # bool is an Integral too, but a True passed as a count is a caller's bug, not a count of 1.
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -39,7 +42,7 @@ def _check_count(name: str, value) -> int:
 
 def proportion(k: int, n: int, alpha: float = 0.05) -> dict:
     """Rate k/n with two-sided 1-alpha Wilson and Clopper-Pearson (exact) intervals; None throughout when n == 0."""
-    k, n, alpha = _check_count("k", k), _check_count("n", n), _check_alpha(alpha)
+    k, n, alpha = check_count("k", k), check_count("n", n), check_alpha(alpha)
     if not 0 <= k <= n:
         raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
     result = {"k": k, "n": n, "rate": None, "wilson_low": None, "wilson_high": None,
@@ -82,14 +85,14 @@ def paired_accuracy_difference(correct_a: Sequence[bool], correct_b: Sequence[bo
         raise ValueError(f"correct_a and correct_b must be paired by item, got lengths {a.size} and {b.size}")
     if a.size == 0:
         raise ValueError("need at least one item")
-    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
+    n_boot, seed, alpha = check_count("n_boot", n_boot), check_count("seed", seed), check_alpha(alpha)
     if n_boot < 1:
         raise ValueError(f"n_boot must be positive, got {n_boot}")
     n = int(a.size)
 
     per_item = a.astype(np.int8) - b.astype(np.int8)  # (n,) in {-1, 0, 1}
     rng = np.random.default_rng(seed)
-    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // n)
+    chunk = max(1, BOOTSTRAP_INDICES_PER_CHUNK // n)
     boot = np.empty(n_boot)
     for start in range(0, n_boot, chunk):
         size = min(chunk, n_boot - start)
@@ -124,7 +127,7 @@ def follow_rate(outcomes: Sequence[str], alpha: float = 0.05) -> dict:
         raise ValueError(f"transplant outcomes must be among {FOLLOW_OUTCOMES}, got {unknown!r}")
     counts = {o: sum(1 for x in outcomes if x == o) for o in FOLLOW_OUTCOMES}
     n = sum(counts.values())
-    return {"n": n, **counts, "follows_donor": proportion(counts["donor"], n, alpha), "alpha": _check_alpha(alpha),
+    return {"n": n, **counts, "follows_donor": proportion(counts["donor"], n, alpha), "alpha": check_alpha(alpha),
             "method": "outcome counts; donor-following rate with wilson and clopper-pearson intervals"}
 
 
@@ -160,7 +163,7 @@ def divergence_margin_test(items: Sequence[tuple[float, Sequence[float]]], alpha
     0 under H0). ``within_item_percentile`` is, per item, the share of its other steps with a margin at most the
     divergence margin; its median is reported.
     """
-    alpha = _check_alpha(alpha)
+    alpha = check_alpha(alpha)
     divergence, medians, percentiles = [], [], []
     no_other = 0
     for margin, others in items:
@@ -217,7 +220,7 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
     correlation; they are left out of the interval and counted (``n_boot_undefined``). Below 3 pairs, or with a
     constant side, everything is None.
     """
-    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
+    n_boot, seed, alpha = check_count("n_boot", n_boot), check_count("seed", seed), check_alpha(alpha)
     if len(x) != len(y):
         raise ValueError(f"x and y must be paired by item, got lengths {len(x)} and {len(y)}")
     pairs = [(float(a), float(b)) for a, b in zip(x, y)
@@ -235,7 +238,7 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
     test = spearmanr(a, b)
     rng = np.random.default_rng(seed)
     n = len(pairs)
-    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // n)
+    chunk = max(1, BOOTSTRAP_INDICES_PER_CHUNK // n)
     boot = np.empty(n_boot)
     for start in range(0, n_boot, chunk):
         indices = rng.integers(0, n, size=(min(chunk, n_boot - start), n))  # (replicates, items)
@@ -249,59 +252,12 @@ def rank_correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 10000
     return result
 
 
-def rank_separation(positive: Sequence[float], negative: Sequence[float], n_boot: int = 10000, seed: int = 0,
-                    alpha: float = 0.05, names: tuple[str, str] = ("positive", "negative")) -> dict:
-    """How well a score separates two classes of items: the AUC, P(score of a positive item > score of a
-    negative one) + P(tie) / 2, from the Mann-Whitney U statistic (scipy.stats.mannwhitneyu: U of the positives
-    over n_positive x n_negative), its two-sided p-value, and a seeded percentile bootstrap interval that resamples
-    each class apart (stratified: the class sizes are kept).
-
-    Missing values are dropped and counted. With a class empty there is no AUC: everything is None and
-    ``skipped`` says why (naming the class by ``names``). Where the sample separates completely (AUC 0 or 1) every resample does too, so the
-    percentile interval is the point itself and carries no uncertainty: ``complete_separation`` says so.
-    """
-    n_boot, seed, alpha = _check_count("n_boot", n_boot), _check_count("seed", seed), _check_alpha(alpha)
-
-    def kept(values):
-        return np.asarray([float(v) for v in values if v is not None and not math.isnan(float(v))], dtype=float)
-
-    pos, neg = kept(positive), kept(negative)
-    result = {"n_positive": int(pos.size), "n_negative": int(neg.size),
-              "n_missing": len(positive) + len(negative) - int(pos.size) - int(neg.size),
-              "auc": None, "u": None, "p_value": None, "bootstrap_low": None, "bootstrap_high": None,
-              "complete_separation": None, "skipped": None, "n_boot": n_boot, "seed": seed, "alpha": alpha,
-              "method": "AUC = U / (n_positive n_negative), Mann-Whitney U of the positives (scipy.stats.mannwhitneyu, "
-                        "two-sided p, ties counted half); percentile bootstrap resampling each class apart"}
-    if not pos.size or not neg.size:
-        empty = names[0] if not pos.size else names[1]
-        result["skipped"] = f"no {empty} item: an AUC compares the two classes and needs both"
-        return result
-    from scipy.stats import mannwhitneyu
-
-    test = mannwhitneyu(pos, neg, alternative="two-sided")
-    auc = float(test.statistic) / (pos.size * neg.size)
-    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
-    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
-    rng = np.random.default_rng(seed)
-    boot = np.empty(n_boot)
-    chunk = max(1, _BOOTSTRAP_INDICES_PER_CHUNK // (pos.size + neg.size))
-    for start in range(0, n_boot, chunk):
-        size = min(chunk, n_boot - start)
-        w_pos = rng.multinomial(pos.size, np.full(pos.size, 1 / pos.size), size=size)  # (replicates, n_positive)
-        w_neg = rng.multinomial(neg.size, np.full(neg.size, 1 / neg.size), size=size)  # (replicates, n_negative)
-        boot[start:start + size] = np.einsum("bi,ij,bj->b", w_pos, wins, w_neg) / (pos.size * neg.size)
-    low, high = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
-    result.update(auc=auc, u=float(test.statistic), p_value=float(test.pvalue), bootstrap_low=float(low),
-                  bootstrap_high=float(high), complete_separation=bool(auc in (0.0, 1.0)))
-    return result
-
-
 def share_by_position(first_divergences: Sequence[int | None], n: int, positions: int, alpha: float = 0.05) -> dict:
     """The share of ``n`` items split within the first k suffix tokens, for k = 1 .. ``positions``: an item whose
     first divergence (0-based suffix step; None: never) is below k counts, with a Wilson interval per k
     (pointwise, not a band over all k). Every item counts in every k's denominator: an item whose
     suffix ended unsplit cannot split later."""
-    n, positions = _check_count("n", n), _check_count("positions", positions)
+    n, positions = check_count("n", n), check_count("positions", positions)
     steps = [int(p) for p in first_divergences if p is not None and not (isinstance(p, float) and math.isnan(p))]
     if len(steps) > n or any(p < 0 for p in steps):
         raise ValueError(f"{len(steps)} first divergences for {n} items (each at a step >= 0)")
@@ -325,8 +281,8 @@ def paired_difference_interval(a_only: int, b_only: int, n: int, alpha: float = 
     how often a discordance could have gone unseen (the exact upper bound of d). The bootstrap's percentile interval
     is [0, 0] there and covers far below its nominal level at small n (tests/test_stats.py simulates both).
     """
-    a_only, b_only, n, alpha = (_check_count("a_only", a_only), _check_count("b_only", b_only),
-                                _check_count("n", n), _check_alpha(alpha))
+    a_only, b_only, n, alpha = (check_count("a_only", a_only), check_count("b_only", b_only),
+                                check_count("n", n), check_alpha(alpha))
     m = a_only + b_only
     if n < 1 or m > n or min(a_only, b_only) < 0:
         raise ValueError(f"need 0 <= a_only + b_only <= n and n >= 1, got a_only={a_only}, b_only={b_only}, n={n}")
@@ -353,7 +309,7 @@ def accuracy_equivalence(a_only: int, b_only: int, n: int, margin: float, alpha:
     if not 0.0 < margin < 1.0:
         raise ValueError(f"the equivalence margin is a difference of proportions in (0, 1), got {margin!r}")
     two_sided = paired_difference_interval(a_only, b_only, n, alpha)
-    tost = paired_difference_interval(a_only, b_only, n, 2 * _check_alpha(alpha))
+    tost = paired_difference_interval(a_only, b_only, n, 2 * check_alpha(alpha))
     if two_sided["low"] > 0 or two_sided["high"] < 0:
         verdict = "difference"
     elif -margin < tost["low"] and tost["high"] < margin:
@@ -363,98 +319,3 @@ def accuracy_equivalence(a_only: int, b_only: int, n: int, margin: float, alpha:
     return {"verdict": verdict, "margin": margin, "interval": two_sided, "tost_interval": tost, "alpha": alpha,
             "method": "difference: the exact 1 - alpha interval excludes 0; equivalence: TOST, the exact 1 - 2 alpha "
                       "interval inside (-margin, margin)"}
-
-
-def _delong(wins: np.ndarray, comparable: np.ndarray, alpha: float, result: dict) -> dict:
-    """Fills ``result`` with the AUC over the comparable (positive, negative) pairs of ``wins`` (1 where the
-    positive scores higher, 1/2 on a tie; (n_positive, n_negative)), DeLong's variance of it (DeLong, DeLong and
-    Clarke-Pearson 1988, structural components: with every pair comparable, the textbook estimator) and the Wald
-    interval on the logit scale."""
-    if not comparable.any():
-        result["skipped"] = "no positive item may be compared with a negative one"
-        return result
-    wins = wins * comparable
-    rows, columns = comparable.sum(axis=1), comparable.sum(axis=0)
-    auc = float(wins.sum()) / int(comparable.sum())
-    v_pos = wins.sum(axis=1)[rows > 0] / rows[rows > 0]
-    v_neg = wins.sum(axis=0)[columns > 0] / columns[columns > 0]
-    variance = (float(v_pos.var(ddof=1)) / v_pos.size if v_pos.size > 1 else 0.0) + (
-        float(v_neg.var(ddof=1)) / v_neg.size if v_neg.size > 1 else 0.0)
-    result.update(auc=auc, se=math.sqrt(variance), pairs=int(comparable.sum()),
-                  complete_separation=auc in (0.0, 1.0))
-    if 0.0 < auc < 1.0 and variance > 0:
-        from scipy.stats import norm
-
-        z = float(norm.ppf(1 - alpha / 2))
-        centre, spread = math.log(auc / (1 - auc)), math.sqrt(variance) / (auc * (1 - auc))
-        result.update(low=1 / (1 + math.exp(-(centre - z * spread))), high=1 / (1 + math.exp(-(centre + z * spread))))
-    return result
-
-
-def _auc_record(n_positive: int, n_negative: int, n_missing: int, alpha: float, method: str) -> dict:
-    return {"n_positive": n_positive, "n_negative": n_negative, "n_missing": n_missing, "pairs": 0, "auc": None,
-            "se": None, "low": None, "high": None, "complete_separation": None, "skipped": None, "alpha": alpha,
-            "method": method}
-
-
-def auc_delong(positive: Sequence[float], negative: Sequence[float], alpha: float = 0.05,
-               names: tuple[str, str] = ("positive", "negative"), comparable=None) -> dict:
-    """The AUC of a score separating two classes of independent items, P(positive > negative) + P(tie) / 2, with
-    DeLong's variance and a Wald interval on the logit scale (so it stays inside (0, 1)).
-
-    Why not the percentile bootstrap: with 9 against 55 items it covered 84-90% at a nominal 95% in simulation;
-    this interval covers about 94% there (tests/test_stats_controls.py runs that simulation at a fixed seed).
-    ``comparable`` (n_positive, n_negative) booleans, where given, keeps only the pairs that may be compared (a
-    negative item observed long enough to have become positive when the positive one did); the variance is then
-    DeLong's over those pairs. Where the sample separates completely (AUC 0 or 1) DeLong's variance is 0 and there
-    is no interval: the bounds are None and ``complete_separation`` says so. Missing values are refused where a
-    mask is given and otherwise dropped and counted; with a class (or every pair) empty the AUC is None and
-    ``skipped`` says why.
-    """
-    alpha = _check_alpha(alpha)
-
-    def kept(values):
-        return np.asarray([float(v) for v in values if v is not None and not math.isnan(float(v))], dtype=float)
-
-    pos, neg = kept(positive), kept(negative)
-    missing = len(positive) + len(negative) - int(pos.size) - int(neg.size)
-    result = _auc_record(int(pos.size), int(neg.size), missing, alpha,
-                         "AUC (Mann-Whitney, ties half) over the comparable pairs, with DeLong's variance; Wald "
-                         "interval on the logit scale")
-    if comparable is None:
-        comparable = np.ones((pos.size, neg.size), dtype=bool)
-    else:
-        comparable = np.asarray(comparable, dtype=bool)
-        if missing or comparable.shape != (pos.size, neg.size):
-            raise ValueError(f"comparable must be ({len(positive)}, {len(negative)}) booleans for scores without "
-                             f"missing values, got shape {comparable.shape} and {missing} missing")
-    if not pos.size or not neg.size:
-        result["skipped"] = f"no {names[0] if not pos.size else names[1]} item: an AUC needs both classes"
-        return result
-    # (n_positive, n_negative): 1 where the positive scores higher, 1/2 on a tie
-    wins = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
-    return _delong(wins, comparable, alpha, result)
-
-
-def matched_auc_delong(positive: np.ndarray, negative: np.ndarray, comparable: np.ndarray,
-                       alpha: float = 0.05) -> dict:
-    """:func:`auc_delong` where a pair's two scores depend on the pair: ``positive[i, j]`` and ``negative[i, j]``
-    are positive item i's and negative item j's scores as compared with each other (both taken at the step where
-    i turned positive, say); ``comparable`` (n_positive, n_negative) says which pairs count. Items stay the unit:
-    DeLong's structural components are per item, over its comparable pairs."""
-    alpha = _check_alpha(alpha)
-    positive, negative = np.asarray(positive, dtype=float), np.asarray(negative, dtype=float)
-    comparable = np.asarray(comparable, dtype=bool)
-    if not positive.shape == negative.shape == comparable.shape or positive.ndim != 2:
-        raise ValueError(f"positive, negative and comparable must be one (n_positive, n_negative) shape, got "
-                         f"{positive.shape}, {negative.shape} and {comparable.shape}")
-    comparable = comparable & np.isfinite(positive) & np.isfinite(negative)
-    result = _auc_record(int(positive.shape[0]), int(positive.shape[1]), 0, alpha,
-                         "AUC over the comparable pairs, each pair's scores taken at its own matched step (ties "
-                         "half), with DeLong's variance per item; Wald interval on the logit scale")
-    with np.errstate(invalid="ignore"):
-        wins = (positive > negative) + 0.5 * (positive == negative)
-    if not positive.size:
-        result["skipped"] = f"no {'positive' if not positive.shape[0] else 'negative'} item: an AUC needs both classes"
-        return result
-    return _delong(np.nan_to_num(wins), comparable, alpha, result)

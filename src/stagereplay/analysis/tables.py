@@ -4,9 +4,7 @@ The report prints these tables' numbers and the figures draw them, so a number i
 cannot disagree. This module knows nothing of torch, Snakemake or matplotlib: it takes DataFrames with the
 columns of the results contract (docs/STUDY.md) and returns DataFrames or plain dicts.
 
-Every pairing refuses a table in which a key occurs twice (:class:`DuplicateRowsError`, naming the key): a row
-counted twice, or one invented beside the real one, would otherwise be paired with whichever copy came first and
-counted silently.
+Every pairing refuses a table in which a key occurs twice (:func:`.row_keys.check_unique`).
 
 Construction pairs compared per experiment (the first one is the reference, the stand-in for the live state):
 ``matched``: ``live`` vs ``prefill``; ``fixed_prefix``: ``incremental`` vs ``prefill``. A run may build more than two
@@ -23,8 +21,9 @@ import numpy as np
 import pandas as pd
 
 from stagereplay.analysis import placebo, stats
+from stagereplay.analysis.row_keys import check_unique
 from stagereplay.io.ids import first_divergence
-from stagereplay.io.keys import ITEM_KEY, LEDGER_KEY
+from stagereplay.io.keys import ITEM_KEY
 
 # The experiments whose two constructions are compared item by item, in the report's order.
 EXPERIMENTS = ("matched", "fixed_prefix")
@@ -39,45 +38,6 @@ PAIR_COLUMNS = ["item_index", "item_id", "revision", "experiment", "precision", 
 # The ledger's stop_reason of a suffix that reached max_new_tokens before EOS: its answer is read from a cut-off
 # continuation.
 STOP_AT_BUDGET = "max_new_tokens"
-
-# The key of one row of each results file: the ledger's is the results contract's; the others' follow their stage.
-KEYS = {
-    "ledger": LEDGER_KEY,
-    "audit": LEDGER_KEY,
-    "bridge": ITEM_KEY,
-    "batch_invariance": (*ITEM_KEY, "construction"),
-    "transplant": (*ITEM_KEY, "direction", "layer_set", "component", "positions"),
-    "cache_differences": (*ITEM_KEY, "construction_a", "construction_b", "layer", "component"),
-    "minimal_transplant": (*ITEM_KEY, "direction"),
-    "divergence_onset": (*ITEM_KEY, "layer", "component"),
-    "fidelity": (*ITEM_KEY, "reference", "construction", "step"),
-}
-
-
-class DuplicateRowsError(ValueError):
-    """A results table in which one key occurs on more than one row."""
-
-
-def check_unique(frame: pd.DataFrame | None, kind: str, key=None) -> None:
-    """Raise :class:`DuplicateRowsError` when two rows of ``frame`` share a key (``key``, else the kind's in
-    :data:`KEYS`; a key column the frame lacks is left out of the key), naming the first repeated keys."""
-    if frame is None or frame.empty:
-        return
-    columns = [c for c in (key or KEYS[kind]) if c in frame.columns]
-    if not columns:
-        return
-    repeated = frame[frame.duplicated(columns, keep=False)]
-    if repeated.empty:
-        return
-    counts = repeated.groupby(columns, dropna=False, sort=True).size()
-    shown = "; ".join(f"({', '.join(map(str, k if isinstance(k, tuple) else (k,)))}) x{n}"
-                      for k, n in counts.head(5).items())
-    more = f" and {len(counts) - 5} more" if len(counts) > 5 else ""
-    raise DuplicateRowsError(
-        f"{kind}: {len(counts)} key(s) occur on more than one row, key ({', '.join(columns)}): {shown}{more}. "
-        "Every key must occur once; a row counted twice (a part gathered twice) or an invented row cannot be "
-        "paired. Rebuild the file from its stage's parts")
-
 
 def sort_precisions(values) -> list[str]:
     order = {p: i for i, p in enumerate(PRECISION_ORDER)}

@@ -9,6 +9,7 @@ from stagereplay.analysis import placebo, stats, study
 from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.report_format import format_percent, join_words, table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.analysis.row_keys import check_unique
 
 
 def _all_layer_rows(transplant: pd.DataFrame) -> pd.DataFrame:
@@ -31,7 +32,7 @@ def transplant_section(data: RevisionData) -> tuple[list[str], dict]:
     divergent items only (the two constructions' own continuations differ): a non-divergent item has no donor to
     tell apart from its recipient."""
     transplant = data.frame("transplant")
-    analysis.check_unique(transplant, "transplant")
+    check_unique(transplant, "transplant")
     matrix = analysis.transplant_matrix(transplant)
     if matrix.empty:
         n_items = int(transplant["item_index"].nunique()) if len(transplant) else 0

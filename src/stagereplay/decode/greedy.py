@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from stagereplay.decode.choice import Lookahead, greedy_choice
 from stagereplay.decode.protocol import Decoder, Layers, RegimeError
 from stagereplay.io.fingerprints import fingerprint_layers
 
@@ -130,67 +131,6 @@ class _TokenCount:
 TOKENS = _TokenCount()
 
 
-def _choice_on_device(logits: torch.Tensor):
-    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the logits' device."""
-    import torch
-
-    top = torch.topk(logits, 2, dim=-1)
-    return torch.argmax(logits, dim=-1), top.values[:, 0] - top.values[:, 1], torch.isfinite(logits).all(dim=-1)
-
-
-def greedy_choice(logits: torch.Tensor):
-    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host."""
-    return tuple(t.cpu() for t in _choice_on_device(logits))
-
-
-class _Lookahead:
-    """The greedy choice read back asynchronously, and the next step's ids guessed on the device meanwhile.
-
-    ``read(logits)`` queues each row's choice, margin and finiteness (the values :func:`greedy_choice` gives) and
-    their copy to the host; ``guess(i)`` is iteration ``i``'s feed as the device knows it (a teacher-forced id
-    while the row is in its given stage, else the greedy choice); ``wait()`` blocks until the copy is done.
-    """
-
-    def __init__(self, rows: list, device: torch.device):
-        import torch
-
-        width = max([len(row.forced) for row in rows if row.forced is not None], default=1)
-        forced, lengths = [[0] * width for _ in rows], [0] * len(rows)
-        for r, row in enumerate(rows):
-            if row.forced is not None and row.boundary_at is None:  # teacher-forced (in the lockstep schedule)
-                forced[r][:len(row.forced)] = row.forced
-                lengths[r] = len(row.forced)
-        self.forced = torch.tensor(forced, dtype=torch.long, device=device)
-        self.lengths = torch.tensor(lengths, dtype=torch.long, device=device)
-        self.width = width
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.host = torch.empty((3, len(rows)), dtype=torch.float64, pin_memory=True)
-            self.event = torch.cuda.Event()
-
-    def read(self, logits: torch.Tensor) -> None:
-        import torch
-
-        self.choice, margin, finite = _choice_on_device(logits)
-        # ids and fp32 margins are exact in float64: one copy brings all three
-        packed = torch.stack([self.choice.double(), margin.double(), finite.double()])
-        if self.cuda:
-            self.host.copy_(packed, non_blocking=True)
-            self.event.record()
-        else:
-            self.host = packed
-
-    def guess(self, i: int) -> torch.Tensor:
-        import torch
-
-        return torch.where(self.lengths > i, self.forced[:, min(i, self.width - 1)], self.choice)
-
-    def wait(self):
-        if self.cuda:
-            self.event.synchronize()
-        return self.host[0].long(), self.host[1].float(), self.host[2].bool()
-
-
 @dataclass
 class _Row:
     forced: list[int] | None
@@ -198,6 +138,28 @@ class _Row:
     margins: list[float] = field(default_factory=list)
     boundary_at: int | None = None  # index into generated of the boundary token
     done: str | None = None
+
+
+@dataclass
+class _Loop:
+    """One batch's decode as the loop's phases share it: the decoder, its batch and rows, the construction's cache
+    swapped in at each row's boundary (``built``: None where the rows start from it or read the schedule's own),
+    the boundary results so far, and what :func:`decode_rows` was asked for."""
+
+    decoder: Decoder
+    prompts: list[list[int]]
+    rows: list[_Row]
+    max_new_tokens: int
+    max_stage_tokens: int
+    matcher: BoundaryMatcher | None
+    edit: Callable[[int, Layers], None] | None
+    keep: set[int] | frozenset
+    suffixes: list[list[int] | None] | None
+    observe: Callable[[int, int, torch.Tensor], None] | None
+    batch: object = None
+    built: object = None
+    ahead: Lookahead | None = None
+    results_at: dict[int, tuple] = field(default_factory=dict)  # row: _at_boundary's (pad, end, fingerprints, copy)
 
 
 def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: int,
@@ -227,8 +189,27 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
     (:meth:`~stagereplay.decode.protocol.Decoder.place`): the rows of a packed decode, each keeping the layout it
     was recorded in. Only where the decoder continues rows from their boundaries.
     """
-    import torch
+    n = len(prompts)
+    _check_request(decoder, prompts, stages, matcher, suffixes, build, placed)
+    loop = _Loop(decoder, prompts, [_Row(None if stages is None else stages[r]) for r in range(n)], max_new_tokens,
+                 max_stage_tokens, matcher, edit, keep, suffixes, observe)
+    cut, plan = (None, None) if stages is None else _plan_stages(loop, stages, build)
+    first = 0  # the first iteration the loop runs
+    if stages is not None and (placed is not None or decoder.independent_rows(n) or (
+            not build.schedule and decoder.rows_from_boundaries(n))):
+        logits = _start_from_boundaries(loop, cut, plan, placed)
+    else:
+        logits, first = _start_live(loop, stages, cut, plan, build)
+    # (no logits: every row ended at its boundary, no step to take)
+    # the lookahead guesses greedy ids and may overwrite a step's logits before they are observed
+    if suffixes is None and observe is None and getattr(decoder, "lookahead", False) and logits is not None:
+        loop.ahead = Lookahead([row.forced if row.boundary_at is None else None for row in loop.rows], logits.device)
+    _iterate(loop, logits, first)
+    return _results(loop)
 
+
+def _check_request(decoder: Decoder, prompts, stages, matcher, suffixes, build, placed) -> None:
+    """:func:`decode_rows`'s arguments agree with each other (one stage, suffix and placed cache per prompt)."""
     n = len(prompts)
     if stages is not None and len(stages) != n:
         raise ValueError(f"{len(stages)} stages for {n} prompts")
@@ -238,132 +219,171 @@ def decode_rows(decoder: Decoder, prompts: list[list[int]], *, max_new_tokens: i
         raise ValueError(f"{len(suffixes)} suffixes for {n} prompts")
     if stages is not None and any(s is not None and not s for s in stages):
         raise ValueError("a row's stage ids are empty (give None for a row without a prefix)")
-    rows = [_Row(None if stages is None else stages[r]) for r in range(n)]
-    cut, plan = None, None
     if placed is not None:
         _check_placed(decoder, n, stages, prompts, placed)
-    if stages is not None:
-        if build is None and placed is None:
-            raise ValueError("a construction over given stage ids needs its CacheBuild")
-        for row in rows:
-            row.done = None if row.forced is not None else "no_prefix"
-        max_stage_tokens = max([len(s) for s in stages if s is not None], default=0)
-        cut = [None if s is None else list(p) + list(s[:-1]) for p, s in zip(prompts, stages)]
-        plan = [None if c is None or build is None else build.segments(len(p), len(c) - len(p))
-                for p, c in zip(prompts, cut)]
-        if all(x is None or len(x) == 1 for x in plan):
-            plan = None  # one forward per row: the decoder runs them as one batch forward
-    results_at: dict[int, tuple] = {}
-    first = 0  # the first iteration the loop runs
-    from_boundaries = stages is not None and (placed is not None or decoder.independent_rows(n) or (
-        not build.schedule and decoder.rows_from_boundaries(n)))
-    if from_boundaries:
-        # rows start at their boundaries, from the construction's cache (or the caches placed)
-        batch, built = decoder.place(*placed) if placed is not None else decoder.build(prompts, cut, plan), None
-        for r, row in enumerate(rows):
+    if stages is not None and build is None and placed is None:
+        raise ValueError("a construction over given stage ids needs its CacheBuild")
+
+
+def _plan_stages(loop: _Loop, stages: list[list[int] | None], build: CacheBuild | None) -> tuple[list, list | None]:
+    """Given stage ids: rows without one are done, the stage budget is the longest stage, and each row's boundary
+    cache covers its prompt and stage ids but the last (``cut``), built in ``build``'s forwards (``plan``; None
+    where every row's cache is one forward, which the decoder runs as one batch forward)."""
+    for row in loop.rows:
+        row.done = None if row.forced is not None else "no_prefix"
+    loop.max_stage_tokens = max([len(s) for s in stages if s is not None], default=0)
+    cut = [None if s is None else list(p) + list(s[:-1]) for p, s in zip(loop.prompts, stages)]
+    plan = [None if c is None or build is None else build.segments(len(p), len(c) - len(p))
+            for p, c in zip(loop.prompts, cut)]
+    if all(x is None or len(x) == 1 for x in plan):
+        plan = None
+    return cut, plan
+
+
+def _start_from_boundaries(loop: _Loop, cut: list, plan: list | None, placed) -> torch.Tensor | None:
+    """Rows start at their boundaries, from the construction's cache (or the caches placed): each row's boundary is
+    taken, and its pending token fed (None: no row goes on past its boundary)."""
+    decoder = loop.decoder
+    loop.batch = decoder.place(*placed) if placed is not None else decoder.build(loop.prompts, cut, plan)
+    for r, row in enumerate(loop.rows):
+        if row.forced is not None:
+            row.generated = list(row.forced)
+            row.margins = [0.0] * len(row.forced)
+            row.boundary_at = len(row.forced) - 1
+            row.done = None if loop.max_new_tokens else "max_new_tokens"
+            loop.results_at[r] = _at_boundary(decoder, loop.batch, r, decoder.pad(loop.batch, r) + len(cut[r]),
+                                              loop.edit, loop.keep)
+    if all(row.done for row in loop.rows):
+        return None
+    return decoder.step(loop.batch, [row.forced[-1] if not row.done else None for row in loop.rows])
+
+
+def _start_live(loop: _Loop, stages, cut, plan, build: CacheBuild | None) -> tuple[torch.Tensor, int]:
+    """The live schedule: prompts in one forward; a construction other than its own is built beforehand in the same
+    layout. Returns the prompts' logits and the first iteration to run."""
+    decoder = loop.decoder
+    loop.built = None if stages is None or build.schedule else decoder.build(loop.prompts, cut, plan)
+    loop.batch, logits = decoder.open(loop.prompts)
+    lengths = [len(row.forced) for row in loop.rows if row.forced is not None]
+    if loop.built is not None and lengths and min(lengths) > 1 and decoder.advance(loop.batch, min(lengths) - 1):
+        # before the batch's first boundary every row is teacher-forced and reads nothing, and each row's cache
+        # over these positions is replaced at its boundary: the steps are skipped, not computed
+        first = min(lengths) - 1
+        for row in loop.rows:
             if row.forced is not None:
-                row.generated = list(row.forced)
-                row.margins = [0.0] * len(row.forced)
-                row.boundary_at = len(row.forced) - 1
-                row.done = None if max_new_tokens else "max_new_tokens"
-                results_at[r] = _at_boundary(decoder, batch, r, decoder.pad(batch, r) + len(cut[r]), edit, keep)
-        logits = None
-        if not all(row.done for row in rows):
-            logits = decoder.step(batch, [row.forced[-1] if not row.done else None for row in rows])
-    else:
-        # the live schedule; a construction other than its own is built beforehand in the same layout
-        built = None if stages is None or build.schedule else decoder.build(prompts, cut, plan)
-        batch, logits = decoder.open(prompts)
-        lengths = [len(row.forced) for row in rows if row.forced is not None]
-        if built is not None and lengths and min(lengths) > 1 and decoder.advance(batch, min(lengths) - 1):
-            # before the batch's first boundary every row is teacher-forced and reads nothing, and each row's cache
-            # over these positions is replaced at its boundary: the steps are skipped, not computed
-            first = min(lengths) - 1
-            for row in rows:
-                if row.forced is not None:
-                    row.generated, row.margins = list(row.forced[:first]), [0.0] * first
-    steps = max_stage_tokens + max_new_tokens
-    # (no logits: every row ended at its boundary, no step to take)
-    # the lookahead guesses greedy ids and may overwrite a step's logits before they are observed
-    plain = suffixes is None and observe is None
-    ahead = (_Lookahead(rows, logits.device) if plain and getattr(decoder, "lookahead", False) and logits is not None
-             else None)
+                row.generated, row.margins = list(row.forced[:first]), [0.0] * first
+        return logits, first
+    return logits, 0
+
+
+def _iterate(loop: _Loop, logits: torch.Tensor | None, first: int) -> None:
+    """The loop's iterations from ``first`` until every row is done: read the step's choice (with the lookahead,
+    launch the next step first where nothing the host does can change it), do each row's host work, feed the next
+    step (taking back the one launched ahead where a row's boundary changed a cache under it)."""
+    rows, decoder = loop.rows, loop.decoder
+    steps = loop.max_stage_tokens + loop.max_new_tokens
     # iterations whose boundaries change a row's cache before the next step: known for teacher-forced rows
-    changes_cache = built is not None or edit is not None
+    changes_cache = loop.built is not None or loop.edit is not None
     forced_boundaries = {len(row.forced) - 1 for row in rows if row.forced is not None and row.boundary_at is None}
     for i in range(first, steps + 1):  # i: the iteration, and every teacher-forced row's ids so far
         if all(row.done for row in rows):
             break
         launched = False
-        if ahead is None:
+        if loop.ahead is None:
             choice, margin, finite = greedy_choice(logits)
         else:
-            ahead.read(logits)
+            loop.ahead.read(logits)
             # launch the next step now unless the host must change a cache first, or every row is certain to
             # finish in this iteration (a step past the last one the plain loop takes could overrun the buffer)
-            if i < steps and not (changes_cache and i in forced_boundaries) and not all(
-                    row.done or (row.boundary_at is not None
-                                 and len(row.generated) - row.boundary_at >= max_new_tokens) for row in rows):
-                next_logits = decoder.step(batch, ahead.guess(i))
+            if i < steps and not (changes_cache and i in forced_boundaries) and not _all_finish(loop):
+                next_logits = decoder.step(loop.batch, loop.ahead.guess(i))
                 launched = True
-            choice, margin, finite = ahead.wait()
-        changed = False
-        tokens: list[int | None] = [None] * n
+            choice, margin, finite = loop.ahead.wait()
+        tokens: list[int | None] = [None] * len(rows)
+        reached = False
         for r, row in enumerate(rows):
-            if row.done:
-                continue
-            teacher = row.forced is not None and row.boundary_at is None
-            if not teacher and not bool(finite[r]):  # teacher forcing reads no logits
-                row.done = "nonfinite"
-                continue
-            step = None if row.boundary_at is None else len(row.generated) - 1 - row.boundary_at
-            if step is not None and observe is not None:
-                observe(r, step, logits[r])
-            forcing = step is not None and suffixes is not None and suffixes[r] is not None and step < len(suffixes[r])
-            token = row.forced[len(row.generated)] if teacher else suffixes[r][step] if forcing else int(choice[r])
-            row.generated.append(token)
-            TOKENS.total += 1
-            row.margins.append(float(margin[r]))
-            if row.boundary_at is None:
-                ended = None if teacher else stage_end(matcher, row.generated, max_stage_tokens,
-                                                       token in decoder.eos_ids)
-                if (teacher and len(row.generated) == len(row.forced)) or ended == "boundary":
-                    row.boundary_at = len(row.generated) - 1
-                    end = decoder.pad(batch, r) + len(prompts[r]) + row.boundary_at  # the pending token's position
-                    if built is not None:  # the construction's cache replaces the schedule's own
-                        with torch.inference_mode():
-                            for (k, v), (bk, bv) in zip(decoder.row_layers(batch, r, end),
-                                                        decoder.row_layers(built, r, end)):
-                                k.copy_(bk)
-                                v.copy_(bv)
-                    results_at[r] = _at_boundary(decoder, batch, r, end, edit, keep)
-                    changed = changed or changes_cache
-                    if not max_new_tokens:  # the boundary cache was all that was asked for
-                        row.done = "max_new_tokens"
-                elif ended == "boundary_missing":
-                    row.done = "boundary_missing"
-                    continue
-            elif token in decoder.eos_ids:
-                row.done = "eos"
-            elif len(row.generated) - 1 - row.boundary_at >= max_new_tokens:
-                row.done = "max_new_tokens"
             if not row.done:
-                tokens[r] = token
+                tokens[r], at_boundary = _advance_row(loop, r, logits, choice, margin, finite)
+                reached = reached or at_boundary
         if all(row.done for row in rows):
             break
-        if launched and not changed:  # the step launched ahead fed what the host would feed (finished rows aside)
+        if launched and not (reached and changes_cache):
+            # the step launched ahead fed what the host would feed (finished rows aside)
             logits = next_logits
             continue
         if launched:  # a cache changed under the step launched ahead: take it back and feed it again
-            decoder.rewind(batch)
-        logits = decoder.step(batch, tokens)
+            decoder.rewind(loop.batch)
+        logits = decoder.step(loop.batch, tokens)
+
+
+def _all_finish(loop: _Loop) -> bool:
+    """Whether every row is done or certain to finish in this iteration (its suffix budget spent)."""
+    return all(row.done or (row.boundary_at is not None
+                            and len(row.generated) - row.boundary_at >= loop.max_new_tokens) for row in loop.rows)
+
+
+def _advance_row(loop: _Loop, r: int, logits, choice, margin, finite) -> tuple[int | None, bool]:
+    """Row ``r``'s host work in one iteration: its id (teacher-forced, forced from its suffix, or its greedy
+    choice) and margin, and where that leaves the row. Returns the id to feed next (None: the row is done) and
+    whether the row reached its boundary."""
+    row = loop.rows[r]
+    teacher = row.forced is not None and row.boundary_at is None
+    if not teacher and not bool(finite[r]):  # teacher forcing reads no logits
+        row.done = "nonfinite"
+        return None, False
+    step = None if row.boundary_at is None else len(row.generated) - 1 - row.boundary_at
+    if step is not None and loop.observe is not None:
+        loop.observe(r, step, logits[r])
+    suffix = None if loop.suffixes is None else loop.suffixes[r]
+    forcing = step is not None and suffix is not None and step < len(suffix)
+    token = row.forced[len(row.generated)] if teacher else suffix[step] if forcing else int(choice[r])
+    row.generated.append(token)
+    TOKENS.total += 1
+    row.margins.append(float(margin[r]))
+    reached = False
+    if row.boundary_at is None:
+        ended = None if teacher else stage_end(loop.matcher, row.generated, loop.max_stage_tokens,
+                                               token in loop.decoder.eos_ids)
+        if (teacher and len(row.generated) == len(row.forced)) or ended == "boundary":
+            _reach_boundary(loop, r)
+            reached = True
+        elif ended == "boundary_missing":
+            row.done = "boundary_missing"
+    elif token in loop.decoder.eos_ids:
+        row.done = "eos"
+    elif len(row.generated) - 1 - row.boundary_at >= loop.max_new_tokens:
+        row.done = "max_new_tokens"
+    return (None if row.done else token), reached
+
+
+def _reach_boundary(loop: _Loop, r: int) -> None:
+    """Row ``r`` has just taken its boundary token: the construction's cache replaces the schedule's own over the
+    row's positions (where one was built), then the boundary is taken (:func:`_at_boundary`)."""
+    import torch
+
+    decoder, batch, row = loop.decoder, loop.batch, loop.rows[r]
+    row.boundary_at = len(row.generated) - 1
+    end = decoder.pad(batch, r) + len(loop.prompts[r]) + row.boundary_at  # the pending token's position
+    if loop.built is not None:
+        with torch.inference_mode():
+            for (k, v), (bk, bv) in zip(decoder.row_layers(batch, r, end), decoder.row_layers(loop.built, r, end)):
+                k.copy_(bk)
+                v.copy_(bv)
+    loop.results_at[r] = _at_boundary(decoder, batch, r, end, loop.edit, loop.keep)
+    if not loop.max_new_tokens:  # the boundary cache was all that was asked for
+        row.done = "max_new_tokens"
+
+
+def _results(loop: _Loop) -> list[RowResult]:
+    """Each row's result: its stage ids, suffix and margins split at its boundary, with the boundary's layout,
+    fingerprints and kept cache."""
     out = []
-    for r, row in enumerate(rows):
+    for r, row in enumerate(loop.rows):
         b = row.boundary_at
         if b is None:
             out.append(RowResult([], row.generated, [], row.done or "boundary_missing"))
             continue
-        pad, position, fps, layers = results_at[r]
+        pad, position, fps, layers = loop.results_at[r]
         out.append(RowResult(row.generated[:b + 1], row.generated[b + 1:], row.margins[b + 1:],
                              row.done or "max_new_tokens", pad, position, fps, layers))
     return out

@@ -3,7 +3,8 @@ does it, priced at rates measured apart from the run, and the jobs placed on one
 
 - :mod:`.shape`: a run's shape (its config, items, batches, lengths and the counts its results recorded), from a
   run's JSON or, for a run not made, from a workflow config;
-- :mod:`.counts`: what a cell, a job and each model rule decode (the rule DAG's jobs and their work);
+- :mod:`.counts`: what a cell decodes (the units of work);
+- :mod:`.jobs`: what each model rule decodes (the rule DAG's jobs and their work, in cells);
 - :mod:`.rates`: the measured rates (a decode step's fit, the prefill and dump rates) and a model job's overhead;
 - :mod:`.pricing`: a job's work in seconds at those rates;
 - :mod:`.schedule`: the jobs' dependencies, and a list scheduler placing them on N GPUs;

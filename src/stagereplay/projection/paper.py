@@ -1,7 +1,7 @@
 """The paper-scale run's per-item count (``project``: the projection ``bench/benchmark.py`` prints from the rates it
 measures), and that count split by the rule whose work each part stands for (``project_by_rule``).
 
-Where the rule-by-rule count (:mod:`.counts`) counts otherwise than ``project()`` (left as it is): in a batch of
+Where the rule-by-rule count (:mod:`.jobs`) counts otherwise than ``project()`` (left as it is): in a batch of
 several rows, in the lockstep schedule, every construction runs the live schedule, so a prefill cell decodes
 S + N - 1 steps less the skip as the others do, besides its one-shot prefill (project() gives it N steps, which holds
 at batch 1 and in the suffix schedule only); a step attends over the whole buffer for a masked-attention measure,

@@ -1,5 +1,5 @@
 """A job's work in seconds at the measured rates: every model job's wall time is its overhead plus the work it
-decodes (:mod:`.counts`), priced as
+decodes (:mod:`.jobs`), priced as
 
 - batched decode steps at a row count, at the measure's a + b * span for that precision and row count
   (``rates.decode_seconds``): for a measure of the masked attention every step at the decoder's whole buffer L
@@ -19,7 +19,8 @@ decodes (:mod:`.counts`), priced as
 
 from __future__ import annotations
 
-from stagereplay.projection.counts import JobWork, Work, model_jobs
+from stagereplay.projection.counts import Work
+from stagereplay.projection.jobs import JobWork, model_jobs
 from stagereplay.projection.rates import Overhead, Rates, by_position, step_seconds, steps_seconds
 from stagereplay.projection.shape import RunShape
 

@@ -14,7 +14,7 @@ the result gives the bounds, the critical path and the work over the GPUs.
 
 from __future__ import annotations
 
-from stagereplay.projection.counts import JobWork
+from stagereplay.projection.jobs import JobWork
 from stagereplay.projection.pricing import projected_rules, rates_for
 from stagereplay.projection.rates import Overhead
 from stagereplay.projection.shape import RunShape, run_shape

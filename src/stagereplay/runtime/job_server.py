@@ -80,26 +80,8 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
         print(f"refusing to serve: {problem}", flush=True)
         return 1
     environment = dict(os.environ)  # the key's, before the imports (torch's inductor sets a variable of its own)
-    # The imports read nothing of the folder of the job that started the server: neither its modules (``python -m``
-    # put it first on sys.path) nor its files (FOLDER_AT_IMPORT). A child takes its own job's folder.
-    started_in = os.getcwd()
-    os.chdir(folder())
-    if sys.path and sys.path[0] == started_in:
-        sys.path[0] = os.getcwd()
-    for name in preload:
-        try:
-            __import__(name)
-        except ImportError as exc:  # an optional model type's code: its jobs import it themselves
-            print(f"not preloaded: {name} ({exc})", flush=True)
-    # Native threads that the libraries start at import (torch's, pyarrow's jemalloc) are theirs to mend in a fork
-    # (their fork handlers); a Python thread, an initialised CUDA or a module that read its folder as it was
-    # imported would leave the child unlike a fresh process.
-    torch = sys.modules.get("torch")
-    unlike = [f"{threading.active_count()} Python threads"] if threading.active_count() > 1 else []
-    if torch is not None and torch.cuda.is_initialized():
-        unlike.append("CUDA initialised")
-    unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
-    if unlike:
+    import_preload(preload)
+    if unlike := unlike_a_fresh_process():
         why = f"{', '.join(unlike)} after the imports (a fork would not be a fresh process)"
         print(f"refusing to serve: {why}", flush=True)
         (folder() / f"{key}.refused").write_text(why)  # the jobs of this key say it (hand_over.start_server)
@@ -121,22 +103,9 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
                 conn, _ = listener.accept()
             except TimeoutError:
                 break
-            if not same_user(conn):  # the folder's mode keeps others out; this is the second lock
-                conn.close()
+            if (taken := take_request(conn)) is None:
                 continue
-            try:
-                conn.sendall(GREETING)
-                conn.settimeout(30)
-                request, fds = receive(conn)
-                conn.settimeout(None)
-            except (OSError, ValueError) as exc:
-                print(f"a job's request failed: {exc}", flush=True)
-                conn.close()
-                continue
-            if request.get("probe"):  # a run's start asking whether it answers (hand_over.probe)
-                conn.sendall(b"0\nanswering\n")
-                conn.close()
-                continue
+            request, fds = taken
             stale = "asked to stop" if request.get("stop") else staleness(key, environment, preload, imported)
             if stale:
                 conn.sendall(f"0\n{stale}\n".encode())
@@ -152,24 +121,81 @@ def serve(key: str, idle_s: float, preload: tuple[str, ...] = (), lock_fd: int |
                 conn.close()
                 continue
             served += 1
-            if os.fork() == 0:
-                code = 1
-                try:
-                    listener.close()
-                    if lock_fd is not None:
-                        os.close(lock_fd)  # the key's lock is the server's, not its jobs'
-                    code = run_child(conn, request, fds)
-                except BaseException:  # before the job's script ran: into the server's log
-                    traceback.print_exc()
-                finally:
-                    os._exit(code)
-            for fd in fds:
-                os.close(fd)
-            conn.close()
+            fork_job(conn, request, fds, listener, lock_fd)
     finally:
         path.unlink(missing_ok=True)  # the key's lock is this process's: no other server of it made this file
     print(f"{why} after {served} jobs: exiting", flush=True)
     return 0
+
+
+def import_preload(preload: tuple[str, ...]) -> None:
+    """Import ``preload`` in the server's own folder (an optional model type's code that fails to import is left to
+    its jobs)."""
+    # The imports read nothing of the folder of the job that started the server: neither its modules (``python -m``
+    # put it first on sys.path) nor its files (FOLDER_AT_IMPORT). A child takes its own job's folder.
+    started_in = os.getcwd()
+    os.chdir(folder())
+    if sys.path and sys.path[0] == started_in:
+        sys.path[0] = os.getcwd()
+    for name in preload:
+        try:
+            __import__(name)
+        except ImportError as exc:  # an optional model type's code: its jobs import it themselves
+            print(f"not preloaded: {name} ({exc})", flush=True)
+
+
+def unlike_a_fresh_process() -> list[str]:
+    """What, after the imports, would leave a forked child unlike a fresh process ([]: nothing)."""
+    # Native threads that the libraries start at import (torch's, pyarrow's jemalloc) are theirs to mend in a fork
+    # (their fork handlers); a Python thread, an initialised CUDA or a module that read its folder as it was
+    # imported would leave the child unlike a fresh process.
+    torch = sys.modules.get("torch")
+    unlike = [f"{threading.active_count()} Python threads"] if threading.active_count() > 1 else []
+    if torch is not None and torch.cuda.is_initialized():
+        unlike.append("CUDA initialised")
+    unlike += [f"{name} imported ({why})" for name, why in FOLDER_AT_IMPORT.items() if name in sys.modules]
+    return unlike
+
+
+def take_request(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A job's request and descriptors, after the server's greeting; None where there is no job to serve on
+    ``conn`` (another user's process, a request that failed, a run's probe answered), which is then closed."""
+    if not same_user(conn):  # the folder's mode keeps others out; this is the second lock
+        conn.close()
+        return None
+    try:
+        conn.sendall(GREETING)
+        conn.settimeout(30)
+        request, fds = receive(conn)
+        conn.settimeout(None)
+    except (OSError, ValueError) as exc:
+        print(f"a job's request failed: {exc}", flush=True)
+        conn.close()
+        return None
+    if request.get("probe"):  # a run's start asking whether it answers (hand_over.probe)
+        conn.sendall(b"0\nanswering\n")
+        conn.close()
+        return None
+    return request, fds
+
+
+def fork_job(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket,
+             lock_fd: int | None) -> None:
+    """Fork the job's child (:func:`run_child`); the server keeps neither the job's connection nor its streams."""
+    if os.fork() == 0:
+        code = 1
+        try:
+            listener.close()
+            if lock_fd is not None:
+                os.close(lock_fd)  # the key's lock is the server's, not its jobs'
+            code = run_child(conn, request, fds)
+        except BaseException:  # before the job's script ran: into the server's log
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
 
 
 def staleness(key: str, environment: dict, preload: tuple[str, ...], imported: list) -> str | None:

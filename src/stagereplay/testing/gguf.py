@@ -207,19 +207,35 @@ def write_gguf(path: Path, shape: str | Mapping = "tiny", *, vocabulary: Vocabul
         shape["vocab_size"] = len(vocabulary.tokens)
     if tied is not None:
         shape["tie_word_embeddings"] = tied
-    tied = shape["tie_word_embeddings"]
     if from_model:
         model = random_model(shape, architecture, seed)
     else:
         model_cls, config_cls = model_class(architecture)
         with torch.device("meta"):  # the tensors' names and shapes, no memory
             model = model_cls(config_cls(**shape))
-    heads, hidden = shape["num_attention_heads"], shape["hidden_size"]
-    head_dim = shape.get("head_dim") or hidden // heads
-    file_type = "ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"
 
     writer = gguf.GGUFWriter(str(path), label or architecture)
     writer.add_name(name or f"random-{shape_name or architecture}")
+    _write_hyperparameters(writer, shape, architecture, quant)
+    if vocabulary is not None:
+        _write_tokenizer(writer, vocabulary)
+    tensors = _Tensors(architecture, shape, quant, types or {}, fallback, raw_types or {}, skip, from_model,
+                       np.random.default_rng(seed))
+    parameters, written = _write_tensors(writer, model, tensors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return WrittenGGUF(Path(path), model if from_model else None, parameters, dict(written))
+
+
+def _write_hyperparameters(writer, shape: dict, architecture: str, quant: str) -> None:
+    """The model's shape, RoPE and norm settings and file type as llama.cpp's converter writes them."""
+    import gguf
+
+    heads, hidden = shape["num_attention_heads"], shape["hidden_size"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    file_type = "ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"
     writer.add_context_length(shape["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_block_count(shape["num_hidden_layers"])
@@ -232,60 +248,93 @@ def write_gguf(path: Path, shape: str | Mapping = "tiny", *, vocabulary: Vocabul
     writer.add_layer_norm_rms_eps(shape["rms_norm_eps"])
     if file_type in gguf.LlamaFileType.__members__:  # a K-quant's is named by its mix (Q4_K_M): none written
         writer.add_file_type(gguf.LlamaFileType[file_type])
-    if vocabulary is not None:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
-        writer.add_token_list(vocabulary.tokens)
-        writer.add_token_types(vocabulary.types)
-        writer.add_token_merges(vocabulary.merges)
-        writer.add_eos_token_id(vocabulary.tokens.index("<|im_end|>"))
-        writer.add_pad_token_id(vocabulary.tokens.index("<|endoftext|>"))
-        writer.add_bos_token_id(vocabulary.tokens.index("<|endoftext|>"))
-        writer.add_add_bos_token(False)
-        writer.add_chat_template(CHAT_TEMPLATE)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], shape["num_hidden_layers"])
-    types, raw_types = types or {}, raw_types or {}
-    rng = np.random.default_rng(seed)
+
+def _write_tokenizer(writer, vocabulary: Vocabulary) -> None:
+    """A byte-level BPE tokenizer (``gpt2``, pre ``qwen2``) with Qwen2's special tokens and chat format."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
+    writer.add_eos_token_id(vocabulary.tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(vocabulary.tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(vocabulary.tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """How :func:`write_gguf` writes the model's tensors (its arguments of the same names; ``rng`` numpy's seeded
+    generator, drawn from in the tensors' order)."""
+
+    architecture: str
+    shape: dict
+    quant: str
+    types: Mapping[str, str]
+    fallback: str | None
+    raw_types: Mapping[str, str]
+    skip: tuple[str, ...]
+    from_model: bool
+    rng: np.random.Generator
+
+
+def _write_tensors(writer, model, how: _Tensors) -> tuple[int, Counter]:
+    """Each of the model's tensors under its GGUF name, in the model's order: the values written and the tensors
+    written in each ggml type."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[how.architecture.upper()], how.shape["num_hidden_layers"])
     parameters, written = 0, Counter()
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        if gguf_name in skip or (tied and gguf_name == "output.weight"):
+        if gguf_name in how.skip or (how.shape["tie_word_embeddings"] and gguf_name == "output.weight"):
             continue
         dims = tuple(tensor.shape)
-        if gguf_name in raw_types:
-            kind = raw_types[gguf_name]
+        if gguf_name in how.raw_types:
+            kind = how.raw_types[gguf_name]
             block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
             writer.add_tensor(gguf_name, np.zeros((dims[0], dims[1] // block * size), dtype=np.uint8),
                               raw_dtype=gguf.GGMLQuantizationType[kind])
         elif len(dims) == 1:
             kind = "F32"
-            values = tensor.float().numpy() if from_model else np.full(dims, 1.0 if "norm" in hf_name else 0.0)
+            values = tensor.float().numpy() if how.from_model else np.full(dims, 1.0 if "norm" in hf_name else 0.0)
             writer.add_tensor(gguf_name, values.astype(np.float32))
         else:
-            kind = types.get(gguf_name, quant)
-            if dims[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]:
-                if fallback is None:
-                    raise ValueError(f"{gguf_name}: a row of {dims[1]} values is not a whole number of {kind} "
-                                     "blocks, and no fallback type was given")
-                kind = fallback
-            if from_model:
-                values = tensor.float().numpy()
-            elif kind in K_SCALES:
-                values = None  # random blocks: no values to draw
-            else:
-                values = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
-            if architecture == "llama" and values is not None and gguf_name.endswith(("attn_q.weight",
-                                                                                        "attn_k.weight")):
-                kv = shape["num_key_value_heads"]
-                values = llama_cpp_permute(values, heads if "attn_q" in gguf_name else kv)
-            data, raw = _matrix(values, dims, kind, rng)
+            kind = _matrix_type(gguf_name, dims, how)
+            data, raw = _matrix(_matrix_values(tensor, gguf_name, dims, kind, how), dims, kind, how.rng)
             writer.add_tensor(gguf_name, data, raw_dtype=raw)
         parameters += int(np.prod(dims))
         written[kind] += 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return WrittenGGUF(Path(path), model if from_model else None, parameters, dict(written))
+    return parameters, written
+
+
+def _matrix_type(gguf_name: str, dims: tuple[int, int], how: _Tensors) -> str:
+    """The ggml type a 2-D weight is written in: its own in ``types``, else ``quant``; ``fallback`` where a row is
+    not a whole number of that type's blocks."""
+    import gguf
+
+    kind = how.types.get(gguf_name, how.quant)
+    if dims[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]:
+        if how.fallback is None:
+            raise ValueError(f"{gguf_name}: a row of {dims[1]} values is not a whole number of {kind} "
+                             "blocks, and no fallback type was given")
+        kind = how.fallback
+    return kind
+
+
+def _matrix_values(tensor, gguf_name: str, dims: tuple[int, int], kind: str, how: _Tensors) -> np.ndarray | None:
+    """A 2-D weight's values as llama.cpp's converter writes them (llama's Q and K permuted): the model's, or drawn
+    normal with std 0.02; None for a K-quant written as random blocks."""
+    if how.from_model:
+        values = tensor.float().numpy()
+    elif kind in K_SCALES:
+        values = None  # random blocks: no values to draw
+    else:
+        values = how.rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
+    if how.architecture == "llama" and values is not None and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads, kv = how.shape["num_attention_heads"], how.shape["num_key_value_heads"]
+        values = llama_cpp_permute(values, heads if "attn_q" in gguf_name else kv)
+    return values
