@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from stagereplay.decode.protocol import Decoder
-from stagereplay.decode.regimes import REGIMES, make_decoder
+from stagereplay.decode.options import REGIMES
+from stagereplay.decode.regimes import make_decoder
 from stagereplay.decode.static import StaticDecoder
 from stagereplay.io.fingerprints import fingerprint_layers
 from stagereplay.models import invariant
