@@ -76,7 +76,8 @@ def test_params_come_from_the_config_by_the_fields_keys():
     assert kwargs == {"model": "m", "revision": "r", "precision": "bf16", "shard": 1, "threads": 3, "device": "cpu",
                       "attn_implementation": "eager", "trust_remote_code": False, "allow_pickle": False,
                       "offline": True, "max_new_tokens": 7, "n_shards": 2, "sweeps": ["all"],
-                      "constructions": ["live", "prefill"]}  # no model_store (no param), no chunk_size (no chunked)
+                      "constructions": ["live", "prefill"], "pack": True}  # the schema's default; no model_store
+    # (no param), no chunk_size (no chunked)
     config["transplant"]["constructions"] = ["live", "chunked"]
     assert config_kwargs(TransplantSettings, config, model="m", revision="r", precision="bf16")["chunk_size"] == 4
     prepare = config_kwargs(PrepareSettings, config, omit=("device", "attn_implementation"), model="m",
