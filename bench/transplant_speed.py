@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,20 +43,9 @@ from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelSource
 from stagereplay.stages.minimal_transplant import controlled_trials
 
+from random_models import timed  # the device synchronised around the call: (seconds, result)
+
 DEFAULT_SWEEPS = ["all", "quarters", "halves", "k_only", "v_only", "prompt_positions", "stage_positions"]
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t
 
 
 def witness(res) -> tuple:
@@ -78,7 +66,7 @@ def proof(decoder, prompts, stages, settings, own, edited) -> dict:
         order = edited[::-1] + edited[1:] + edited[:1]
         tasks = [Task((j, r), rows, results[r].pad, prompts[r], stages[r], results[r].layers)
                  for j, r in enumerate(order)]
-        packed, seconds = timed(lambda: run_packed(decoder, tasks, settings))
+        seconds, packed = timed(lambda: run_packed(decoder, tasks, settings))
         moved = sum(1 for j, r in packed if j % rows != r)
         differ = sorted(k for k, p in packed.items() if witness(p.result) != witness(results[k[1]]))
         nudged = [Task(t.key, t.rows, t.pad, t.prompt, t.stage, t.cache, nudge if t.key[0] == 1 else None)
@@ -132,7 +120,7 @@ def main(argv=None) -> dict:
         run(decoder, name, prompts, settings, stages=stages, keep=keep)
     own, rebuild_s = {}, 0.0
     for name in ("incremental", "prefill"):
-        own[name], seconds = timed(lambda n=name: run(decoder, n, prompts, settings, stages=stages, keep=keep))
+        seconds, own[name] = timed(lambda n=name: run(decoder, n, prompts, settings, stages=stages, keep=keep))
         rebuild_s += seconds
     divergent = sum(own["incremental"][r].suffix_ids != own["prefill"][r].suffix_ids for r in edited)
     out = {"random_weights": True, "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
@@ -144,7 +132,7 @@ def main(argv=None) -> dict:
     out["specs"] = len(specs)
     runs = {}
     for pack in (False, True):
-        runs[pack], seconds = timed(lambda p=pack: transplant_batch(decoder, prompts, stages, settings, own, edited,
+        seconds, runs[pack] = timed(lambda p=pack: transplant_batch(decoder, prompts, stages, settings, own, edited,
                                                                     specs, pack=p))
         out[f"transplants_{'packed' if pack else 'unpacked'}_s"] = seconds
     out["transplants_identical"] = all(
@@ -155,7 +143,7 @@ def main(argv=None) -> dict:
         sufficient, outcomes = controlled_trials(decoder, holder, settings, edited, pack)
         starts = {(r, donor): (decoder.n_layers, len(prompts[r]) + len(stages[r]) - 1)
                   for donor in own for r in edited}
-        result, seconds = timed(lambda: search_together(sufficient, starts, args.budget))
+        seconds, result = timed(lambda: search_together(sufficient, starts, args.budget))
         searches[pack] = ({k: (v.box, v.runs, v.trials) for k, v in result.items()}, outcomes)
         out[f"minimal_{'packed' if pack else 'unpacked'}_s"] = seconds
         out[f"minimal_{'packed' if pack else 'unpacked'}_runs"] = sum(v.runs for v in result.values())
