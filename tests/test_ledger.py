@@ -87,6 +87,26 @@ def test_empty_cache_has_a_well_defined_fingerprint():
     assert fingerprint_layers(empty)[0] == by_hand(empty) != whole
 
 
+def test_pending_fingerprints_equal_fingerprint_layers_on_the_host():
+    layers = cache_layers(n_layers=6)
+    assert fingerprints.PendingFingerprints(layers).result() == fingerprint_layers(layers) != fingerprint_layers(
+        cache_layers(n_layers=6, seed=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred path runs on a GPU only")
+def test_pending_fingerprints_on_a_gpu_are_of_the_bytes_when_called():
+    """On a GPU the hashing waits for the device; it must fingerprint the cache as it was when the pending
+    fingerprints were begun, not as later work on the stream leaves it. Control: the same tensors, written after the
+    call, fingerprint differently, so the test would catch a lazy read of the live tensors."""
+    layers = [tuple(t.cuda() for t in pair) for pair in cache_layers(n_layers=24, shape=(1, 2, 512, 64))]
+    before = fingerprint_layers(layers)
+    pending = fingerprints.PendingFingerprints(layers)
+    for _ in range(20):  # queued after the copies: long enough to still run when the worker hashes
+        layers[3][0].mul_(1.0001).add_(1.0)
+    assert pending.result() == before
+    assert fingerprint_layers(layers) != before
+
+
 def test_the_scheme_is_recorded_in_provenance():
     assert provenance.software_versions()[SCHEME_KEY] == CACHE_FINGERPRINT_SCHEME == "sha256-list-v2"
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable
 
 from stagereplay.decode.choice import Lookahead, greedy_choice
 from stagereplay.decode.protocol import Decoder, Layers, RegimeError
-from stagereplay.io.fingerprints import fingerprint_layers
+from stagereplay.io.fingerprints import PendingFingerprints
 
 # torch is imported where the loop computes, not here: the ledger's rows and the experiments' tables import this
 # module's types (RowResult, BoundaryMatcher) in jobs that load no model, which must not pay for torch.
@@ -385,7 +385,7 @@ def _results(loop: _Loop) -> list[RowResult]:
             continue
         pad, position, fps, layers = loop.results_at[r]
         out.append(RowResult(row.generated[:b + 1], row.generated[b + 1:], row.margins[b + 1:],
-                             row.done or "max_new_tokens", pad, position, fps, layers))
+                             row.done or "max_new_tokens", pad, position, fps.result(), layers))
     return out
 
 
@@ -410,7 +410,8 @@ def _check_placed(decoder: Decoder, n: int, stages, prompts, placed) -> None:
 
 def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple:
     """Row ``r`` at its boundary (its pending token to be fed at buffer position ``end``): apply ``edit``, then
-    fingerprint (and, for kept rows, copy) the cache exactly as the continuation will read it."""
+    fingerprint (and, for kept rows, copy) the cache exactly as the continuation will read it. On a GPU the
+    fingerprints are hashed while the decode goes on (:class:`~stagereplay.io.fingerprints.PendingFingerprints`)."""
     import torch
 
     layers = decoder.row_layers(batch, r, end)
@@ -419,7 +420,7 @@ def _at_boundary(decoder: Decoder, batch, r: int, end: int, edit, keep) -> tuple
             edit(r, layers)
         layers = decoder.row_layers(batch, r, end)
     copy = [(k.clone(), v.clone()) for k, v in layers] if r in keep else None
-    return decoder.pad(batch, r), end, fingerprint_layers(layers), copy
+    return decoder.pad(batch, r), end, PendingFingerprints(layers), copy
 
 
 def matcher_from_config(boundary: dict, tokenizer) -> BoundaryMatcher:

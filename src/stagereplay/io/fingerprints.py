@@ -38,12 +38,26 @@ def host_copies(tensors: list) -> list:
     """The tensors on the host, contiguous, in order. GPU tensors go through one page-locked buffer with one
     asynchronous copy each and a single wait: a pageable copy per tensor runs several times slower and made the
     device-to-host copy, not the hashing or the disk, the bottleneck of fingerprinting and dumping a GPU cache."""
+    out, done = _queue_host_copies(tensors)
+    if done is not None:
+        done.synchronize()
+    return out
+
+
+def _queue_host_copies(tensors: list) -> tuple[list, object]:
+    """:func:`host_copies` without the wait: the copies queued on the current stream, and an event recorded after
+    them (None where no tensor is on a GPU). The host tensors hold the bytes the device held when the copies were
+    queued, whatever later work on that stream writes."""
     import torch
 
     tensors = [t.detach() for t in tensors]
     on_gpu = [t.is_cuda for t in tensors]
     if not any(on_gpu):
-        return [t.contiguous() for t in tensors]
+        return [t.contiguous() for t in tensors], None
+    devices = {t.device for t, cuda in zip(tensors, on_gpu) if cuda}
+    if len(devices) > 1:  # one event marks one device's stream
+        for device in devices:
+            torch.cuda.synchronize(device)
     sizes = [t.numel() * t.element_size() if cuda else 0 for t, cuda in zip(tensors, on_gpu)]
     slots = [-(-size // 64) * 64 for size in sizes]  # each tensor's bytes start 64-byte aligned
     buffer = torch.empty(sum(slots), dtype=torch.uint8, pin_memory=True)
@@ -56,9 +70,9 @@ def host_copies(tensors: list) -> list:
         host.copy_(t, non_blocking=True)
         out.append(host)
         offset += slot
-    for device in {t.device for t, cuda in zip(tensors, on_gpu) if cuda}:
-        torch.cuda.synchronize(device)
-    return out
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(next(iter(devices))))
+    return out, done
 
 
 def tensor_bytes(t) -> bytes:
@@ -123,10 +137,52 @@ def fingerprint_layers(layers) -> tuple[str, list[str], list[str]]:
     Every byte is hashed exactly once, in place (no copy); a large cache's per-tensor hashes run in threads
     (hashlib releases the GIL), so on several cores the fingerprints cost a fraction of one sha256 pass.
     """
-    flat = [_byte_view(t) for t in host_copies([t for pair in layers for t in pair])]
-    digests = _digests(flat)
+    return _fingerprints_of(host_copies([t for pair in layers for t in pair]))
+
+
+class PendingFingerprints:
+    """:func:`fingerprint_layers` of a cache as it is now, begun without waiting for the device.
+
+    On a GPU the cache's bytes are copied to page-locked memory on the current stream (a snapshot: later steps may
+    write the same tensors) and hashed in a worker thread once copied, so that a decode goes on while its boundary
+    caches are fingerprinted; :meth:`result` waits for the hashes. On the host the fingerprints are taken at once.
+    Either way :meth:`result` is what :func:`fingerprint_layers` gives for the cache at the time of the call
+    (tests/test_fingerprints.py)."""
+
+    def __init__(self, layers):
+        flat, done = _queue_host_copies([t for pair in layers for t in pair])
+        if done is None:
+            self._value, self._future = _fingerprints_of(flat), None
+            return
+        self._value = None
+
+        def later():
+            done.synchronize()
+            return _fingerprints_of(flat)
+
+        self._future = _hash_worker().submit(later)
+
+    def result(self) -> tuple[str, list[str], list[str]]:
+        return self._value if self._future is None else self._future.result()
+
+
+def _fingerprints_of(flat: list) -> tuple[str, list[str], list[str]]:
+    """(whole, K, V) fingerprints of contiguous host tensors in the order layer 0 K, layer 0 V, ..."""
+    digests = _digests([_byte_view(t) for t in flat])
     hexes = [d.hex() for d in digests]
     return combine_digests(digests), hexes[0::2], hexes[1::2]
+
+
+_WORKER = []
+
+
+def _hash_worker():
+    """The one thread that hashes pending fingerprints (hashlib releases the GIL: it runs beside the decode)."""
+    if not _WORKER:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _WORKER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fingerprints"))
+    return _WORKER[0]
 
 
 class FingerprintSchemeError(ValueError):
