@@ -21,8 +21,15 @@ def choice_on_device(logits: torch.Tensor):
 
 
 def greedy_choice(logits: torch.Tensor):
-    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host."""
-    return tuple(t.cpu() for t in choice_on_device(logits))
+    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host (from a GPU in one copy:
+    ids and margins are exact in float64)."""
+    import torch
+
+    choice, margin, finite = choice_on_device(logits)
+    if not logits.is_cuda:
+        return choice, margin, finite
+    host = torch.stack([choice.double(), margin.double(), finite.double()]).cpu()
+    return host[0].long(), host[1].to(margin.dtype), host[2].bool()
 
 
 class Lookahead:

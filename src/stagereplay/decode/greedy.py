@@ -301,6 +301,8 @@ def _iterate(loop: _Loop, logits: torch.Tensor | None, first: int) -> None:
             choice, margin, finite = loop.ahead.wait()
         tokens: list[int | None] = [None] * len(rows)
         reached = False
+        # the host's row loop reads Python numbers: one conversion per step, not one per row (the same values)
+        choice, margin, finite = choice.tolist(), margin.tolist(), finite.tolist()
         for r, row in enumerate(rows):
             if not row.done:
                 tokens[r], at_boundary = _advance_row(loop, r, logits, choice, margin, finite)
@@ -328,7 +330,7 @@ def _advance_row(loop: _Loop, r: int, logits, choice, margin, finite) -> tuple[i
     whether the row reached its boundary."""
     row = loop.rows[r]
     teacher = row.forced is not None and row.boundary_at is None
-    if not teacher and not bool(finite[r]):  # teacher forcing reads no logits
+    if not teacher and not finite[r]:  # teacher forcing reads no logits
         row.done = "nonfinite"
         return None, False
     step = None if row.boundary_at is None else len(row.generated) - 1 - row.boundary_at
@@ -336,10 +338,10 @@ def _advance_row(loop: _Loop, r: int, logits, choice, margin, finite) -> tuple[i
         loop.observe(r, step, logits[r])
     suffix = None if loop.suffixes is None else loop.suffixes[r]
     forcing = step is not None and suffix is not None and step < len(suffix)
-    token = row.forced[len(row.generated)] if teacher else suffix[step] if forcing else int(choice[r])
+    token = row.forced[len(row.generated)] if teacher else suffix[step] if forcing else choice[r]
     row.generated.append(token)
     TOKENS.total += 1
-    row.margins.append(float(margin[r]))
+    row.margins.append(margin[r])
     reached = False
     if row.boundary_at is None:
         ended = None if teacher else stage_end(loop.matcher, row.generated, loop.max_stage_tokens,
