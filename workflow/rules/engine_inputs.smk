@@ -12,10 +12,9 @@ for _engine, _cls in ENGINE_CLASSES.items():
     _cls.require()  # not installed: the error names the pip command, before any job
     for _slug, _name in REVISIONS.items():
         try:
-            _source = resolve_source(resolve_path(config["model"]), _name)
+            _cls.model_file(resolve_path(config["model"]), _name, ".")  # a model it cannot open: its error, now
         except ModelLoadError:
-            continue  # the preflight names why the source does not resolve
-        _cls.model_file(_source, config["model"], _name)  # a model the engine cannot open: its error, now
+            pass  # the preflight names why the source does not resolve
 
 wildcard_constraints:
     engine="|".join(catalogue.engine_names()),  # the catalogue's engines: engine_<name>_audit is no engine's rows

@@ -192,7 +192,10 @@ class LlamaCppEngine:
         require_binding()
 
     @classmethod
-    def model_file(cls, source, model: str, revision: str | None) -> str:
+    def model_file(cls, model: str, revision: str | None, base_dir: str) -> str:
+        from stagereplay.models.sources import resolve_source
+
+        source = resolve_source(model, revision, base_dir)
         if source.kind != "gguf":
             raise ValueError(f"engines: [llama_cpp] replays a GGUF file; revision {revision!r} of model "
                              f"{model!r} is a {source.kind} model. Give model a .gguf file (or a folder and "

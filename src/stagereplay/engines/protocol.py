@@ -36,7 +36,6 @@ from stagereplay.config import schema_default
 
 if TYPE_CHECKING:
     from stagereplay.decode.greedy import BoundaryMatcher, RowResult
-    from stagereplay.models.sources import ModelSource
 
 
 class EngineConfig(Protocol):
@@ -86,9 +85,9 @@ class Engine(Protocol):
         """Refuse, naming the install command, where the engine's library is missing (before any job)."""
 
     @classmethod
-    def model_file(cls, source: ModelSource, model: str, revision: str | None) -> str:
-        """The file this engine opens of a revision's resolved model source (the config's ``model`` and revision,
-        for the error), or a ValueError naming why it cannot."""
+    def model_file(cls, model: str, revision: str | None, base_dir: str) -> str:
+        """The file (or folder) this engine opens of the config's ``model`` at ``revision``, or a ValueError naming
+        why it cannot (a :class:`stagereplay.models.sources.ModelLoadError` where the source does not resolve)."""
 
     @classmethod
     def open(cls, path: str, config: Any, precision: str, n_ctx: int, main_gpu: int | None) -> Engine:

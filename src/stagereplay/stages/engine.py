@@ -51,7 +51,6 @@ from stagereplay.io.keys import LEDGER_KEY, within_revision
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.io.provenance import software_versions
 from stagereplay.models.gpus import GpuSlot, claim_gpu
-from stagereplay.models.sources import resolve_source
 from stagereplay.stages.gather import gather
 
 log = logging.getLogger("stagereplay")
@@ -109,8 +108,7 @@ class EngineReplaySettings:
         return self.engine_class.config_class(**self.settings)
 
     def model_file(self) -> str:
-        return self.engine_class.model_file(resolve_source(self.model, self.revision, self.base_dir), self.model,
-                                            self.revision)
+        return self.engine_class.model_file(self.model, self.revision, self.base_dir)
 
     def run_settings(self, precision: str) -> RunSettings:
         return RunSettings(self.revision or "", precision, None, self.max_new_tokens, self.answer_format,
