@@ -79,16 +79,16 @@ def engine_parts(kind):
     return parts
 
 
-def engine_names():
+def engine_result_names():
     """The configured engines' results files (the catalogue's Engine.outputs): engine_<name>, engine_<name>_audit."""
     return [output for name in ENGINES for output in catalogue.engine(name).outputs]
 
 
 def engine_outputs():
     """The engines' targets: each revision's engine rows and their audit."""
-    return expand(f"{RESULTS}/{{revision}}/{{name}}.parquet", revision=REVISIONS, name=engine_names())
+    return expand(f"{RESULTS}/{{revision}}/{{name}}.parquet", revision=REVISIONS, name=engine_result_names())
 
 
 def engine_report_inputs(wildcards):
     """The report's engine inputs, by kind (analysis.inputs.FILES)."""
-    return {name: expand(f"{RESULTS}/{{revision}}/{name}.parquet", revision=REVISIONS) for name in engine_names()}
+    return {name: expand(f"{RESULTS}/{{revision}}/{name}.parquet", revision=REVISIONS) for name in engine_result_names()}
