@@ -23,12 +23,12 @@ from stagereplay.analysis.engine_report import engine_section, split_counts
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.decode.greedy import BoundaryMatcher, RowResult
 from stagereplay.engines import llama_cpp as engine
-from stagereplay.engines.llama_cpp_rows import engine_rows, own_stage_rows, replica_difference
+from stagereplay.engines.rows import engine_rows, own_stage_rows, replica_difference
 from stagereplay.experiments.audit import AuditFailedError
 from stagereplay.experiments.recipe import ReplicaMismatchError
 from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
-from stagereplay.stages.engine import EngineReplaySettings, audit_llama_cpp, replay_on_llama_cpp
+from stagereplay.stages.engine import EngineReplaySettings, audit_engine, replay_on_engine
 from stagereplay.testing.gguf import character_vocabulary, write_gguf
 
 QUESTIONS = ("12+34", "52-46+33")
@@ -213,7 +213,7 @@ def test_a_forward_llama_cpp_would_split_is_refused_not_called_prefill(gguf, tmp
     with pytest.raises(engine.ForwardTooLongError, match=rf"item 'item-1', over llama.cpp's own stage .*: prefill's "
                                                          rf"longest forward of {needed} tokens .* n_ubatch 8 .* at "
                                                          rf"least {needed} "):
-        replay_on_llama_cpp(*paths, str(out), settings)
+        replay_on_engine(*paths, str(out), settings)
     assert not out.exists()
 
 
@@ -231,9 +231,9 @@ def write_inputs(tmp_path, path) -> tuple[str, str]:
 
 
 def stage_settings(path, boundary=None, **kw) -> EngineReplaySettings:
-    return EngineReplaySettings(model=str(path), revision="tiny.gguf", precision="bf16", max_new_tokens=MAX_NEW,
-                                boundary=boundary or {"token_id": 10 ** 6, "occurrence": 1},
-                                max_stage_tokens=MAX_STAGE, chunk_size=3, **kw)
+    return EngineReplaySettings(engine="llama_cpp", model=str(path), revision="tiny.gguf", precision="bf16",
+                                max_new_tokens=MAX_NEW, boundary=boundary or {"token_id": 10 ** 6, "occurrence": 1},
+                                max_stage_tokens=MAX_STAGE, settings=dict(chunk_size=3, **kw))
 
 
 def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(gguf, tmp_path):
@@ -245,7 +245,7 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
     reached = [marker in run for run in free]
     settings = stage_settings(path, {"token_id": marker, "occurrence": 1})
     ledger, audit = tmp_path / "engine_llama_cpp.parquet", tmp_path / "engine_llama_cpp_audit.parquet"
-    replay_on_llama_cpp(*paths, str(ledger), settings)
+    replay_on_engine(*paths, str(ledger), settings)
     frame = read_parquet(ledger)
     own = len(engine.CONSTRUCTIONS) * sum(reached) + (len(QUESTIONS) - sum(reached))  # live alone where it missed
     assert len(frame) == len(engine.KV_TYPES) * 2 * (own + len(QUESTIONS) * len(REBUILT))
@@ -255,8 +255,8 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
     assert [list(s) for s in live["stage_ids"]] == [
         run[:run.index(marker) + 1] if hit else [] for run, hit in zip(free, reached)] * len(engine.KV_TYPES)
     assert list(live["stage_comparison"]) == ["differs" if hit else "engine_missing" for hit in reached] * 2
-    assert set(read_provenance(ledger)["engine_contexts"]) == set(engine.KV_TYPES)
-    audit_llama_cpp(*paths, str(ledger), str(audit), settings)
+    assert set(read_provenance(ledger)["engine_contexts"]) == {engine.precision_of(k) for k in engine.KV_TYPES}
+    audit_engine(*paths, str(ledger), str(audit), settings)
     assert read_parquet(audit)["reproduced"].all()
 
     # the report counts what the rows hold: one item's prefill suffix over the reference ids made to differ
@@ -282,7 +282,7 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
         list(tampered.at[0, "margins"][1:])
     write_parquet(tampered, ledger, {}, engine.ENGINE_LEDGER_SCHEMA)
     with pytest.raises(AuditFailedError, match=r"1 ledger row\(s\) did not reproduce:(.|\n)*margins"):
-        audit_llama_cpp(*paths, str(ledger), str(tmp_path / "again.parquet"), settings)
+        audit_engine(*paths, str(ledger), str(tmp_path / "again.parquet"), settings)
 
 
 def test_without_the_binding_the_error_names_the_install_command(monkeypatch):
@@ -317,17 +317,17 @@ def test_logits_that_are_not_exposed_are_refused_before_any_row(gguf, monkeypatc
 
 
 def test_a_model_that_is_not_a_gguf_file_is_refused_by_the_stage():
-    settings = EngineReplaySettings(model="data/toy", revision="primary", precision="bf16", max_new_tokens=4,
-                                    boundary={"marker": "</think>"}, max_stage_tokens=8,
+    settings = EngineReplaySettings(engine="llama_cpp", model="data/toy", revision="primary", precision="bf16",
+                                    max_new_tokens=4, boundary={"marker": "</think>"}, max_stage_tokens=8,
                                     base_dir=str(os.path.dirname(os.path.dirname(__file__))))
     with pytest.raises(ValueError, match="replays a GGUF file; revision 'primary' .* is a local model"):
-        settings.gguf()
+        settings.model_file()
 
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(engines=["vllm"]), "'vllm' is not one of \\['llama_cpp'\\]"),
     (dict(engines=["llama_cpp"], llama_cpp={"kv_types": ["q8_0"]}), "'q8_0' is not one of"),
-    (dict(engines=["llama_cpp"]), "engines: \\['llama_cpp'\\] replay GGUF files, and revision 'primary'"),
+    (dict(engines=["llama_cpp"]), "engines: \\[llama_cpp\\] replays a GGUF file; revision 'primary'"),
 ], ids=["unknown-engine", "unknown-kv-type", "not-a-gguf"])
 def test_the_workflow_refuses_a_bad_engine_config_before_any_work(tmp_path, overrides, message):
     from workflow_runner import snakemake, tiny_config
@@ -342,7 +342,7 @@ def test_the_workflow_plans_the_engine_rules_on_a_gguf_and_not_by_default(gguf, 
 
     tiny_config(tmp_path, model=str(gguf[0]), revisions=["tiny"], engines=["llama_cpp"])
     planned = snakemake(tmp_path, "-n", "--no-hooks").stdout
-    assert "replay_on_llama_cpp" in planned and "audit_llama_cpp" in planned
+    assert "replay_on_engine" in planned and "audit_engine" in planned and "engine_llama_cpp_audit.parquet" in planned
     tiny_config(tmp_path / "off", model=str(gguf[0]), revisions=["tiny"])
     assert "llama_cpp" not in snakemake(tmp_path / "off", "-n", "--no-hooks").stdout
 

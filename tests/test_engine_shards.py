@@ -1,5 +1,5 @@
-"""The llama.cpp engine's replay and audit split by item shard (stagereplay.stages.engine; rules replay_on_llama_cpp,
-audit_llama_cpp and their gathers): each shard's rows are the whole run's rows of its items, byte for byte, the
+"""The llama.cpp engine's replay and audit split by item shard (stagereplay.stages.engine; rules replay_on_engine,
+audit_engine and their gathers, at engine llama_cpp): each shard's rows are the whole run's rows of its items, byte for byte, the
 gathered file is the whole run's file, the shards' audits reproduce it, and the workflow plans one job per shard.
 Needs the extra ``engines``, as tests/test_engine_llama_cpp.py does."""
 
@@ -20,10 +20,10 @@ from stagereplay.engines import llama_cpp as engine
 from stagereplay.io.parquet import read_parquet, write_parquet
 from stagereplay.stages.engine import (
     EngineReplaySettings,
-    audit_llama_cpp,
-    gather_engine_llama_cpp,
-    gather_engine_llama_cpp_audit,
-    replay_on_llama_cpp,
+    audit_engine,
+    gather_engine_audit,
+    gather_engine_rows,
+    replay_on_engine,
 )
 
 QUESTIONS = ("12+34", "52-46+33", "7-3", "90+1")
@@ -59,18 +59,20 @@ def table(path):
 
 
 def settings(path, boundary, **kw) -> EngineReplaySettings:
-    return EngineReplaySettings(model=str(path), revision="tiny.gguf", precision="bf16", max_new_tokens=6,
-                                boundary=boundary, max_stage_tokens=8, chunk_size=3, **kw)
+    shard = {k: kw.pop(k) for k in ("shard", "n_shards") if k in kw}
+    return EngineReplaySettings(engine="llama_cpp", model=str(path), revision="tiny.gguf", precision="bf16",
+                                max_new_tokens=6, boundary=boundary, max_stage_tokens=8,
+                                settings=dict(chunk_size=3, **kw), **shard)
 
 
 def test_each_shards_rows_are_the_whole_runs_rows_of_its_items_byte_for_byte(inputs):
     folder, path, boundary = inputs
     paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
     whole = folder / "whole.parquet"
-    replay_on_llama_cpp(*paths, str(whole), settings(path, boundary))
+    replay_on_engine(*paths, str(whole), settings(path, boundary))
     parts = [folder / f"part_{s}.parquet" for s in range(3)]
     for shard, part in enumerate(parts):
-        replay_on_llama_cpp(*paths, str(part), settings(path, boundary, shard=shard, n_shards=3))
+        replay_on_engine(*paths, str(part), settings(path, boundary, shard=shard, n_shards=3))
     expected = read_parquet(whole)
     assert set(expected["stage_source"]) == {"engine", "reference"} and expected["item_index"].nunique() == 4
     assert set(expected.loc[expected["item_index"] == 2, "stage_comparison"]) <= {"reference_missing", "both_missing"}
@@ -81,15 +83,15 @@ def test_each_shards_rows_are_the_whole_runs_rows_of_its_items_byte_for_byte(inp
         mine = whole_table.filter(pc.is_in(whole_table["item_index"], value_set=pc.unique(rows["item_index"])))
         assert rows.equals(mine)  # every column's values: ids, margins, fingerprints, the context
     gathered = folder / "gathered.parquet"
-    gather_engine_llama_cpp([str(p) for p in parts], str(gathered))
+    gather_engine_rows("llama_cpp", [str(p) for p in parts], str(gathered))
     assert table(gathered).equals(whole_table)
 
     # the shards' audits read the gathered file, each recomputing its items only
     audits = [folder / f"audit_{s}.parquet" for s in range(3)]
     for shard, audit in enumerate(audits):
-        audit_llama_cpp(*paths, str(gathered), str(audit), settings(path, boundary, shard=shard, n_shards=3))
+        audit_engine(*paths, str(gathered), str(audit), settings(path, boundary, shard=shard, n_shards=3))
         assert set(read_parquet(audit)["item_index"]) == {i for i in range(4) if i % 3 == shard}
-    gather_engine_llama_cpp_audit([str(a) for a in audits], str(folder / "audit.parquet"))
+    gather_engine_audit([str(a) for a in audits], str(folder / "audit.parquet"))
     audit = read_parquet(folder / "audit.parquet")
     assert len(audit) == len(expected) and audit["reproduced"].all()
 
@@ -106,13 +108,12 @@ def test_the_workflow_plans_one_replay_and_one_audit_job_per_engine_shard(inputs
                 llama_cpp={"shards": 3})
     planned = snakemake(tmp_path, "-n", "--no-hooks").stdout
     counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", planned, re.M)}
-    assert {k: counts.get(k) for k in ("replay_on_llama_cpp", "audit_llama_cpp", "gather_engine_llama_cpp",
-                                        "gather_engine_llama_cpp_audit")} == {
-        "replay_on_llama_cpp": 3, "audit_llama_cpp": 3, "gather_engine_llama_cpp": 1,
-        "gather_engine_llama_cpp_audit": 1}
+    assert {k: counts.get(k) for k in ("replay_on_engine", "audit_engine", "gather_engine_rows",
+                                        "gather_engine_audit")} == {
+        "replay_on_engine": 3, "audit_engine": 3, "gather_engine_rows": 1, "gather_engine_audit": 1}
 
 
-@pytest.mark.parametrize("script", ["gather_engine_llama_cpp", "gather_engine_llama_cpp_audit"])
+@pytest.mark.parametrize("script", ["gather_engine_rows", "gather_engine_audit"])
 def test_the_gathers_import_no_model_stack(script):
     from test_job_imports import SCRIPTS, heavy_after_import, script_imports
 
@@ -126,7 +127,7 @@ def test_side_by_side_jobs_each_claim_a_gpu_and_put_every_layer_on_it(inputs, tm
     from stagereplay.stages import engine as stage
 
     monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
-    monkeypatch.setattr(stage, "gpu_count", lambda: 2)
+    monkeypatch.setattr(engine, "gpu_count", lambda: 2)
     offloaded = settings(inputs[1], inputs[2], n_gpu_layers=-1)
     with stage.claim_engine_gpu(offloaded) as one, stage.claim_engine_gpu(offloaded) as two:
         assert {one.visible_index, two.visible_index} == {0, 1} and one.claimed and two.claimed
@@ -140,5 +141,5 @@ def test_side_by_side_jobs_each_claim_a_gpu_and_put_every_layer_on_it(inputs, tm
 
     monkeypatch.setattr(llama_cpp, "Llama", record)
     with pytest.raises(engine.EngineRefusedError):
-        engine.LlamaCppEngine(inputs[1], offloaded.engine_settings("f16", 128, main_gpu=1))
+        engine.LlamaCppEngine.open(str(inputs[1]), offloaded.config, "kv_f16", 128, main_gpu=1)
     assert (seen["split_mode"], seen["main_gpu"]) == (llama_cpp.LLAMA_SPLIT_MODE_NONE, 1)

@@ -11,8 +11,8 @@ once by name, and read by the modules that implement them.
   draws it. Their order is the figures' numbering; the workflow's targets list them from here.
 - A results file (:class:`ResultFile`): its name, where it lies in ``results/<run>/`` and the rule that writes it.
 - An engine (:class:`Engine`): a serving engine that rebuilds the boundary state itself, its class (a dotted
-  path), the results files it writes and its own constructions (:class:`EngineConstruction`), each running the
-  forwards of one of the pipeline's.
+  path to an implementation of :class:`stagereplay.engines.protocol.Engine`), the results files it writes and its
+  own constructions (:class:`EngineConstruction`), each running the forwards of one of the pipeline's.
 
 Where the config schema (``workflow/schemas/config.schema.yaml``) offers a choice among these, :data:`SCHEMA_ENUMS`
 names the key and :func:`schema_enums` what it must list; the schema is YAML that other tools read as it is, so
@@ -227,9 +227,9 @@ RESULT_FILES = (
     ResultFile("transplant", "{revision}/transplant.parquet", "gather_transplants"),
     ResultFile("minimal_transplant", "{revision}/minimal_transplant.parquet", "gather_minimal_transplants"),
     ResultFile("divergence_onset", "{revision}/divergence_onset.parquet", "gather_divergence_onset"),
-    ResultFile("engine_llama_cpp", "{revision}/engine_llama_cpp.parquet", "gather_engine_llama_cpp"),
-    ResultFile("engine_llama_cpp_audit", "{revision}/engine_llama_cpp_audit.parquet",
-               "gather_engine_llama_cpp_audit"),
+    # an engine's two files (engine_<name>, engine_<name>_audit), written by the rules over the {engine} wildcard
+    ResultFile("engine_llama_cpp", "{revision}/engine_llama_cpp.parquet", "gather_engine_rows"),
+    ResultFile("engine_llama_cpp_audit", "{revision}/engine_llama_cpp_audit.parquet", "gather_engine_audit"),
 )
 
 
@@ -244,9 +244,9 @@ class EngineConstruction:
 
 @dataclass(frozen=True)
 class Engine:
-    name: str  # the config's engines: [name]
-    engine_class: str  # dotted path of the class that drives it
-    outputs: tuple[str, ...]  # the results files (ResultFile names) it writes
+    name: str  # the config's engines: [name], and its config block <name>: in the schema
+    engine_class: str  # dotted path of its class, an stagereplay.engines.protocol.Engine
+    outputs: tuple[str, ...]  # the results files (ResultFile names) it writes: engine_<name>, engine_<name>_audit
     constructions: tuple[EngineConstruction, ...]
 
 
@@ -281,6 +281,10 @@ def rebuildable_names() -> list[str]:
     return [c.name for c in CONSTRUCTIONS if c.rebuildable]
 
 
+def engine_names() -> list[str]:
+    return [e.name for e in ENGINES]
+
+
 def figure_names() -> list[str]:
     return [f.name for f in FIGURES]
 
@@ -310,8 +314,7 @@ def engine(name: str) -> Engine:
 
 def schema_enums() -> dict[str, list[str]]:
     """{dotted config key: the names its schema enum must list, in this order} (:data:`SCHEMA_ENUMS`)."""
-    lists = {"rebuildable": rebuildable_names, "constructions": construction_names,
-             "engines": lambda: [e.name for e in ENGINES]}
+    lists = {"rebuildable": rebuildable_names, "constructions": construction_names, "engines": engine_names}
     enums = {}
     for key, which in SCHEMA_ENUMS.items():
         kind, _, name = which.partition(":")

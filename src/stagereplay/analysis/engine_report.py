@@ -210,7 +210,7 @@ def engine_section(data: RevisionData) -> tuple[list[str], dict]:
     if audit is not None:
         reproduced = int(audit["reproduced"].sum())
         lines += ["", f"Engine audit: {reproduced} / {len(audit)} rows recomputed from scratch reproduced every "
-                  "column (rule audit_llama_cpp).", ""]
+                  "column (rule audit_engine).", ""]
         numbers["audit"] = {"reproduced": reproduced, "rows": len(audit)}
     else:
         lines += [""]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stagereplay import catalogue
+
 # kind -> file name in results/<run>/<revision>/ (the results contract)
 FILES = {
     "ledger": "ledger.parquet",
@@ -23,8 +25,7 @@ FILES = {
     "minimal_transplant": "minimal_transplant.parquet",
     "divergence_onset": "divergence_onset.parquet",
     "fidelity": "fidelity.parquet",
-    "engine_llama_cpp": "engine_llama_cpp.parquet",
-    "engine_llama_cpp_audit": "engine_llama_cpp_audit.parquet",
+    **{name: f"{name}.parquet" for engine in catalogue.ENGINES for name in engine.outputs},
 }
 # Folders of results/<run>/ that are not revisions.
 NOT_REVISIONS = {"selection", "report"}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from stagereplay import catalogue
 from stagereplay.analysis import tables as analysis
 from stagereplay.io.parquet import read_parquet, read_provenance
 
@@ -23,8 +24,8 @@ PRODUCERS = {
     "minimal_transplant": "minimal_transplant.parquet (rule find_minimal_transplants)",
     "divergence_onset": "divergence_onset.parquet (rule measure_divergence_onset)",
     "fidelity": "fidelity.parquet (rule measure_fidelity)",
-    "engine_llama_cpp": "engine_llama_cpp.parquet (rule replay_on_llama_cpp)",
-    "engine_llama_cpp_audit": "engine_llama_cpp_audit.parquet (rule audit_llama_cpp)",
+    **{output: f"{output}.parquet (rule {'audit_engine' if output.endswith('_audit') else 'replay_on_engine'}, "
+                f"engine {engine.name})" for engine in catalogue.ENGINES for output in engine.outputs},
 }
 
 

@@ -1,5 +1,7 @@
 """The llama.cpp engine: a GGUF file's boundary state built by llama.cpp itself (through ``llama-cpp-python``, the
-optional extra ``engines``) in each of five constructions, continued greedily, with replicas that must be exact.
+optional extra ``engines``) in each of five constructions, continued greedily: the engine protocol
+(:mod:`stagereplay.engines.protocol`) on llama.cpp. Its rows, replicas and their check are the engine stage's
+(:mod:`stagereplay.engines.rows`); its config block is :class:`LlamaCppConfig` (the schema's ``llama_cpp``).
 
 Two kinds of stage ids (the ledger's ``stage_source``):
 
@@ -32,7 +34,7 @@ ledger's ``precision`` is ``kv_f16`` or ``kv_f32``; weights and activations are 
 Fingerprints are of the sequence's state as llama.cpp writes it (:func:`state_fingerprints`). They compare engine
 rows with engine rows only; the pipeline's own fingerprints hash torch tensors.
 
-Knows nothing of items beyond the ledger row it fills, nothing of Snakemake and nothing of the report.
+Knows nothing of items or rows, nothing of Snakemake and nothing of the report.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import contextlib
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -56,23 +59,17 @@ from stagereplay.engines.llama_cpp_binding import (  # noqa: F401 - the engine's
     EngineUnavailableError,
     LogCapture,
     ggml_string,
+    gpu_count,
     require_binding,
     state_fingerprints,
 )
+from stagereplay.engines.protocol import PlannedPrefix, block_field
+from stagereplay.engines.rows import ledger_schema
 from stagereplay.experiments import constructions as registry
-from stagereplay.experiments.rows import LEDGER_SCHEMA
 
 ENGINE = "llama_cpp"
 KV_TYPES = ("f16", "f32")
-DECODE_REGIME = "llama_cpp"  # the ledger's decode_regime: the engine's kernels are part of the construction
-# Whose stage ids a row's boundary state is built over, and the ledger's experiment of each: one experiment per
-# source keeps a row's key (item, precision, experiment, construction, replica) unique.
-STAGE_SOURCES = ("engine", "reference")
-EXPERIMENTS = {"engine": "llama_cpp_own_stage", "reference": "llama_cpp_reference_stage"}
-OWN_REFERENCE = "live"  # what each source's other constructions are compared with
-REFERENCE_REFERENCE = "incremental"
-# llama.cpp's own stage against the pipeline's, per item (the ledger's stage_comparison)
-STAGE_COMPARISONS = ("same", "differs", "engine_missing", "reference_missing", "both_missing")
+DECODE_REGIME = ENGINE  # the ledger's decode_regime: the engine's kernels are part of the construction
 
 
 def precision_of(kv_type: str) -> str:
@@ -90,11 +87,8 @@ class ForwardTooLongError(ValueError):
 # each runs, whether it restores the prompt's state or generates its own stage).
 CONSTRUCTIONS: dict[str, EngineConstruction] = {c.name: c for c in catalogue.engine(ENGINE).constructions}
 
-# Per row, beside the ledger's columns: whose stage ids it used, and the engine and the context that made it.
-ENGINE_FIELDS = [
-    ("stage_source", pa.string()),  # engine: llama.cpp's own greedy stage; reference: the pipeline's stage ids
-    ("stage_comparison", pa.string()),  # llama.cpp's own stage vs the pipeline's (STAGE_COMPARISONS); null: not run
-    ("engine", pa.string()),
+# Per row, after the stage's columns (engines.rows.STAGE_FIELDS): the engine and the context that made it.
+FIELDS = [
     ("binding_version", pa.string()),  # llama-cpp-python
     ("llama_cpp_commit", pa.string()),  # the vendored llama.cpp's commit, as ggml_commit() reports it
     ("ggml_version", pa.string()),
@@ -108,7 +102,6 @@ ENGINE_FIELDS = [
     ("flash_attn", pa.bool_()),
     ("chunk_size", pa.int32()),  # the chunked construction's pieces
 ]
-ENGINE_LEDGER_SCHEMA = pa.schema([*LEDGER_SCHEMA, *ENGINE_FIELDS])
 
 
 def get(name: str) -> EngineConstruction:
@@ -117,28 +110,39 @@ def get(name: str) -> EngineConstruction:
     return CONSTRUCTIONS[name]
 
 
-def constructions_for(source: str, names) -> tuple[str, ...]:
-    """The constructions of ``names`` that run over ``source``'s stage ids (``live`` over the engine's own only)."""
-    if source not in STAGE_SOURCES:
-        raise ValueError(f"stage source {source!r}: known {list(STAGE_SOURCES)}")
-    return tuple(n for n in names if source == "engine" or not get(n).generates)
-
-
 def forward_sizes(construction: str, prompt_len: int, n_cached: int, chunk_size: int) -> list[int]:
     """Tokens per ``llama_decode`` call of the construction's boundary cache (``n_cached`` stage ids beyond the
     prompt; ``live`` generates them one per call, as ``incremental`` feeds them)."""
     return list(registry.get(get(construction).forwards_of).segments(prompt_len, n_cached, chunk_size))
 
 
-def compare_stages(own: list[int] | None, reference: list[int] | None) -> str:
-    """llama.cpp's own stage ids against the pipeline's (None or empty: that generation missed the boundary)."""
-    if not own and not reference:
-        return "both_missing"
-    if not own:
-        return "engine_missing"
-    if not reference:
-        return "reference_missing"
-    return "same" if list(own) == list(reference) else "differs"
+@dataclass(frozen=True, kw_only=True)
+class LlamaCppConfig:
+    """The config block ``llama_cpp`` beyond the stage's keys (:class:`stagereplay.engines.protocol.EngineConfig`):
+    the KV types a job runs, one context each, and what every context is opened with."""
+
+    inherited: ClassVar[tuple[str, ...]] = ("threads", "chunk_size")
+
+    kv_types: tuple[str, ...] = block_field("llama_cpp.kv_types")
+    n_ctx: int | None = block_field("llama_cpp.n_ctx")  # None: what the selection needs
+    n_batch: int | None = block_field("llama_cpp.n_batch")
+    n_ubatch: int | None = block_field("llama_cpp.n_ubatch")
+    threads: int = 1  # null in the config: the config's threads
+    n_gpu_layers: int = block_field("llama_cpp.n_gpu_layers")
+    flash_attn: bool = block_field("llama_cpp.flash_attn")
+    chunk_size: int = 16  # null in the config: the config's chunk_size
+
+    def precisions(self) -> tuple[str, ...]:
+        return tuple(precision_of(kv_type) for kv_type in self.kv_types)
+
+    def gpus(self) -> int:
+        return 1 if self.n_gpu_layers else 0
+
+    def context(self, kv_type: str, n_ctx: int, main_gpu: int | None = None) -> EngineSettings:
+        """One context's settings: the block's, at ``kv_type``, holding ``n_ctx`` positions where n_ctx is null."""
+        return EngineSettings(kv_type=kv_type, n_ctx=self.n_ctx or n_ctx, n_batch=self.n_batch,
+                              n_ubatch=self.n_ubatch, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
+                              flash_attn=self.flash_attn, chunk_size=self.chunk_size, main_gpu=main_gpu)
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,42 @@ class EngineSettings:
 
 
 class LlamaCppEngine:
-    """One GGUF file in one llama.cpp context (:class:`EngineSettings`). Use as a context manager, or ``close()``."""
+    """One GGUF file in one llama.cpp context (:class:`EngineSettings`): an :class:`stagereplay.engines.protocol.
+    Engine`. Use as a context manager, or ``close()``."""
+
+    name: ClassVar[str] = ENGINE
+    label: ClassVar[str] = "llama.cpp"
+    config_class: ClassVar[type] = LlamaCppConfig
+    fields: ClassVar[list] = FIELDS
+
+    @classmethod
+    def require(cls) -> None:
+        require_binding()
+
+    @classmethod
+    def model_file(cls, model: str, revision: str | None, base_dir: str) -> str:
+        from stagereplay.models.sources import resolve_source
+
+        source = resolve_source(model, revision, base_dir)
+        if source.kind != "gguf":
+            raise ValueError(f"engines: [llama_cpp] replays a GGUF file; revision {revision!r} of model "
+                             f"{model!r} is a {source.kind} model. Give model a .gguf file (or a folder and "
+                             "revisions naming .gguf files), or leave engines empty")
+        return f"{source.path}/{source.gguf_file}"
+
+    @classmethod
+    def open(cls, path: str, config: LlamaCppConfig, precision: str, n_ctx: int,
+             main_gpu: int | None) -> LlamaCppEngine:
+        kv_type = next(k for k in config.kv_types if precision_of(k) == precision)
+        return cls(path, config.context(kv_type, n_ctx, main_gpu))
+
+    @classmethod
+    def visible_gpus(cls) -> int:
+        return gpu_count()
+
+    @property
+    def precision(self) -> str:
+        return precision_of(self.settings.kv_type)
 
     def __init__(self, path: str | Path, settings: EngineSettings):
         llama_cpp = require_binding()
@@ -299,6 +338,18 @@ class LlamaCppEngine:
                 self.llm.load_state(saved)
         assert start == len(ids), (sizes, len(ids))
 
+    def check_prefixes(self, prefixes: list[PlannedPrefix]) -> None:
+        """Every forward of every planned prefix's constructions in one compute graph, else an error naming the
+        prefix with the longest."""
+        if prefixes:
+            size, construction, what = max(((*self.longest_forward(p.constructions, p.prompt_len, p.n_cached),
+                                              p.what) for p in prefixes), key=lambda x: x[0])
+            self.check_forward(size, f"{what}: {construction}'s longest forward")
+
+    def decode(self, ids) -> str:
+        """llama.cpp's own detokenizer."""
+        return self.llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
+
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
@@ -361,3 +412,6 @@ class LlamaCppEngine:
                 break
         return RowResult(list(stage_ids), suffix, margins, stop, pad=0,
                          position=len(prompt_ids) + len(stage_ids) - 1, fingerprints=fingerprints)
+
+
+ENGINE_LEDGER_SCHEMA = ledger_schema(LlamaCppEngine)

@@ -1,9 +1,0 @@
-from stagereplay.stages.rule_job import start_job
-
-start_job(snakemake)
-
-from stagereplay.stages.engine import EngineReplaySettings, audit_llama_cpp
-from stagereplay.stages.settings import from_params
-
-audit_llama_cpp(snakemake.input.selection, snakemake.input.prefixes, snakemake.input.ledger, snakemake.output.audit,
-                from_params(EngineReplaySettings, snakemake.params.kwargs))
