@@ -8,7 +8,8 @@ load (its ``params.snapshots``) and the model jobs each waits for. ``WORK`` hold
 jobs decode; a model rule of the DAG that is in neither ``WORK`` nor ``NOT_PRICED`` is refused (``model_jobs``), so
 that a new rule cannot be left out unnoticed. What the DAG cannot know is counted here from the run's shape: what a
 job finds in its inputs (which precisions of a dump or an onset have items, so load a model; whether a search has a
-divergent item to search).
+divergent item to search). Every revision's jobs are counted from the one shape (the lengths and divergent shares
+given or recorded, which are the primary revision's).
 
 A shard's batches holding one of k chosen items are its share of the expected batches (the chance each of its
 batches holds one, ``RunShape.holding``; a recorded count spread by the same shares), and a count of items (the
