@@ -16,8 +16,9 @@ DIR/results.json (its ``projection`` list: per precision, a decode step fitted a
 one-shot prefill rate in tokens/s, a cache-dump rate); M1.json the same measured with ``--proj-max-rows 1`` (the
 batch-invariance control decodes at batch 1).
 
-The projection is the package's :mod:`stagereplay.projection` (src/stagereplay/projection/): each rule's jobs and the
-work they decode, counted as the stage code does it (``counts``), priced at the measures' rates (``pricing``),
+The projection is the package's :mod:`stagereplay.projection` (src/stagereplay/projection/): the model jobs of the
+workflow's own DAG of the config (``dag``, through Snakemake's API) and the work each decodes, counted by its rule as
+the stage code does it (``jobs``, ``counts``), priced at the measures' rates (``pricing``),
 placed on N GPUs (``schedule``) and set against the run (``report``); each module's docstring gives its part of the
 model. This script reads the files, builds the overhead and prints the tables:
 

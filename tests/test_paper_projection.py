@@ -19,7 +19,7 @@ from stagereplay.projection.paper import project, project_by_rule
 from stagereplay.projection.pricing import price, projected_rules, rates_for
 from stagereplay.projection.rates import Overhead, Rates
 from stagereplay.projection.report import compare, project_config
-from stagereplay.projection.schedule import LEDGER_RULES, job_dependencies, list_schedule, on_gpus
+from stagereplay.projection.schedule import job_dependencies, list_schedule, on_gpus
 from stagereplay.projection.shape import config_run, load_config, run_shape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,8 +377,9 @@ def test_the_jobs_wait_for_what_their_inputs_need():
         load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2"]), 256, 2048, 1024,
         {"bf16": 0.83}, 48))
     jobs = model_jobs(shape, {"bf16": 1e-6, "fp32": 2e-6})
-    after = job_dependencies(jobs, shape)
-    ledger = {f"{rule}_{p}_{k}" for rule in LEDGER_RULES for p in ("bf16", "fp32") for k in (0, 1)}
+    after = job_dependencies(jobs)
+    ledger = {f"{rule}_{p}_{k}" for rule in ("reconstruct_prefixes", "generate_fixed_prefix") for p in ("bf16", "fp32")
+              for k in (0, 1)}
     assert after["reconstruct_prefixes_fp32_1"] == set()
     # the 2x2 of a shard reads that shard's prefixes of the reference precision (bf16)
     assert after["generate_fixed_prefix_fp32_1"] == {"reconstruct_prefixes_bf16_1"}
@@ -392,7 +393,7 @@ def test_the_jobs_wait_for_what_their_inputs_need():
     fp32 = run_shape(config_run(
         load_config(str(REPO / "config/paper-scale-14b.yaml"), ["shards=2", "transplant.precision=fp32"]),
         256, 2048, 1024, {"bf16": 0.83}, 48))
-    after = job_dependencies(model_jobs(fp32, {"bf16": 1e-6, "fp32": 2e-6}), fp32)
+    after = job_dependencies(model_jobs(fp32, {"bf16": 1e-6, "fp32": 2e-6}))
     # at fp32 the 2x2 waits for the bf16 generation (the reference's prefixes) in its turn
     assert after["transplant_caches_0"] == {name for name in ledger if "_fp32_" in name}
 
@@ -453,7 +454,7 @@ def test_the_dag_of_the_model_jobs_is_the_workflow_s(tmp_path):
         return out
 
     by_job = {j.name: j.rule for j in jobs}
-    after = job_dependencies(jobs, shape)
+    after = job_dependencies(jobs)
     for rule in model:
         projected = {by_job[d] for j in jobs if j.rule == rule for d in after[j.name]}
         assert projected == upstream(rule, set()), rule

@@ -1,10 +1,10 @@
-"""The model jobs on N GPUs of one host: their dependencies as the rule DAG chains them, and a list scheduler.
+"""The model jobs on N GPUs of one host: their dependencies as the workflow's DAG chains them, and a list scheduler.
 
 For each N the config's ``shards`` set to N (or a shard count given for every N), every model job priced
 (:mod:`.pricing`), and the jobs placed on the GPUs by ``list_schedule``: as many at a time as
 ``--resources gpu=N`` lets jobs of ``gpus_per_job`` GPUs run (each on GPUs of its own, so at the measured speed;
-``gpus_per_job: 0`` is refused), in the order of the rule DAG (``job_dependencies``: a shard's fixed-prefix 2x2
-after the reference precision's generation of that shard, the transplants and the minimal search after the two
+``gpus_per_job: 0`` is refused), in the order of the workflow's DAG (``job_dependencies``: a shard's fixed-prefix
+2x2 after the reference precision's generation of that shard, the transplants and the minimal search after the two
 ledger rules' jobs at the transplant precision, every other later model job after every job of the two ledger
 rules, which ``gather_ledger`` joins), a free GPU taking the ready job with the longest path to the end. The jobs
 that load no model take no time in it (a stated constant for them is added to the wall, as on one GPU). On one GPU
@@ -17,38 +17,18 @@ from __future__ import annotations
 from stagereplay.projection.jobs import JobWork
 from stagereplay.projection.pricing import projected_rules, rates_for
 from stagereplay.projection.rates import Overhead
-from stagereplay.projection.shape import RunShape, run_shape
+from stagereplay.projection.shape import run_shape
 
 
-LEDGER_RULES = ("reconstruct_prefixes", "generate_fixed_prefix")  # what gather_ledger joins
-# read the ledger's rows at the transplant precision alone (gather_transplant_baseline), through select_transplant_items
-AT_TRANSPLANT_PRECISION = ("transplant_caches", "find_minimal_transplants")
-
-
-def job_dependencies(jobs: list[JobWork], shape: RunShape) -> dict:
-    """{job name: the model jobs it waits for}, as the workflow's inputs chain them through the jobs that load no
-    model: the fixed-prefix 2x2 of a shard reads that shard's prefixes of the reference precision
-    (``parts/prefixes_<reference>_<shard>``); the transplants and the minimal search read the ledger's rows at the
-    transplant precision, which ``gather_transplant_baseline`` joins from that precision's jobs of the two ledger
-    rules (and ``select_transplant_items`` selects from); every other later model job reads the ledger or the
-    prefixes that ``gather_ledger`` joins from every job of the two ledger rules (the audit, the controls, the cache
-    differences, the dumps, the onset)."""
-    reference = shape.config["reference_precision"]
-    ledger = {j.name for j in jobs if j.rule in LEDGER_RULES}
-    at_transplant_precision = {j.name for j in jobs if j.rule in LEDGER_RULES
-                               and j.precision == shape.transplant_precision}
-    after = {}
-    for job in jobs:
-        if job.rule == "reconstruct_prefixes":
-            after[job.name] = set()
-        elif job.rule == "generate_fixed_prefix":
-            after[job.name] = {j.name for j in jobs if j.rule == "reconstruct_prefixes" and j.precision == reference
-                               and j.shard == job.shard}
-        elif job.rule in AT_TRANSPLANT_PRECISION:
-            after[job.name] = set(at_transplant_precision)
-        else:
-            after[job.name] = set(ledger)
-    return after
+def job_dependencies(jobs: list[JobWork]) -> dict:
+    """{job name: the model jobs it waits for}: the DAG's (:mod:`.dag`), through the jobs that load no model (the
+    gathers, the selections): the fixed-prefix 2x2 of a shard reads that shard's prefixes of the reference precision;
+    the transplants and the minimal search read the ledger's rows at the transplant precision, which
+    ``gather_transplant_baseline`` joins from that precision's jobs of the two ledger rules; every other later model
+    job reads the ledger or the prefixes that ``gather_ledger`` joins from every job of the two ledger rules. A job
+    the projection leaves out (``jobs.NOT_PRICED``) is not waited for."""
+    names = {job.key: job.name for job in jobs}
+    return {job.name: {names[key] for key in job.after if key in names} for job in jobs}
 
 
 def list_schedule(seconds: dict, after: dict, slots: int) -> dict:
@@ -118,7 +98,7 @@ def on_gpus(run: dict, measures: list[dict], overhead: Overhead, gpus: list[int]
         slots = n // per_job
         if slots < 1:
             raise ValueError(f"{n} GPUs: fewer than the {per_job} a model job claims (gpus_per_job)")
-        placed = list_schedule({j.name: j.seconds for j in jobs}, job_dependencies(jobs, shape), slots)
+        placed = list_schedule({j.name: j.seconds for j in jobs}, job_dependencies(jobs), slots)
         out.append({"gpus": n, "shards": config["shards"], "jobs": len(jobs), "jobs_at_once": slots,
                     "model_jobs_s": placed["makespan_s"], "non_model_s": non_model_s,
                     "wall_s": placed["makespan_s"] + non_model_s, "critical_path_s": placed["critical_path_s"],
