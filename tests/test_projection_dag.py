@@ -83,5 +83,5 @@ def test_every_rule_with_a_gpu_resource_is_priced_or_named_as_not_priced():
             name = re.match(r"(?:rule|checkpoint) (\w+):", block)
             if name and re.search(r"^\s+gpu=", block, re.M):
                 claiming.add(name.group(1))
-    assert "reconstruct_prefixes" in claiming and "replay_on_llama_cpp" in claiming
+    assert "reconstruct_prefixes" in claiming and "replay_on_engine" in claiming
     assert claiming == set(WORK) | set(NOT_PRICED)

@@ -381,8 +381,8 @@ WORK = {"reconstruct_prefixes": reconstruct_prefixes, "generate_fixed_prefix": g
 # Model rules known and left out of the projection, and why (the report notes their jobs).
 NOT_PRICED = {
     "replay_fixed_prefixes": "a transplant revision's own baseline, not counted",
-    "replay_on_llama_cpp": "the llama.cpp engine: no rates measured for it",
-    "audit_llama_cpp": "the llama.cpp engine: no rates measured for it",
+    "replay_on_engine": "a serving engine (llama.cpp): no rates measured for it",
+    "audit_engine": "a serving engine (llama.cpp): no rates measured for it",
 }
 
 
