@@ -159,13 +159,14 @@ import sys
 from pathlib import Path
 
 from stagereplay.analysis.engine_report import engine_section
+from stagereplay.catalogue import engine
 from stagereplay.analysis.revision_data import RevisionData
 
 folder, out, least = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 data = RevisionData("random-0.5b", {"ledger": str(folder / "ledger.parquet"),
                                     "engine_llama_cpp": str(folder / "engine_llama_cpp.parquet"),
                                     "engine_llama_cpp_audit": str(folder / "engine_llama_cpp_audit.parquet")})
-lines, numbers = engine_section(data)
+lines, numbers = engine_section(data, engine("llama_cpp"))
 print("\n".join(lines))
 prefixes = data.ledger[(data.ledger["experiment"] == "matched") & (data.ledger["replica"] == 1)]
 print("items per precision that reached the boundary (pipeline):",

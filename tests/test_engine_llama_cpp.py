@@ -19,6 +19,7 @@ from gguf_fixture import TINY, llama_cpp_or_skip, write_tiny_gguf
 
 llama_cpp = llama_cpp_or_skip()
 
+from stagereplay import catalogue
 from stagereplay.analysis.engine_report import engine_section, split_counts
 from stagereplay.analysis.revision_data import RevisionData
 from stagereplay.decode.greedy import BoundaryMatcher, RowResult
@@ -264,13 +265,13 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
     at = (changed["construction"] == "prefill") & (changed["item_index"] == 0) & (changed["precision"] == "kv_f16") \
         & (changed["stage_source"] == "reference")
     changed.loc[at, "suffix_ids"] = changed.loc[at, "suffix_ids"].map(lambda ids: list(ids[:2]) + [ids[2] + 1])
-    counts = split_counts(changed, None).set_index(["side", "precision", "construction_b"])
+    counts = split_counts(changed, None, "llama.cpp").set_index(["side", "precision", "construction_b"])
     assert counts.loc[("llama.cpp, reference ids", "kv_f16", "prefill"), ["k", "n"]].tolist() == [1, 2]
     assert counts.loc[("llama.cpp, reference ids", "kv_f32", "prefill"), ["k", "n"]].tolist() == [0, 2]
     changed_path = tmp_path / "changed" / "engine_llama_cpp.parquet"
     changed_path.parent.mkdir()
     write_parquet(changed, changed_path, {}, engine.ENGINE_LEDGER_SCHEMA)
-    lines, numbers = engine_section(RevisionData("tiny", {"engine_llama_cpp": str(changed_path)}))
+    lines, numbers = engine_section(RevisionData("tiny", {"engine_llama_cpp": str(changed_path)}), catalogue.engine("llama_cpp"))
     assert ("| llama.cpp, reference ids | kv_f16 | `incremental` vs `prefill` | 1 / 2 (50.0%, Wilson [9.5%, "
             "90.5%]) |") in lines
     assert f"| kv_f16 | 2 | 0 | {sum(reached)} | {2 - sum(reached)} | 0 | 0 |" in lines

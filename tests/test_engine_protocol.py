@@ -252,3 +252,29 @@ def test_the_reports_inputs_cover_every_engine_of_the_catalogue():
 
     outputs = [o for e in catalogue.ENGINES for o in e.outputs]
     assert all(inputs.FILES[o] == f"{o}.parquet" for o in outputs) and set(outputs) <= set(PRODUCERS)
+
+
+def test_the_report_has_a_section_and_findings_for_the_dummy(dummy, paths, tmp_path):
+    """The report's engine section and the beyond-the-study rows are the catalogue's, for any engine: the dummy's
+    rows are counted under its own name. Control: without the dummy in the catalogue there is no such section."""
+    from stagereplay.analysis import report
+    from stagereplay.analysis.engine_report import engine_section
+    from stagereplay.analysis.findings import engine_rows
+    from stagereplay.analysis.revision_data import RevisionData
+
+    assert [s.key for s in report.sections()][-2:] == ["engine_dummy", "excluded"]
+    rows = tmp_path / "engine_dummy.parquet"
+    replay_on_engine(*paths, str(rows), settings())
+    lines, numbers = engine_section(RevisionData("r", {"engine_dummy": str(rows)}), dummy)
+    text = "\n".join(lines)
+    assert "Over its own stage, `live` is dummy's own greedy generation" in text and "llama" not in text
+    assert {s["side"] for s in numbers["splits"]} == {"dummy, its own stage", "dummy, reference ids"}
+    found = engine_rows("r", {"engine_dummy": numbers}, None, False)
+    assert {row[0].split(" (")[0] for row in found} == {"dummy live vs incremental", "dummy live vs prefill",
+                                                      "dummy incremental vs prefill"}
+
+
+def test_without_the_dummy_the_report_has_no_section_for_it():
+    from stagereplay.analysis import report
+
+    assert "engine_dummy" not in [s.key for s in report.sections()]

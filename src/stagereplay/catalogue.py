@@ -248,6 +248,15 @@ class Engine:
     engine_class: str  # dotted path of its class, an stagereplay.engines.protocol.Engine
     outputs: tuple[str, ...]  # the results files (ResultFile names) it writes: engine_<name>, engine_<name>_audit
     constructions: tuple[EngineConstruction, ...]
+    label: str = ""  # how the report names it ("llama.cpp"); empty: its name
+    # the report section's first words: a format string over its rows' provenance columns (the engine's ``fields``;
+    # booleans read "on" / "off"), saying what ran and how the engine's precision is to be read
+    report_header: str = ""
+    precision_word: str = "precision"  # what its ledger's precision is ("KV": llama.cpp's is its KV cache type)
+
+    @property
+    def words(self) -> str:
+        return self.label or self.name
 
 
 ENGINES = (
@@ -259,7 +268,12 @@ ENGINES = (
         EngineConstruction("prefill", "llama.cpp one batch", "prefill"),
         EngineConstruction("prompt_cache", "llama.cpp prompt cache (save_state/load_state)", "prefix_cached", True),
         EngineConstruction("chunked", "llama.cpp chunked (n_batch pieces)", "chunked"),
-    )),
+    ), label="llama.cpp", report_header=(
+        "llama.cpp through llama-cpp-python {binding_version} (llama.cpp `{llama_cpp_commit}`, ggml {ggml_version}), "
+        "n_ctx {n_ctx}, n_batch {n_batch}, n_ubatch {n_ubatch} (no forward is longer: a longer one is refused, not "
+        "split), {n_threads} thread(s), {n_gpu_layers} layer(s) offloaded, flash attention {flash_attn}, chunk "
+        "{chunk_size}; built with `{system_info}`. Its precision is the KV cache type (weights and activations are "
+        "the GGUF's and llama.cpp's)."), precision_word="KV"),
 )
 
 # Where the config schema offers a choice among the catalogue's entries: dotted key -> which names it lists

@@ -1,4 +1,5 @@
-"""The report's section on a serving engine's replays (engines: [llama_cpp]).
+"""The report's section on a serving engine's replays (``engines: [<name>]``), one per engine of the catalogue
+(:data:`stagereplay.catalogue.ENGINES`); llama.cpp's below stands for any.
 
 Two families of rows, told apart by their ``stage_source`` column:
 
@@ -14,12 +15,13 @@ Two families of rows, told apart by their ``stage_source`` column:
   the two split on the same items more often than chance would.
 
 Also counted: the items on which llama.cpp's own stage differs from the pipeline's (or one of them missed the
-boundary). Reads the engine's ledger rows (results/<run>/<revision>/engine_llama_cpp.parquet) and the revision's
-ledger; imports no engine code.
+boundary). Reads the engine's ledger rows (results/<run>/<revision>/engine_<name>.parquet) and the revision's
+ledger; imports no engine code: what it says of an engine (its label, its header) is the catalogue's.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from stagereplay.analysis import stats
@@ -27,15 +29,14 @@ from stagereplay.analysis import tables as analysis
 from stagereplay.analysis.cross_table import cross_table, odds_ratio_text
 from stagereplay.analysis.report_format import table_head, table_row
 from stagereplay.analysis.revision_data import RevisionData
+from stagereplay.catalogue import Engine
 
-ENGINE_KIND = "engine_llama_cpp"
-AUDIT_KIND = "engine_llama_cpp_audit"
-# (stage_source, its reference construction, words for a table)
-FAMILIES = (("engine", "live", "llama.cpp, its own stage"), ("reference", "incremental", "llama.cpp, reference ids"))
+# (stage_source, its reference construction, words for a table after the engine's label)
+FAMILIES = (("engine", "live", "its own stage"), ("reference", "incremental", "reference ids"))
 PIPELINE_PAIRS = (("incremental", "prefill"), ("incremental", "prefix_cached"))
 CROSSED = ("incremental", "prefill")  # the pair set side by side per item, on both sides, over the same ids
 STAGE_COLUMNS = (("same", "same stage ids"), ("differs", "stage ids differ"),
-                 ("engine_missing", "llama.cpp missed the boundary"),
+                 ("engine_missing", "the engine missed the boundary"),
                  ("reference_missing", "pipeline missed the boundary"), ("both_missing", "both missed"))
 
 
@@ -70,12 +71,13 @@ def _fixed_prefix(ledger: pd.DataFrame | None, items: set[int]) -> pd.DataFrame:
     return fixed[fixed["item_index"].astype(int).isin(items)]
 
 
-def split_counts(engine: pd.DataFrame, ledger: pd.DataFrame | None) -> pd.DataFrame:
+def split_counts(engine: pd.DataFrame, ledger: pd.DataFrame | None, label: str) -> pd.DataFrame:
     """One row per (side, precision, construction pair): items whose suffix ids differ, of those compared, with
-    Wilson intervals. llama.cpp's families against their own reference (``live``, ``incremental``); this
-    pipeline's fixed-prefix pairs on the items of the engine's reference-ids rows."""
+    Wilson intervals. The engine's families (side ``label``) against their own reference (``live``,
+    ``incremental``); this pipeline's fixed-prefix pairs on the items of the engine's reference-ids rows."""
     rows = []
-    for source, reference, side in FAMILIES:
+    for source, reference, words in FAMILIES:
+        side = f"{label}, {words}"
         rows_of = family(engine, source)
         for precision in analysis.sort_precisions(rows_of["precision"]):
             for other in sorted(set(rows_of["construction"]) - {reference}):
@@ -138,55 +140,58 @@ def crossed(engine: pd.DataFrame, ledger: pd.DataFrame | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _header(first) -> list[str]:
-    return [f"llama.cpp through llama-cpp-python {first['binding_version']} (llama.cpp "
-            f"`{first['llama_cpp_commit']}`, ggml {first['ggml_version']}), n_ctx {first['n_ctx']}, n_batch "
-            f"{first['n_batch']}, n_ubatch {first['n_ubatch']} (no forward is longer: a longer one is refused, not "
-            f"split), {first['n_threads']} thread(s), {first['n_gpu_layers']} layer(s) offloaded, flash attention "
-            f"{'on' if first['flash_attn'] else 'off'}, chunk {first['chunk_size']}; built with "
-            f"`{first['system_info']}`. Its precision is the KV cache type (weights and activations are the GGUF's "
-            "and llama.cpp's). Over its own stage, `live` is llama.cpp's own greedy generation and the state it "
-            "retained, and the other constructions rebuild that state from llama.cpp's ids; over this pipeline's "
-            "stage ids (the reference precision's), `incremental` is the reference.", ""]
+def _header(first, entry: Engine) -> list[str]:
+    """The engine's own words over its first row's provenance (booleans read on / off), then what its families
+    mean."""
+    values = {key: ("on" if value else "off") if isinstance(value, (bool, np.bool_)) else value
+              for key, value in first.items()}
+    label = entry.words
+    own = entry.report_header.format(**values) + " " if entry.report_header else ""
+    return [own + f"Over its own stage, `live` is {label}'s own greedy generation and the state it retained, and "
+            f"the other constructions rebuild that state from {label}'s ids; over this pipeline's stage ids (the "
+            "reference precision's), `incremental` is the reference.", ""]
 
 
-def _stage_lines(engine: pd.DataFrame) -> tuple[list[str], pd.DataFrame]:
+def _stage_lines(engine: pd.DataFrame, label: str, word: str) -> tuple[list[str], pd.DataFrame]:
     agreement = stage_agreement(engine)
     if agreement.empty:
         return [], agreement
-    lines = ["", "llama.cpp's own stage against this pipeline's (the reference precision's generation, the same "
+    lines = ["", f"{label}'s own stage against this pipeline's (the reference precision's generation, the same "
              "prompts, boundary rule and budget), per item:", ""]
-    lines += table(["llama.cpp KV", "items", *[words for _, words in STAGE_COLUMNS]],
+    words = [w.replace("the engine", label) for _, w in STAGE_COLUMNS]
+    lines += table([f"{label} {word}", "items", *words],
                    [[r["precision"], r["items"], *[r[key] for key, _ in STAGE_COLUMNS]]
                     for r in agreement.to_dict("records")])
     schedule = schedule_check(engine)
     if not schedule.empty:
-        lines += ["", "On llama.cpp's own stage, `live` and `incremental` boundary caches byte-identical: " + ", ".join(
+        lines += ["", f"On {label}'s own stage, `live` and `incremental` boundary caches byte-identical: " + ", ".join(
             f"{r.precision} {r.identical} / {r.n}" for r in schedule.itertuples(index=False)) + "."]
     return lines, agreement
 
 
-def _cross_lines(cross: pd.DataFrame) -> list[str]:
+def _cross_lines(cross: pd.DataFrame, label: str, word: str) -> list[str]:
     if cross.empty:
         return []
-    lines = ["", "Where llama.cpp's `prefill` splits from its `incremental` (A), does this pipeline's `prefill` split "
+    lines = ["", f"Where {label}'s `prefill` splits from its `incremental` (A), does this pipeline's `prefill` split "
              "from `incremental` (B), on the same items and stage ids? Both marginals, the items on which both "
              "would split were A and B independent, and Fisher's exact test:", ""]
     return lines + table(
-        ["llama.cpp KV", "stagereplay precision", "items", "A splits", "B splits", "both", "both if independent",
+        [f"{label} {word}", "stagereplay precision", "items", "A splits", "B splits", "both", "both if independent",
          "neither", "odds ratio", "Fisher p"],
         [[r["engine_precision"], r["precision"], r["n"], r["a_splits"], r["b_splits"], r["both"],
           "-" if r["expected_both"] is None else f"{r['expected_both']:.2f}", r["neither"], odds_ratio_text(r),
           "-" if r["fisher_p"] is None else f"{r['fisher_p']:.3g}"] for r in cross.to_dict("records")])
 
 
-def engine_section(data: RevisionData) -> tuple[list[str], dict]:
-    engine = data.frame(ENGINE_KIND)
+def engine_section(data: RevisionData, entry: Engine) -> tuple[list[str], dict]:
+    """The section of the catalogue's engine ``entry``: its rows (``engine_<name>``) and audit."""
+    label = entry.words
+    engine = data.frame(f"engine_{entry.name}")
     if engine is None or engine.empty:
         return ["The engine replayed no item (no prompt at the reference precision).", ""], {"n_rows": 0}
     ledger = data.ledger if data.has("ledger") else None
-    lines = _header(engine.iloc[0])
-    stage_lines, agreement = _stage_lines(engine)
+    lines = _header(engine.iloc[0], entry)
+    stage_lines, agreement = _stage_lines(engine, label, entry.precision_word)
     lines += stage_lines
     replicas = analysis.replica_agreement(engine)
     sources = dict(zip(engine["experiment"], engine["stage_source"]))
@@ -195,18 +200,19 @@ def engine_section(data: RevisionData) -> tuple[list[str], dict]:
     lines += table(["stage ids", "precision", "construction", "identical / items"],
                    [[sources[r.experiment], r.precision, f"`{r.construction}`", f"{r.identical} / {r.n}"]
                     for r in replicas.itertuples(index=False)])
-    counts = split_counts(engine, ledger)
-    lines += ["", "Items whose suffix differs from the reference construction's (llama.cpp's own stage: `live`; the "
+    counts = split_counts(engine, ledger, label)
+    lines += ["", f"Items whose suffix differs from the reference construction's ({label}'s own stage: `live`; the "
               "reference ids: `incremental`):", ""]
     lines += table(["side", "precision", "pair", "split"],
                    [[r["side"], r["precision"], f"`{r['construction_a']}` vs `{r['construction_b']}`", _interval(r)]
                     for r in counts.to_dict("records")])
     cross = crossed(engine, ledger)
-    lines += _cross_lines(cross)
+    lines += _cross_lines(cross, label, entry.precision_word)
     numbers = {"n_rows": len(engine), "stage_agreement": agreement.to_dict("records"),
                "schedule_check": schedule_check(engine).to_dict("records"), "replicas": replicas.to_dict("records"),
                "splits": counts.to_dict("records"), "crossed": cross.to_dict("records")}
-    audit = data.frame(AUDIT_KIND) if data.has(AUDIT_KIND) else None
+    audit_kind = f"engine_{entry.name}_audit"
+    audit = data.frame(audit_kind) if data.has(audit_kind) else None
     if audit is not None:
         reproduced = int(audit["reproduced"].sum())
         lines += ["", f"Engine audit: {reproduced} / {len(audit)} rows recomputed from scratch reproduced every "

@@ -13,6 +13,7 @@ the localisation row reads: it reads the dict :func:`stagereplay.analysis.report
 
 from __future__ import annotations
 
+from stagereplay import catalogue
 from stagereplay.analysis import stats, study
 from stagereplay.analysis.report_format import format_percent, table_head, table_row
 from stagereplay.analysis.truncation import budget_stop_caveat
@@ -194,20 +195,28 @@ def _at(revision: str, named: bool) -> str:
 
 
 def engine_rows(revision: str, numbers: dict, data, named: bool) -> list[BeyondRow]:
-    """Where the engine ran: its own live vs replay splits, beside its replicas and this pipeline's split on the
-    same items."""
-    engine = numbers.get("engine_llama_cpp") or {}
+    """Where an engine of the catalogue ran: its own live vs replay splits, beside its replicas and this pipeline's
+    split on the same items."""
+    rows = []
+    for entry in catalogue.ENGINES:
+        rows += _engine_rows(entry.words, entry.precision_word, numbers.get(f"engine_{entry.name}") or {}, revision,
+                             named)
+    return rows
+
+
+def _engine_rows(label: str, word: str, engine: dict, revision: str, named: bool) -> list[BeyondRow]:
     splits = [s for s in engine.get("splits") or [] if s.get("n")]
     if not splits:
         return []
     replicas = engine.get("replicas") or []
     same, total = sum(int(r["identical"]) for r in replicas), sum(int(r["n"]) for r in replicas)
     rows = []
-    for cell in (s for s in splits if s["side"] == "llama.cpp"):
+    # the engine's sides: "<label>, its own stage" and "<label>, reference ids" (a bare label in older stats)
+    for cell in (s for s in splits if s["side"] == label or s["side"].startswith(f"{label}, ")):
         pipeline = [s for s in splits if s["side"] == "stagereplay" and s["precision"] == cell["precision"]]
         beside = "; ".join(f"this pipeline's {s['construction_a']} vs {s['construction_b']}: {_count(s)}"
                            for s in pipeline)
-        rows.append((f"llama.cpp {cell['construction_a']} vs {cell['construction_b']} ({cell['precision']} KV): "
+        rows.append((f"{label} {cell['construction_a']} vs {cell['construction_b']} ({cell['precision']} {word}): "
                      f"suffixes differ" + _at(revision, named), _count(cell),
                      f"engine replicas bit-identical: {same} / {total}" + (f"; {beside}" if beside else ""),
                      "a split inside one serving engine on the same prefix ids (replicas exact, so not noise); "

@@ -35,10 +35,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 
+from stagereplay import catalogue
 from stagereplay.version import __version__
 from stagereplay.analysis import captions, study
 from stagereplay.analysis.audit_report import audit_banner, audit_section, audit_verdict, verdicts_json
@@ -85,10 +87,18 @@ SECTIONS: list[Section] = [
             cache_differences_section),
     Section("batch_invariance", "### Batch invariance (beyond the study)", ("batch_invariance",),
             batch_invariance_section),
-    Section("engine_llama_cpp", "### llama.cpp beside this pipeline's constructions (beyond the study)",
-            ("engine_llama_cpp",), engine_section, opt_in=True),
     Section("excluded", "### Items excluded and why", ("ledger",), exclusions_section),
 ]
+
+
+def sections() -> list[Section]:
+    """:data:`SECTIONS` with, before the exclusions, one section per engine of the catalogue (opt-in: where the
+    config names the engine), read when called so that an engine added to the catalogue has its section."""
+    engines = [Section(f"engine_{e.name}", f"### {e.words} beside this pipeline's constructions (beyond the study)",
+                       (f"engine_{e.name}",), partial(engine_section, entry=e), opt_in=True)
+               for e in catalogue.ENGINES]
+    at = [s.key for s in SECTIONS].index("excluded")
+    return SECTIONS[:at] + engines + SECTIONS[at:]
 
 
 def figures_section(figures: dict[str, str] | None, out_md: str, notes: dict[str, list[str]] | None = None
@@ -183,7 +193,7 @@ def no_boundary_line(ledger: pd.DataFrame) -> str | None:
 
 
 def revision_section(data: RevisionData, not_run: dict[str, str] | None = None) -> tuple[list[str], dict]:
-    """One revision's part of the report (its regime, then each section of :data:`SECTIONS` that applies) and its
+    """One revision's part of the report (its regime, then each section of :func:`sections` that applies) and its
     numbers, ``stats.json``'s ``revisions.<revision>``. ``not_run`` maps a section whose stage the workflow did not
     schedule (it had nothing to compare) to the reason, said in its place."""
     lines = [f"## Revision `{data.revision}`", ""]
@@ -201,7 +211,7 @@ def revision_section(data: RevisionData, not_run: dict[str, str] | None = None) 
         lines += [f"No ledger for this revision: its results on disk are {join_words(present)}; only what they "
                   "hold is reported.", ""]
     not_here = []
-    for section in SECTIONS:
+    for section in sections():
         absent = [kind for kind in section.needs if not data.has(kind)]
         undeclared = [kind for kind in absent if not data.declared(kind)]
         if undeclared and has_ledger and section.key in (not_run or {}):
