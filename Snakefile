@@ -15,11 +15,9 @@ if not workflow.overwrite_configfiles:
     configfile: "config.yaml"
 
 
-# The helpers, before any rule: the config and its constants, the jobs' params, the input functions, the targets.
-include: "workflow/rules/config.smk"
-include: "workflow/rules/settings.smk"
-include: "workflow/rules/inputs.smk"
-include: "workflow/rules/targets.smk"
+# The helpers first (workflow/rules/common.smk says what each file of common/ holds), then the rule files, each
+# using only the helpers (tests/test_rule_files.py).
+include: "workflow/rules/common.smk"
 include: "workflow/rules/select.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/reconstruct.smk"
@@ -28,13 +26,10 @@ include: "workflow/rules/divergence_location.smk"
 include: "workflow/rules/controls.smk"
 include: "workflow/rules/cache_differences.smk"
 include: "workflow/rules/fidelity.smk"
-include: "workflow/rules/engine_inputs.smk"
 include: "workflow/rules/engine.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/toy.smk"
 include: "workflow/rules/compare.smk"
-include: "workflow/rules/integrity.smk"
-include: "workflow/rules/preflight.smk"
 
 
 rule all:

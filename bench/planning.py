@@ -1,7 +1,7 @@
 """Snakemake's planning: the time ``snakemake -n`` takes, and the time from a run's launch to its first job's start,
 for two or more source trees of the workflow in the same run (their processes interleaved, medians and ratios).
 
-Before its first job a run imports Snakemake, parses the Snakefile and the rule files (config.smk imports the
+Before its first job a run imports Snakemake, parses the Snakefile and the rule files (common/config.smk imports the
 package, validates the config and fingerprints the model files), builds the DAG (the input functions and params of
 every job) and runs its ``onstart`` hook: the check of the results on disk and the preflight of the inputs (the
 dataset, the model's config and tokenizer, every prompt). A dry run runs the same checks from an input function.

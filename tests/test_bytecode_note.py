@@ -37,5 +37,5 @@ def test_no_note_for_a_missing_package():
 def test_the_preflight_logs_the_note():
     from pathlib import Path
 
-    rules = (Path(__file__).resolve().parents[1] / "workflow/rules/preflight.smk").read_text()
+    rules = (Path(__file__).resolve().parents[1] / "workflow/rules/common/preflight.smk").read_text()
     assert "uncompiled_note(\"torch\")" in rules and "logger.warning(note)" in rules

@@ -90,5 +90,5 @@ def test_params_come_from_the_config_by_the_fields_keys():
 def test_the_workflow_reads_no_settings_key_by_hand():
     """settings.smk builds every params.kwargs from the fields: the config keys it reads itself are those whose value
     it derives (the model's path resolved, the cache differences' prefix precision, the revision's precisions)."""
-    read = set(re.findall(r'config\["(\w+)"\]', (REPO / "workflow/rules/settings.smk").read_text()))
+    read = set(re.findall(r'config\["(\w+)"\]', (REPO / "workflow/rules/common/settings.smk").read_text()))
     assert read <= {"model", "cache_differences", "precisions"}, read

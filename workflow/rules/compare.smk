@@ -1,6 +1,6 @@
 # Several finished runs side by side (config `compare`): results/compare/<name>/ from the runs' results files alone,
 # each run refused unless it passes its own results check and audit check. See stagereplay.stages.compare.
-# Helpers in targets.smk ("Comparisons of runs").
+# Helpers in common/targets.smk ("Comparisons of runs").
 
 
 rule compare:

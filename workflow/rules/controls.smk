@@ -101,7 +101,7 @@ rule check_audit:
 
 
 # Batch invariance: a seeded sample of items rerun alone and compared with their batched rows (batch_size > 1);
-# at batch_size 1 there is nothing to compare and no target asks for it (controls_not_run: targets.smk).
+# at batch_size 1 there is nothing to compare and no target asks for it (controls_not_run: common/targets.smk).
 rule check_batch_invariance:
     input:
         models=prepared_at_all_precisions,

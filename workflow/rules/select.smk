@@ -1,6 +1,6 @@
 rule select_items:
     input:
-        preflight_in_dry_run,  # no file: runs the preflight in a dry run (workflow/rules/preflight.smk)
+        preflight_in_dry_run,  # no file: runs the preflight in a dry run (workflow/rules/common/preflight.smk)
     output:
         selection=f"{RESULTS}/selection/items.parquet",
     log:

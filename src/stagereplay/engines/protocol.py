@@ -42,7 +42,7 @@ class EngineConfig(Protocol):
     """An engine's config block (``config[<engine>]``) beyond the stage's own keys (``stage_sources``,
     ``constructions``, ``shards``): a frozen dataclass whose fields are the block's keys, each a :func:`block_field`
     of ``<engine>.<key>`` (its default the schema's) or one of :attr:`inherited`, so that the workflow builds a job's
-    params from the fields (workflow/rules/engine_inputs.smk) and the schema's block holds the defaults."""
+    params from the fields (workflow/rules/common/engines.smk) and the schema's block holds the defaults."""
 
     inherited: ClassVar[tuple[str, ...]]  # keys that take the config's own key of that name where null
 

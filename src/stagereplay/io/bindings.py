@@ -31,7 +31,7 @@ BOUND_BY_PARAMS = ("models/",)
 
 
 def results_root(run: str) -> str:
-    """The run's results folder, as the workflow names it (``RESULTS`` in workflow/rules/config.smk)."""
+    """The run's results folder, as the workflow names it (``RESULTS`` in workflow/rules/common/config.smk)."""
     return f"results/{run}"
 
 

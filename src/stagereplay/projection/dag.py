@@ -6,7 +6,7 @@ model jobs: the jobs of every rule that declares a ``gpu`` resource (what ``--re
 keeps the rule, the wildcards (revision, precision, shard), the threads and resources, the precisions its
 ``params.snapshots`` names (what it may load) and the model jobs it waits for through the jobs that load no model
 (the gathers, the selections). Nothing is run and no hook is called, so the preflight's checks of the model and
-the data (``workflow/rules/preflight.smk``) are not made; the config's own checks (``config.smk``) are.
+the data (``workflow/rules/common/preflight.smk``) are not made; the config's own checks (``config.smk``) are.
 
 The model is not read: the config's ``model`` is replaced by a path that does not exist, so that planning takes
 no fingerprint of the weights (a fingerprint only names the snapshots' store keys, which the projection does not

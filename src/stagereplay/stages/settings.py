@@ -3,7 +3,7 @@
 Each field says where its value comes from, once: :func:`config_field` names the config key (its default is the
 schema's, which the workflow's validation fills in too), :func:`job_field` marks a value of the job itself (its
 revision, precision, shard, the files planned for it). The workflow builds a rule's params from these fields
-(:func:`config_kwargs`, workflow/rules/settings.smk), so a key is spelled in the schema and here, nowhere else.
+(:func:`config_kwargs`, workflow/rules/common/settings.smk), so a key is spelled in the schema and here, nowhere else.
 A key that a rule passes and a stage does not know is an error naming it, not a silently ignored value
 (:func:`from_params`).
 """
@@ -87,7 +87,7 @@ def from_params(cls, params: dict):
 class ModelSettings:
     """How a job loads the model."""
 
-    model: str = config_field("model", required=True)  # the workflow gives the path resolved (rules/settings.smk)
+    model: str = config_field("model", required=True)  # the workflow gives the path resolved (common/settings.smk)
     revision: str | None = job_field()
     threads: int = config_field("threads")
     device: str = config_field("device")

@@ -16,6 +16,7 @@ for _engine, _cls in ENGINE_CLASSES.items():
         except ModelLoadError:
             pass  # the preflight names why the source does not resolve
 
+
 wildcard_constraints:
     engine="|".join(catalogue.engine_names()),  # the catalogue's engines: engine_<name>_audit is no engine's rows
 
@@ -91,4 +92,6 @@ def engine_outputs():
 
 def engine_report_inputs(wildcards):
     """The report's engine inputs, by kind (analysis.inputs.FILES)."""
-    return {name: expand(f"{RESULTS}/{{revision}}/{name}.parquet", revision=REVISIONS) for name in engine_result_names()}
+    return {
+        name: expand(f"{RESULTS}/{{revision}}/{name}.parquet", revision=REVISIONS) for name in engine_result_names()
+    }

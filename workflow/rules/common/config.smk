@@ -27,7 +27,7 @@ update_config(config, _command_line)
 _given = copy.deepcopy(dict(workflow.config_settings.overwrite_config))
 update_config(_given, _command_line)
 check_boundary(_given.get("boundary"))
-validate(config, schema="../schemas/config.schema.yaml", set_default=True)
+validate(config, schema="../../schemas/config.schema.yaml", set_default=True)
 check_template(config["prompt"].get("template"))
 # Params are compared by their repr: every mapping in sorted key order, whatever order the config files give.
 for _key in list(config):
