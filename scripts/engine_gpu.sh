@@ -20,6 +20,7 @@
 #                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16",
 #                                      # ENGINE_SHARDS=K GPU_SLOTS=K CORES=4K: K engine jobs side by side on
 #                                      # the GPU, each with its own llama.cpp context (THREADS=4 each))
+#                                      # PRECISIONS="bf16": the pipeline at bf16 only (no fp32 cross-table)
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -129,7 +130,7 @@ seed: 0
 dataset: {source: synthetic, size: 1000, seed: 0}
 model: $work/model.gguf
 revisions: [random-0.5b]
-precisions: [bf16, fp32]
+precisions: [${PRECISIONS:-bf16, fp32}]
 reference_precision: bf16
 boundary: {marker: "~", occurrence: 64}
 max_stage_tokens: 96
