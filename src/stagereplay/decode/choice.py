@@ -21,15 +21,21 @@ def choice_on_device(logits: torch.Tensor):
 
 
 def greedy_choice(logits: torch.Tensor):
-    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host (from a GPU in one copy:
-    ids and margins are exact in float64)."""
-    import torch
-
+    """Per row: greedy id (lowest index on ties), top-2 margin, all finite; on the host (from a GPU in one copy,
+    :func:`packed_choice`)."""
     choice, margin, finite = choice_on_device(logits)
     if not logits.is_cuda:
         return choice, margin, finite
-    host = torch.stack([choice.double(), margin.double(), finite.double()]).cpu()
+    host = packed_choice(choice, margin, finite).cpu()
     return host[0].long(), host[1].to(margin.dtype), host[2].bool()
+
+
+def packed_choice(choice: torch.Tensor, margin: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """The three per-row values in one float64 tensor (3, rows), so that one copy brings them to the host: ids
+    and fp32 margins are exact in float64."""
+    import torch
+
+    return torch.stack([choice.double(), margin.double(), finite.double()])
 
 
 class Lookahead:
@@ -60,11 +66,8 @@ class Lookahead:
             self.event = torch.cuda.Event()
 
     def read(self, logits: torch.Tensor) -> None:
-        import torch
-
         self.choice, margin, finite = choice_on_device(logits)
-        # ids and fp32 margins are exact in float64: one copy brings all three
-        packed = torch.stack([self.choice.double(), margin.double(), finite.double()])
+        packed = packed_choice(self.choice, margin, finite)
         if self.cuda:
             self.host.copy_(packed, non_blocking=True)
             self.event.record()

@@ -147,7 +147,7 @@ class PendingFingerprints:
     write the same tensors) and hashed in a worker thread once copied, so that a decode goes on while its boundary
     caches are fingerprinted; :meth:`result` waits for the hashes. On the host the fingerprints are taken at once.
     Either way :meth:`result` is what :func:`fingerprint_layers` gives for the cache at the time of the call
-    (tests/test_fingerprints.py)."""
+    (tests/test_ledger.py)."""
 
     def __init__(self, layers):
         flat, done = _queue_host_copies([t for pair in layers for t in pair])
