@@ -13,14 +13,18 @@
 # the section (engine_section.md), its numbers (engine_numbers.json), the config, the logs and the engine's Parquet.
 #
 # Three steps; each skips what an earlier call left done, so they may run as separate commands on a warm machine:
-#   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed to 44 MiB (what the build reads:
+#   bash scripts/engine_gpu.sh pack    # HERE, with network: the sdist trimmed to 8 MiB (what the build reads:
 #                                      # CPU and CUDA) and the build's own packages, into .whl/ (git-ignored: carry it)
 #   bash scripts/engine_gpu.sh build   # ON THE GPU: llama-cpp-python built with CUDA from .whl/, installed
 #   bash scripts/engine_gpu.sh run     # ON THE GPU: the workflow and the tables (WORK=... to keep its folder,
 #                                      # OUT=... for the tables' files, N_ITEMS=48, KV_TYPES="f16",
 #                                      # ENGINE_SHARDS=K GPU_SLOTS=K CORES=4K: K engine jobs side by side on
-#                                      # the GPU, each with its own llama.cpp context (THREADS=4 each))
+#                                      # the GPU, each with its own llama.cpp context (THREADS=4 each): on one
+#                                      # GPU slower than one job, docs/ENGINES.md "Shards and GPUs")
 #                                      # PRECISIONS="bf16": the pipeline at bf16 only (no fp32 cross-table)
+#   bash scripts/engine_gpu.sh shards  # ON THE GPU: the engine's replay and audit at 1 shard and at SHARDS_MANY
+#                                      # (default 4) side by side on the same pipeline outputs: tables compared
+#                                      # byte for byte, times as ratios (PARTS="pipeline", "1", "K", "compare")
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -48,6 +52,19 @@ pack() {
         local vendor="$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp
         rm -rf "$vendor"/models/ggml-vocab-* "$vendor"/docs "$vendor"/tests "$vendor"/benches "$vendor"/media \
             "$vendor"/tools/ui "$vendor"/ggml/src/ggml-{vulkan,sycl,opencl,hexagon,openvino,webgpu,et,metal}
+        # llama.cpp's git folder keeps its commit and trees but not the files' contents (a 38 MiB pack, 0.1 MiB
+        # after): the build asks git for the short commit, the commit count and whether the files differ from
+        # the commit, and each answer is the same as with the whole pack (0c1e570, 1, differ: "0c1e570-dirty")
+        local gitdir="$tmp"/llama_cpp_python-0.3.36/.git/modules/vendor/llama.cpp before after
+        before="$(git -C "$vendor" rev-parse --short HEAD) $(git -C "$vendor" rev-list --count HEAD)"
+        before="$before $(git -C "$vendor" diff-index --quiet HEAD -- . && echo same || echo differ)"
+        git -C "$vendor" rev-list --objects --filter=blob:none HEAD | cut -d' ' -f1 \
+            | git -C "$vendor" pack-objects -q "$tmp/trees" >/dev/null
+        rm -f "$gitdir"/objects/pack/*
+        mv "$tmp"/trees-*.pack "$tmp"/trees-*.idx "$gitdir"/objects/pack/
+        after="$(git -C "$vendor" rev-parse --short HEAD) $(git -C "$vendor" rev-list --count HEAD)"
+        after="$after $(git -C "$vendor" diff-index --quiet HEAD -- . && echo same || echo differ)"
+        [ "$before" = "$after" ] || { echo "git answers differ after the repack: $before / $after" >&2; exit 1; }
         tar czf "$CARRY/$SDIST_NAME" -C "$tmp" llama_cpp_python-0.3.36
         rm -rf "$tmp"
     fi
@@ -94,9 +111,10 @@ build() {
     "$PY" -c "import pyarrow, torch, llama_cpp; print('llama.cpp loads beside pyarrow and torch')"
 }
 
-run() {
-    local work="${WORK:-$REPO/build/engine-gpu}" shape="${SHAPE:-qwen2.5-0.5b}" device="${DEVICE:-cuda}"
-    local offload=-1 regime=cuda_graph gpus=1
+prepare() {
+    # the model and the config, in $work (global: run and shards read work and gpus); ENGINE_SHARDS=K sets the shards
+    work="${WORK:-$REPO/build/engine-gpu}" shape="${SHAPE:-qwen2.5-0.5b}" device="${DEVICE:-cuda}"
+    offload=-1 regime=cuda_graph gpus=1
     if [ "$device" = cpu ]; then offload=0 regime=static gpus=0; fi
     mkdir -p "$work"
     if [ "$device" != cpu ]; then
@@ -146,6 +164,10 @@ engines: [llama_cpp]
 llama_cpp: {n_gpu_layers: $offload, kv_types: [${KV_TYPES:-f16, f32}], stage_sources: [engine, reference],
             constructions: [live, incremental, prefill, prompt_cache, chunked], shards: ${ENGINE_SHARDS:-1}}
 EOF
+}
+
+run() {
+    prepare
     local start end
     start=$(date +%s)
     # (--configfile and --resources take every word after them: the targets come first)
@@ -193,9 +215,90 @@ EOF
     fi
 }
 
+shards() {
+    # the engine's replay and audit at 1 shard, then at K shards side by side (SHARDS_MANY, default 4; one model
+    # each, THREADS cores each), over the same pipeline outputs; then both runs' tables compared byte for byte and
+    # the stage's times as ratios. PARTS (default "pipeline 1 K compare") picks the parts this call runs; a part
+    # done by an earlier call on a warm machine is skipped, so each fits one 10-minute call.
+    local k="${SHARDS_MANY:-4}" threads="${THREADS:-4}" parts="${PARTS:-pipeline 1 K compare}" n part start end
+    local rev=results/engine-gpu/random-0.5b
+    ENGINE_SHARDS=1 prepare
+    for part in $parts; do
+        case "$part" in
+            pipeline)
+                [ -f "$work/$rev/audit_check.json" ] && continue
+                start=$(date +%s)
+                "$PY" -m snakemake "$rev/ledger.parquet" "$rev/audit_check.json" -s "$REPO/Snakefile" \
+                    --directory "$work" --configfile "$work/config.yaml" --cores "${CORES:-16}" --resources gpu=1
+                echo "== the pipeline's part: $(( $(date +%s) - start )) s" ;;
+            1|K)
+                n=$part; [ "$n" = K ] && n=$k
+                [ -f "$work/shards/$n/wall_s" ] && continue
+                ENGINE_SHARDS=$n prepare
+                rm -rf "$work/$rev"/engine_llama_cpp*.parquet "$work/$rev"/parts/engine_llama_cpp* \
+                    "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_*
+                start=$(date +%s%N)
+                "$PY" -m snakemake "$rev/engine_llama_cpp_audit.parquet" -s "$REPO/Snakefile" --directory "$work" \
+                    --configfile "$work/config.yaml" --rerun-triggers mtime --cores $((threads * n)) \
+                    --resources gpu="$n"
+                end=$(date +%s%N)
+                mkdir -p "$work/shards/$n"
+                cp "$work/$rev"/engine_llama_cpp*.parquet "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_* \
+                    "$work/shards/$n/"
+                echo "$(( (end - start) / 1000000 ))" > "$work/shards/$n/wall_ms"
+                echo "== the engine at $n shard(s): $(cat "$work/shards/$n/wall_ms") ms" ;;
+            compare)
+                "$PY" - "$work/shards/1" "$work/shards/$k" <<'EOF'
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+one, many = Path(sys.argv[1]), Path(sys.argv[2])
+for name in ("engine_llama_cpp.parquet", "engine_llama_cpp_audit.parquet"):
+    a, b = (pq.read_table(d / name).replace_schema_metadata(None) for d in (one, many))
+    print(f"{name}: {a.num_rows} rows at 1 shard, {b.num_rows} at {many.name}; identical: {a.equals(b)}")
+    # the control: the first margin moved by one ulp (the rows), the first verdict flipped (the audit): each
+    # must make the comparison fail
+    if "margins" in b.column_names:
+        margins = b["margins"].combine_chunks()
+        values = margins.flatten().to_numpy().copy()
+        values[0] = np.nextafter(values[0], np.float32(np.inf))
+        column, changed = "margins", pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32()))
+    else:
+        values = b["reproduced"].to_numpy(zero_copy_only=False).copy()
+        values[0] = not values[0]
+        column, changed = "reproduced", pa.array(values)
+    nudged = b.set_column(b.column_names.index(column), column, changed)
+    print(f"  control: {column} of the first row changed; identical: {a.equals(nudged)}")
+
+
+def seconds(folder, rule):
+    return [float(pd.read_csv(f, sep="\t")["s"].iloc[0]) for f in sorted(folder.glob(f"{rule}_*.tsv"))]
+
+
+print(f"| what | 1 shard | {many.name} shards side by side | ratio |")
+print("| --- | --- | --- | --- |")
+for rule in ("replay_on_engine", "audit_engine"):
+    a, b = seconds(one, rule), seconds(many, rule)
+    print(f"| {rule}: longest job (s) | {max(a):.1f} | {max(b):.1f} (jobs {', '.join(f'{x:.1f}' for x in b)}) "
+          f"| {max(a) / max(b):.2f}x |")
+wa, wb = (int((d / "wall_ms").read_text()) / 1000 for d in (one, many))
+print(f"| the engine's four rules, wall (s) | {wa:.1f} | {wb:.1f} | {wa / wb:.2f}x |")
+EOF
+                if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/shards" && cp -r "$work/shards/." "$OUT/shards/"; fi ;;
+            *) echo "unknown part $part: give pipeline, 1, K or compare" >&2; exit 1 ;;
+        esac
+    done
+}
+
 case "$STEP" in
     pack) pack ;;
     build) build ;;
     run) run ;;
-    *) echo "unknown step $STEP: give pack, build or run" >&2; exit 1 ;;
+    shards) shards ;;
+    *) echo "unknown step $STEP: give pack, build, run or shards" >&2; exit 1 ;;
 esac

@@ -143,3 +143,23 @@ def test_side_by_side_jobs_each_claim_a_gpu_and_put_every_layer_on_it(inputs, tm
     with pytest.raises(engine.EngineRefusedError):
         engine.LlamaCppEngine.open(str(inputs[1]), offloaded.config, "kv_f16", 128, main_gpu=1)
     assert (seen["split_mode"], seen["main_gpu"]) == (llama_cpp.LLAMA_SPLIT_MODE_NONE, 1)
+
+
+def test_shards_on_one_visible_gpu_are_warned_of_and_shards_across_gpus_are_not(inputs, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """Several shards with one GPU seen take turns on it (slower than one shard): the job's log says so and names
+    the fix; one shard on one GPU, and several shards over as many GPUs, log nothing of it."""
+    from stagereplay.stages import engine as stage
+
+    monkeypatch.setenv("STAGEREPLAY_GPU_LOCK_DIR", str(tmp_path / "locks"))
+
+    def warned(gpus, n_shards):
+        monkeypatch.setattr(engine, "gpu_count", lambda: gpus)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stagereplay"):
+            stage.claim_engine_gpu(settings(inputs[1], inputs[2], n_gpu_layers=-1, shard=0, n_shards=n_shards))
+        return [r.getMessage() for r in caplog.records if "take turns" in r.getMessage()]
+
+    (message,) = warned(1, 4)
+    assert "4 shards of the llama_cpp engine with 1 GPU visible" in message and "llama_cpp.shards" in message
+    assert warned(1, 1) == [] and warned(4, 4) == []

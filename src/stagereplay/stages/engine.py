@@ -193,7 +193,12 @@ def claim_engine_gpu(s: EngineReplaySettings) -> GpuSlot:
     files: jobs side by side under --resources gpu=K each take one), else no claim."""
     if not s.config.gpus():
         return GpuSlot("cpu")
-    return claim_gpu("cuda", n_visible=s.engine_class.visible_gpus())
+    n_visible = s.engine_class.visible_gpus()
+    if s.n_shards > 1 and n_visible <= 1:
+        log.warning("%d shards of the %s engine with %d GPU visible: shards side by side on one GPU take turns on "
+                    "it and run slower than one shard (0.70x at 4 shards on one H100, docs/ENGINES.md, \"Shards and "
+                    "GPUs\"); set %s.shards to the number of GPUs", s.n_shards, s.engine, n_visible, s.engine)
+    return claim_gpu("cuda", n_visible=n_visible)
 
 
 def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot) -> tuple[pd.DataFrame, dict]:
