@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stagereplay import catalogue
+from stagereplay import catalogue, config
 from stagereplay.analysis import captions, figures
 from workflow_runner import REPO, snakemake, tiny_config
 
@@ -50,13 +50,19 @@ def schema_mismatches(schema: dict) -> dict[str, tuple[list[str], list[str]]]:
     return {key: pair for key, pair in found.items() if pair[0] != pair[1]}
 
 
-def test_every_schema_enum_of_constructions_is_the_catalogues():
-    schema = yaml.safe_load(SCHEMA.read_text())
-    assert not schema_mismatches(schema), "edit these enums of config.schema.yaml (schema, catalogue):\n" + \
-        "\n".join(f"{key}: {pair}" for key, pair in schema_mismatches(schema).items())
+def test_the_schema_yaml_leaves_the_catalogues_enums_to_it_and_the_validated_schema_has_them():
+    """The YAML spells no catalogue name in an enum; the schema the workflow validates with (config.schema_file)
+    offers exactly the catalogue's names at each key of SCHEMA_ENUMS, and nowhere else."""
+    written = yaml.safe_load(SCHEMA.read_text())
     names = known_names() | {e.name for e in catalogue.ENGINES}
-    offering = {key for key, enum in every_enum(schema) if set(enum) & names}
-    assert offering == set(catalogue.SCHEMA_ENUMS), "an enum of catalogue names that SCHEMA_ENUMS lacks"
+    assert not {key for key, enum in every_enum(written) if set(enum) & names}, "an enum of catalogue names in YAML"
+    validated = json.loads(Path(config.schema_file()).read_text())
+    assert not schema_mismatches(validated)
+    offering = {key for key, enum in every_enum(validated) if set(enum) & names}
+    assert offering == set(catalogue.SCHEMA_ENUMS)
+    written["properties"]["engines"]["items"]["enum"] = ["llama_cpp"]  # the control: one written out is refused
+    with pytest.raises(ValueError, match="writes out the enum of 'engines'"):
+        config.with_catalogue_enums(written)
 
 
 # ---- (b) figures, results files, engines ---------------------------------------------------------------------------
@@ -228,20 +234,24 @@ entry = constructions.get("dummy")
 json.dump({"registry": list(constructions.REGISTRY), "label": entry.label,
            "segments": entry.cache_build().segments(7, 3), "style": CONSTRUCTION_STYLE["dummy"]["color"],
            "enums": catalogue.schema_enums()}, sys.stdout)
+from stagereplay.config import schema
+import jsonschema
+chosen = {"constructions": ["incremental", "dummy"]}  # the block fixed_prefix
+jsonschema.validate(chosen, schema()["properties"]["fixed_prefix"])  # the workflow's schema takes it: no YAML edit
 """
 
 
-def test_a_new_catalogue_construction_reaches_the_registry_styles_and_schema_lists(monkeypatch):
+def test_a_new_catalogue_construction_reaches_the_registry_styles_and_schema_lists():
     """Declared in the catalogue alone (reusing a segment rule), a construction is in the registry (built when the
-    module is imported: a fresh process), the fidelity figures' styles and the enums the schema must list; the
-    schema's YAML is then what still needs an edit, and the check of (a) names its keys."""
+    module is imported: a fresh process), the fidelity figures' styles and the schema's enums, so a config that
+    chooses it validates with no edit of the YAML; without the entry, the same config is refused."""
     proc = subprocess.run([sys.executable, "-c", ADD_DUMMY], capture_output=True, text=True, check=True)
     seen = json.loads(proc.stdout)
     assert seen["registry"] == [*catalogue.construction_names(), "dummy"]
     assert seen["label"] == "a dummy" and seen["segments"] == [10] and seen["style"] == "#000000"
     for key in ("fixed_prefix.constructions", "transplant.constructions", "fidelity.constructions"):
         assert seen["enums"][key][-1] == "dummy", key
-    dummy = catalogue.Construction("dummy", "a dummy", "every id in one forward", "prefill")
-    monkeypatch.setattr(catalogue, "CONSTRUCTIONS", (*catalogue.CONSTRUCTIONS, dummy))
-    assert set(schema_mismatches(yaml.safe_load(SCHEMA.read_text()))) == {
-        "fixed_prefix.constructions", "transplant.constructions", "fidelity.constructions"}
+    import jsonschema
+
+    with pytest.raises(jsonschema.ValidationError, match="'dummy' is not one of"):
+        jsonschema.validate({"constructions": ["incremental", "dummy"]}, config.schema()["properties"]["fixed_prefix"])

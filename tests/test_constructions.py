@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,12 +74,11 @@ def by_hand(model, ids: list[int], sizes: list[int]) -> str:
 
 
 def test_every_construction_is_offered_by_the_config_schema():
-    """A new construction is a registry entry: the schema must offer it where constructions are chosen."""
-    import yaml
+    """A new construction is a registry entry: the schema the workflow validates with offers it where constructions
+    are chosen."""
+    from stagereplay.config import schema_file
 
-    from workflow_runner import REPO
-
-    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())["properties"]
+    schema = json.loads(Path(schema_file()).read_text())["properties"]
     rebuildable = {n for n, c in constructions.REGISTRY.items() if c.rebuildable}
     assert set(schema["fixed_prefix"]["properties"]["constructions"]["items"]["enum"]) == rebuildable
     assert set(schema["transplant"]["properties"]["constructions"]["items"]["enum"]) == set(constructions.REGISTRY)

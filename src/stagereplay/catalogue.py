@@ -15,8 +15,8 @@ once by name, and read by the modules that implement them.
   own constructions (:class:`EngineConstruction`), each running the forwards of one of the pipeline's.
 
 Where the config schema (``workflow/schemas/config.schema.yaml``) offers a choice among these, :data:`SCHEMA_ENUMS`
-names the key and :func:`schema_enums` what it must list; the schema is YAML that other tools read as it is, so
-its enums are written out there and a test holds them equal to this catalogue's.
+names the key and :func:`schema_enums` what it lists; the YAML leaves those keys open and the schema the workflow
+validates with has these names filled in (:func:`stagereplay.config.schema`).
 
 This module is data: it imports nothing beyond the standard library and knows nothing of torch, Snakemake or how
 any entry is implemented. docs/EXTENDING.md walks through adding an entry.

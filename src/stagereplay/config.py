@@ -14,16 +14,24 @@ Knows nothing of Snakemake's objects: the workflow passes plain dicts.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import tempfile
 from pathlib import Path
 
 import yaml
+
+from stagereplay import catalogue
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml"
 
 
 @functools.cache
 def schema() -> dict:
-    """The workflow's config schema, parsed once per process (the C loader where PyYAML has it: a few ms)."""
+    """The workflow's config schema, parsed once per process (the C loader where PyYAML has it: a few ms), with the
+    catalogue's names filled in as the enums of the keys :data:`catalogue.SCHEMA_ENUMS` names (the YAML leaves
+    those open: a new construction or engine is a catalogue entry, not also a schema edit)."""
     try:
         text = SCHEMA_PATH.read_text()
     except FileNotFoundError:
@@ -31,7 +39,35 @@ def schema() -> dict:
             f"the workflow's config schema {SCHEMA_PATH} is not there: the workflow's stages read their defaults from "
             "it, beside the package in a checkout of this repository; install from a checkout (pip install -e .), "
             "or use the library (stagereplay.replay, stagereplay.transplant), which needs no workflow") from None
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return with_catalogue_enums(yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+
+
+def with_catalogue_enums(parsed: dict) -> dict:
+    """``parsed`` (a parsed schema) with each key of :data:`catalogue.SCHEMA_ENUMS` limited to the catalogue's names
+    (its items' enum where it is an array), refusing a key the schema lacks or one whose enum is written out."""
+    for key, names in catalogue.schema_enums().items():
+        node = parsed
+        for part in key.split("."):
+            if part not in node.get("properties", {}):
+                raise KeyError(f"catalogue.SCHEMA_ENUMS names {key!r}, which the config schema lacks")
+            node = node["properties"][part]
+        node = node["items"] if node.get("type") == "array" else node
+        if "enum" in node:
+            raise ValueError(f"the config schema writes out the enum of {key!r}: leave it to the catalogue")
+        node["enum"] = list(names)
+    return parsed
+
+
+def schema_file() -> str:
+    """A file of :func:`schema` (JSON, which YAML reads), for Snakemake's ``validate``: in the temporary folder,
+    named by its content, written once."""
+    text = json.dumps(schema(), sort_keys=True)
+    path = Path(tempfile.gettempdir()) / f"stagereplay-config-schema-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists() or path.read_text() != text:
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(text)
+        partial.replace(path)  # whole or absent, for runs side by side
+    return str(path)
 
 
 def schema_node(key: str) -> dict:

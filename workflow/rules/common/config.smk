@@ -1,4 +1,5 @@
-# The config: typed, validated against workflow/schemas/config.schema.yaml (its defaults filled in), checked across
+# The config: typed, validated against workflow/schemas/config.schema.yaml with the catalogue's names as the enums
+# SCHEMA_ENUMS names (its defaults filled in), checked across
 # keys, and the constants the rules derive from it (folders, revisions, shards, the transplant's revisions and
 # precision). Every other helper file and rule file reads these; none of them reads the config before this one.
 import copy
@@ -14,6 +15,7 @@ from stagereplay.config import (
     check_boundary_set,
     check_transplant_pair,
     schema,
+    schema_file,
     typed_command_line_values,
 )
 from stagereplay.data.prompts import check_template
@@ -27,7 +29,7 @@ update_config(config, _command_line)
 _given = copy.deepcopy(dict(workflow.config_settings.overwrite_config))
 update_config(_given, _command_line)
 check_boundary(_given.get("boundary"))
-validate(config, schema="../../schemas/config.schema.yaml", set_default=True)
+validate(config, schema=schema_file(), set_default=True)  # the YAML with the catalogue's enums (stagereplay.config)
 check_template(config["prompt"].get("template"))
 # Params are compared by their repr: every mapping in sorted key order, whatever order the config files give.
 for _key in list(config):
