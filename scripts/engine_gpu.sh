@@ -22,9 +22,10 @@
 #                                      # the GPU, each with its own llama.cpp context (THREADS=4 each): on one
 #                                      # GPU slower than one job, docs/ENGINES.md "Shards and GPUs")
 #                                      # PRECISIONS="bf16": the pipeline at bf16 only (no fp32 cross-table)
-#   bash scripts/engine_gpu.sh shards  # ON THE GPU: the engine's replay and audit at 1 shard and at SHARDS_MANY
-#                                      # (default 4) side by side on the same pipeline outputs: tables compared
-#                                      # byte for byte, times as ratios (PARTS="pipeline", "1", "K", "compare")
+#   bash scripts/engine_gpu.sh shards  # ON THE GPU: the engine's replay and audit at 1 shard, at SHARDS_MANY
+#                                      # (default 4) side by side and at 1 shard of SHARDS_MANY contexts, on the
+#                                      # same pipeline outputs: tables compared byte for byte, times as ratios
+#                                      # (PARTS="pipeline", "1", "K", "C", "compare")
 #   BACKEND=cpu bash scripts/engine_gpu.sh build          # the build step without CUDA (a check on a CPU)
 #   SHAPE=tiny DEVICE=cpu bash scripts/engine_gpu.sh run   # a CPU smoke test of the run step (2-layer model)
 # Needs on the GPU machine: torch with CUDA, this package's dependencies and gguf (pip install -e ".[gguf]"), nvcc
@@ -162,7 +163,8 @@ batch_size: 16
 fixed_prefix: {constructions: [incremental, prefill, prefix_cached]}
 engines: [llama_cpp]
 llama_cpp: {n_gpu_layers: $offload, kv_types: [${KV_TYPES:-f16, f32}], stage_sources: [engine, reference],
-            constructions: [live, incremental, prefill, prompt_cache, chunked], shards: ${ENGINE_SHARDS:-1}}
+            constructions: [live, incremental, prefill, prompt_cache, chunked], shards: ${ENGINE_SHARDS:-1},
+            contexts: ${ENGINE_CONTEXTS:-1}}
 EOF
 }
 
@@ -217,11 +219,12 @@ EOF
 
 shards() {
     # the engine's replay and audit at 1 shard, then at K shards side by side (SHARDS_MANY, default 4; one model
-    # each, THREADS cores each), over the same pipeline outputs; then both runs' tables compared byte for byte and
-    # the stage's times as ratios. PARTS (default "pipeline 1 K compare") picks the parts this call runs; a part
-    # done by an earlier call on a warm machine is skipped, so each fits one 10-minute call.
-    local k="${SHARDS_MANY:-4}" threads="${THREADS:-4}" parts="${PARTS:-pipeline 1 K compare}" n part start end
-    local rev=results/engine-gpu/random-0.5b
+    # each, THREADS cores each), then at 1 shard of K contexts on threads of one job, over the same pipeline outputs;
+    # then every run's tables compared with the first's byte for byte and the stage's times as ratios. PARTS (default
+    # "pipeline 1 K C compare") picks the parts this call runs; a part done by an earlier call on a warm machine is
+    # skipped, so each fits one 10-minute call.
+    local k="${SHARDS_MANY:-4}" threads="${THREADS:-4}" parts="${PARTS:-pipeline 1 K C compare}" part start end
+    local rev=results/engine-gpu/random-0.5b n c name
     ENGINE_SHARDS=1 prepare
     for part in $parts; do
         case "$part" in
@@ -231,10 +234,12 @@ shards() {
                 "$PY" -m snakemake "$rev/ledger.parquet" "$rev/audit_check.json" -s "$REPO/Snakefile" \
                     --directory "$work" --configfile "$work/config.yaml" --cores "${CORES:-16}" --resources gpu=1
                 echo "== the pipeline's part: $(( $(date +%s) - start )) s" ;;
-            1|K)
-                n=$part; [ "$n" = K ] && n=$k
-                [ -f "$work/shards/$n/wall_s" ] && continue
-                ENGINE_SHARDS=$n prepare
+            1|K|C)
+                n=1 c=1 name=1
+                [ "$part" = K ] && n=$k name=$k
+                [ "$part" = C ] && c=$k name="contexts_$k"
+                [ -f "$work/shards/$name/wall_ms" ] && continue
+                ENGINE_SHARDS=$n ENGINE_CONTEXTS=$c prepare
                 rm -rf "$work/$rev"/engine_llama_cpp*.parquet "$work/$rev"/parts/engine_llama_cpp* \
                     "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_*
                 start=$(date +%s%N)
@@ -242,13 +247,13 @@ shards() {
                     --configfile "$work/config.yaml" --rerun-triggers mtime --cores $((threads * n)) \
                     --resources gpu="$n"
                 end=$(date +%s%N)
-                mkdir -p "$work/shards/$n"
+                mkdir -p "$work/shards/$name"
                 cp "$work/$rev"/engine_llama_cpp*.parquet "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_* \
-                    "$work/shards/$n/"
-                echo "$(( (end - start) / 1000000 ))" > "$work/shards/$n/wall_ms"
-                echo "== the engine at $n shard(s): $(cat "$work/shards/$n/wall_ms") ms" ;;
+                    "$work/shards/$name/"
+                echo "$(( (end - start) / 1000000 ))" > "$work/shards/$name/wall_ms"
+                echo "== the engine at $n shard(s) of $c context(s): $(cat "$work/shards/$name/wall_ms") ms" ;;
             compare)
-                "$PY" - "$work/shards/1" "$work/shards/$k" <<'EOF'
+                "$PY" - "$work/shards" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -257,40 +262,50 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-one, many = Path(sys.argv[1]), Path(sys.argv[2])
-for name in ("engine_llama_cpp.parquet", "engine_llama_cpp_audit.parquet"):
-    a, b = (pq.read_table(d / name).replace_schema_metadata(None) for d in (one, many))
-    print(f"{name}: {a.num_rows} rows at 1 shard, {b.num_rows} at {many.name}; identical: {a.equals(b)}")
-    # the control: the first margin moved by one ulp (the rows), the first verdict flipped (the audit): each
-    # must make the comparison fail
-    if "margins" in b.column_names:
-        margins = b["margins"].combine_chunks()
-        values = margins.flatten().to_numpy().copy()
-        values[0] = np.nextafter(values[0], np.float32(np.inf))
-        column, changed = "margins", pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32()))
-    else:
-        values = b["reproduced"].to_numpy(zero_copy_only=False).copy()
-        values[0] = not values[0]
-        column, changed = "reproduced", pa.array(values)
-    nudged = b.set_column(b.column_names.index(column), column, changed)
-    print(f"  control: {column} of the first row changed; identical: {a.equals(nudged)}")
+folder = Path(sys.argv[1])
+one = folder / "1"
+others = [d for d in sorted(folder.iterdir()) if d.is_dir() and d.name != "1" and (d / "wall_ms").exists()]
 
 
-def seconds(folder, rule):
-    return [float(pd.read_csv(f, sep="\t")["s"].iloc[0]) for f in sorted(folder.glob(f"{rule}_*.tsv"))]
+def words(d):
+    return f"{d.name} shards side by side" if d.name.isdigit() else f"1 shard of {d.name.split('_')[1]} contexts"
 
 
-print(f"| what | 1 shard | {many.name} shards side by side | ratio |")
-print("| --- | --- | --- | --- |")
-for rule in ("replay_on_engine", "audit_engine"):
-    a, b = seconds(one, rule), seconds(many, rule)
-    print(f"| {rule}: longest job (s) | {max(a):.1f} | {max(b):.1f} (jobs {', '.join(f'{x:.1f}' for x in b)}) "
-          f"| {max(a) / max(b):.2f}x |")
-wa, wb = (int((d / "wall_ms").read_text()) / 1000 for d in (one, many))
-print(f"| the engine's four rules, wall (s) | {wa:.1f} | {wb:.1f} | {wa / wb:.2f}x |")
+for d in others:
+    for name in ("engine_llama_cpp.parquet", "engine_llama_cpp_audit.parquet"):
+        a, b = (pq.read_table(x / name).replace_schema_metadata(None) for x in (one, d))
+        print(f"{name}: {a.num_rows} rows at 1 shard, {b.num_rows} at {words(d)}; identical: {a.equals(b)}")
+        # the control: the first margin moved by one ulp (the rows), the first verdict flipped (the audit): each
+        # must make the comparison fail
+        if "margins" in b.column_names:
+            margins = b["margins"].combine_chunks()
+            values = margins.flatten().to_numpy().copy()
+            values[0] = np.nextafter(values[0], np.float32(np.inf))
+            column, changed = "margins", pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32()))
+        else:
+            values = b["reproduced"].to_numpy(zero_copy_only=False).copy()
+            values[0] = not values[0]
+            column, changed = "reproduced", pa.array(values)
+        nudged = b.set_column(b.column_names.index(column), column, changed)
+        print(f"  control: {column} of the first row changed; identical: {a.equals(nudged)}")
+
+
+def seconds(d, rule):
+    return [float(pd.read_csv(f, sep="\t")["s"].iloc[0]) for f in sorted(d.glob(f"{rule}_*.tsv"))]
+
+
+for d in others:
+    print(f"\n| what | 1 shard, 1 context | {words(d)} | ratio |")
+    print("| --- | --- | --- | --- |")
+    for rule in ("replay_on_engine", "audit_engine"):
+        a, b = seconds(one, rule), seconds(d, rule)
+        print(f"| {rule}: longest job (s) | {max(a):.1f} | {max(b):.1f} (jobs {', '.join(f'{x:.1f}' for x in b)}) "
+              f"| {max(a) / max(b):.2f}x |")
+    wa, wb = (int((x / "wall_ms").read_text()) / 1000 for x in (one, d))
+    print(f"| the engine's four rules, wall (s) | {wa:.1f} | {wb:.1f} | {wa / wb:.2f}x |")
 EOF
                 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/shards" && cp -r "$work/shards/." "$OUT/shards/"; fi ;;
-            *) echo "unknown part $part: give pipeline, 1, K or compare" >&2; exit 1 ;;
+            *) echo "unknown part $part: give pipeline, 1, K, C or compare" >&2; exit 1 ;;
         esac
     done
 }

@@ -59,7 +59,7 @@ def table(path):
 
 
 def settings(path, boundary, **kw) -> EngineReplaySettings:
-    shard = {k: kw.pop(k) for k in ("shard", "n_shards") if k in kw}
+    shard = {k: kw.pop(k) for k in ("shard", "n_shards", "contexts") if k in kw}
     return EngineReplaySettings(engine="llama_cpp", model=str(path), revision="tiny.gguf", precision="bf16",
                                 max_new_tokens=6, boundary=boundary, max_stage_tokens=8,
                                 settings=dict(chunk_size=3, **kw), **shard)
@@ -163,3 +163,29 @@ def test_shards_on_one_visible_gpu_are_warned_of_and_shards_across_gpus_are_not(
     (message,) = warned(1, 4)
     assert "4 shards of the llama_cpp engine with 1 GPU visible" in message and "llama_cpp.shards" in message
     assert warned(1, 1) == [] and warned(4, 4) == []
+
+
+def test_contexts_on_threads_give_the_one_contexts_rows_byte_for_byte_and_their_audit_reproduces(inputs):
+    """Two contexts of one job, each on a thread over every other item, write the one context's file; the audit with
+    three contexts reproduces it. The control: a row's margins moved by one ulp is told apart."""
+    import numpy as np
+    import pyarrow as pa
+
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    one, two = folder / "one_context.parquet", folder / "two_contexts.parquet"
+    replay_on_engine(*paths, str(one), settings(path, boundary))
+    replay_on_engine(*paths, str(two), settings(path, boundary, contexts=2))
+    assert table(two).equals(table(one)) and table(one).num_rows > 8
+    audit = folder / "three_contexts_audit.parquet"
+    audit_engine(*paths, str(two), str(audit), settings(path, boundary, contexts=3))
+    assert read_parquet(audit)["reproduced"].all() and len(read_parquet(audit)) == table(one).num_rows
+
+    margins = table(two)["margins"].combine_chunks()
+    values = margins.flatten().to_numpy().copy()
+    values[0] = np.nextafter(values[0], np.float32(np.inf))
+    nudged = table(two).set_column(table(two).column_names.index("margins"), "margins",
+                                   pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32())))
+    assert not nudged.equals(table(one))
+    with pytest.raises(ValueError, match="contexts 0: need at least 1"):
+        settings(path, boundary, contexts=0)

@@ -4,6 +4,9 @@
 #   bash bench/runs/h100_step5/gpu.sh build    # snakemake's wheels, llama.cpp built for CUDA, the pipeline's part
 #   bash bench/runs/h100_step5/gpu.sh one      # the engine at 1 shard
 #   bash bench/runs/h100_step5/gpu.sh many     # the engine at 4 shards, then the comparison and the ratios
+# and, in one call on a fresh machine, the build, the pipeline's part on 24 items, the engine at 1 shard of 1 context
+# and at 1 shard of 4 contexts on threads of one job, the comparison and the ratios:
+#   bash bench/runs/h100_step5/gpu.sh contexts
 set -u
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/sm/*.whl 2>&1 | tail -2
@@ -15,5 +18,9 @@ case "$1" in
     one) PARTS=1 bash scripts/engine_gpu.sh shards > /tmp/eg_one.log 2>&1; echo "rc $?"; tail -4 /tmp/eg_one.log ;;
     many) PARTS="K compare" bash scripts/engine_gpu.sh shards > /tmp/eg_many.log 2>&1; echo "rc $?"; tail -16 /tmp/eg_many.log
           cp /tmp/eg_one.log /tmp/eg_many.log "$OUT/" ;;
+    contexts) bash scripts/engine_gpu.sh build 2>&1 | tail -2
+          WORK=/tmp/ec N_ITEMS=24 PARTS="pipeline 1 C compare" bash scripts/engine_gpu.sh shards > /tmp/ec.log 2>&1
+          echo "rc $?"; grep -v "^\[\|^=*$" /tmp/ec.log | grep "==\|identical\||" | tail -24
+          cp /tmp/ec.log "$OUT/"; tar czf "$OUT/ec_shards.tgz" -C /tmp/ec shards logs ;;
 esac
 python -c "import torch, transformers, llama_cpp; print(torch.__version__, transformers.__version__, llama_cpp.__version__)" 2>/dev/null

@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
 class EngineConfig(Protocol):
     """An engine's config block (``config[<engine>]``) beyond the stage's own keys (``stage_sources``,
-    ``constructions``, ``shards``): a frozen dataclass whose fields are the block's keys, each a :func:`block_field`
-    of ``<engine>.<key>`` (its default the schema's) or one of :attr:`inherited`, so that the workflow builds a job's
-    params from the fields (workflow/rules/common/engines.smk) and the schema's block holds the defaults."""
+    ``constructions``, ``shards``, ``contexts``): a frozen dataclass whose fields are the block's keys, each a
+    :func:`block_field` of ``<engine>.<key>`` (its default the schema's) or one of :attr:`inherited`, so that the
+    workflow builds a job's params from the fields (workflow/rules/common/engines.smk) and the schema's block holds
+    the defaults."""
 
     inherited: ClassVar[tuple[str, ...]]  # keys that take the config's own key of that name where null
 

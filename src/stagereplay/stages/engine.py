@@ -25,6 +25,8 @@ config block (``settings``, the fields of its config class).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -78,10 +80,13 @@ class EngineReplaySettings:
     settings: dict = dataclasses.field(default_factory=dict)  # the engine's config block; missing keys: defaults
     shard: int = 0  # this job's items: item_index modulo n_shards
     n_shards: int = 1
+    contexts: int = 1  # the job's engines (one model and context each), each on a thread of its own
 
     def __post_init__(self):
         if not 0 <= self.shard < self.n_shards:
             raise ValueError(f"shard {self.shard} of {self.n_shards}: need 0 <= shard < n_shards")
+        if self.contexts < 1:
+            raise ValueError(f"{self.engine}.contexts {self.contexts}: need at least 1")
         for source in self.stage_sources:
             reference = reference_of(self.engine, source)
             if reference not in constructions_for(self.engine, source, self.names):
@@ -214,14 +219,33 @@ def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot) -> tup
             e.check_prefixes(planned_prefixes(items, s))
     mine = shard_items(items, s.shard, s.n_shards)
     for precision in config.precisions():
-        with cls.open(path, config, precision, n_ctx, gpu.visible_index) as e:
-            matcher = matcher_from_config(s.boundary, e)
-            for it in mine:
-                rows += _item_rows(e, it, s, matcher, s.run_settings(precision))
-        log.info("%s %s: %d items (shard %d of %d), stage ids of %s, %d constructions x 2 replicas", cls.label,
-                 precision, len(mine), s.shard, s.n_shards, "/".join(s.stage_sources), len(s.names))
+        with contextlib.ExitStack() as stack:
+            engines = [stack.enter_context(cls.open(path, config, precision, n_ctx, gpu.visible_index))
+                       for _ in range(min(s.contexts, max(len(mine), 1)))]
+            rows += _rows_on_engines(engines, mine, s, s.run_settings(precision))
+        log.info("%s %s: %d items (shard %d of %d) on %d context(s), stage ids of %s, %d constructions x 2 replicas",
+                 cls.label, precision, len(mine), s.shard, s.n_shards, len(engines), "/".join(s.stage_sources),
+                 len(s.names))
     frame = pd.DataFrame(rows, columns=ledger_schema(cls).names)
     return frame.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True), contexts
+
+
+def _rows_on_engines(engines: list, items: list[EngineItem], s: EngineReplaySettings,
+                     settings: RunSettings) -> list[dict]:
+    """The rows of ``items``, the i-th of every len(engines) items on engine i, each engine on a thread of its own
+    (one engine: this thread). Every item runs alone in a cleared context, so which engine ran it changes no byte;
+    with several on one GPU, they share this process's CUDA context and overlap (separate processes take turns)."""
+
+    def run(e, share: list[EngineItem]) -> list[dict]:
+        matcher = matcher_from_config(s.boundary, e)
+        return [row for it in share for row in _item_rows(e, it, s, matcher, settings)]
+
+    shares = [items[i::len(engines)] for i in range(len(engines))]
+    if len(engines) == 1:
+        return run(engines[0], shares[0])
+    with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix=f"{s.engine}-context") as pool:
+        done = [pool.submit(run, e, share) for e, share in zip(engines, shares)]
+        return [row for future in done for row in future.result()]
 
 
 def replay_on_engine(items_path: str, prefixes_path: str, out_path: str, s: EngineReplaySettings) -> None:

@@ -1,6 +1,6 @@
 # The engines' config check, params and targets (their rules: engine.smk; docs/ENGINES.md), apart from the config,
 # settings, inputs and targets files. Nothing here names an engine: each is the catalogue's (its class) and its
-# config block (config[<engine>]), whose keys beyond stage_sources, constructions and shards are its config class's
+# config block (config[<engine>]), whose keys beyond stage_sources, constructions, shards and contexts are its config class's
 # fields (docs/EXTENDING.md).
 import dataclasses
 
@@ -55,6 +55,7 @@ def engine_kwargs(wildcards):
             settings=engine_config(wildcards.engine),
             shard=int(wildcards.shard),
             n_shards=len(engine_shards(wildcards.engine)),
+            contexts=block.get("contexts") or 1,
         )
     )
 
