@@ -154,7 +154,8 @@ def render(meta: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-def main(argv=None):
+def command_line() -> argparse.ArgumentParser:
+    """The options: each section's shapes and lengths, the projection's measurement, the projected run's counts."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy shape on any device (tests the script)")
@@ -198,34 +199,32 @@ def main(argv=None):
     ap.add_argument("--floor-from", default=None,
                     help="a saved run's JSON: print each arm's floor (fp32 at the datasheet rate) and exit, no GPU")
     ap.add_argument("--scratch", default=None, help="folder for the cache-dump measurement (default: temp dir)")
-    args = ap.parse_args(argv)
-    if args.floor_from:
-        saved = json.loads(Path(args.floor_from).read_text())
-        kwargs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
-                  "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
-        floors = fp32_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"], **kwargs)
-        floors["whole_run"] = run_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"],
-                                        **kwargs)
-        print(json.dumps(floors, indent=1))
-        return
-    if not args.out:
-        ap.error("--out is needed to measure (only --floor-from runs without it)")
-    if args.tiny:
-        args.shapes = args.bridge_shape = args.project_shape = "tiny"
-        args.prompt_len, args.new_tokens, args.batches = 24, 6, "2,3"
-        args.bridge_prompts, args.bridge_prompt, args.bridge_stage, args.bridge_suffix = 1, 12, 4, 4
-        args.control_items, args.control_sample = 3, 2
-        args.proj_prompt, args.proj_stage, args.proj_suffix, args.proj_max_rows, args.proj_steps = 8, 16, 8, 3, 2
-        args.proj_bucket = 8
-    args.batches = [int(b) for b in args.batches.split(",")]
-    if args.fp32_attention_config:
-        from stagereplay.models import invariant_triton
+    return ap
 
-        invariant_triton.CONFIGS["fp32"] = {**invariant_triton.CONFIGS["fp32"], **args.fp32_attention_config}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    flags = set_determinism(os.cpu_count() if device == "cuda" else 1)
+
+def print_floors(args) -> None:
+    """``--floor-from``: each arm's floor of a saved run (fp32 at the datasheet rate) and the whole run's, as JSON."""
+    saved = json.loads(Path(args.floor_from).read_text())
+    kwargs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
+              "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
+    floors = fp32_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"], **kwargs)
+    floors["whole_run"] = run_floor(saved["projection"], args.items, args.divergent, saved["meta"]["copy_TB_s"],
+                                    **kwargs)
+    print(json.dumps(floors, indent=1))
+
+
+def shrink_to_tiny(args) -> None:
+    """``--tiny``: the toy shape and lengths for every section, so that every code path runs in seconds."""
+    args.shapes = args.bridge_shape = args.project_shape = "tiny"
+    args.prompt_len, args.new_tokens, args.batches = 24, 6, "2,3"
+    args.bridge_prompts, args.bridge_prompt, args.bridge_stage, args.bridge_suffix = 1, 12, 4, 4
+    args.control_items, args.control_sample = 3, 2
+    args.proj_prompt, args.proj_stage, args.proj_suffix, args.proj_max_rows, args.proj_steps = 8, 16, 8, 3, 2
+    args.proj_bucket = 8
+
+
+def run_meta(args, device: str, flags: dict) -> dict:
+    """The run's provenance (date, device, versions, numerics flags, argv) and the device's measured copy rate."""
     import transformers
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -240,6 +239,60 @@ def main(argv=None):
     meta["copy_TB_s"] = copy_rate(device, 0.05 if args.tiny else 4.0) / 1e12
     log(f"{meta['device']}: copy rate {meta['copy_TB_s']:.2f} TB/s; torch {meta['torch']}, transformers "
         f"{meta['transformers']}")
+    return meta
+
+
+def measure_model(model, shape: str, precision: str, args, device: str, copy_B_s: float, save) -> None:
+    """The sections one model is measured in, each saved as it ends: its decode rates, the bridge (on the bridge's
+    shape) and the projection's rates (on the projection's shape)."""
+    if not args.only_projection:
+        RESULTS["decode"].append(decode_rates(model, shape, precision, args, copy_B_s))
+        save()
+    if shape == args.bridge_shape and not args.only_projection:
+        RESULTS["bridge"] += bridge_study(model, precision, args, EagerDecoder(model, ()), "eager")
+        max_len = args.bridge_prompt + args.bridge_stage + args.bridge_suffix + 8
+        regime = "cuda_graph" if device == "cuda" else "static"
+        RESULTS["bridge"] += bridge_study(model, precision, args, make_decoder(
+            model, (), regime, max_len=max_len), regime)
+        save()
+    if shape == args.project_shape:
+        RESULTS["projection"].append(projection_measure(model, shape, precision, args))
+        save()
+
+
+def project_run(args) -> None:
+    """The paper-scale run projected from the measured rates: as asked, without the audit, span-bucketed, and
+    span-bucketed with the divergent items' cache dumps."""
+    jobs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
+            "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
+    RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent, **jobs)
+    RESULTS["projected_without_audit"] = project(RESULTS["projection"], args.items, args.divergent, audit=False)
+    RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True,
+                                            **jobs)
+    RESULTS["projected_bucketed_with_dumps"] = project(RESULTS["projection"], args.items, args.divergent,
+                                                       bucketed=True, dumps="divergent")
+
+
+def main(argv=None):
+    ap = command_line()
+    args = ap.parse_args(argv)
+    if args.floor_from:
+        print_floors(args)
+        return
+    if not args.out:
+        ap.error("--out is needed to measure (only --floor-from runs without it)")
+    if args.tiny:
+        shrink_to_tiny(args)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.fp32_attention_config:
+        from stagereplay.models import invariant_triton
+
+        invariant_triton.CONFIGS["fp32"] = {**invariant_triton.CONFIGS["fp32"], **args.fp32_attention_config}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    flags = set_determinism(os.cpu_count() if device == "cuda" else 1)
+    meta = run_meta(args, device, flags)
     RESULTS["meta"] = meta
 
     def save():
@@ -252,19 +305,7 @@ def main(argv=None):
             try:
                 dt, model = timed(lambda: build_model(shape, precision, device))
                 log(f"{shape} {precision}: built in {dt:.1f} s")
-                if not args.only_projection:
-                    RESULTS["decode"].append(decode_rates(model, shape, precision, args, meta["copy_TB_s"] * 1e12))
-                    save()
-                if shape == args.bridge_shape and not args.only_projection:
-                    RESULTS["bridge"] += bridge_study(model, precision, args, EagerDecoder(model, ()), "eager")
-                    max_len = args.bridge_prompt + args.bridge_stage + args.bridge_suffix + 8
-                    regime = "cuda_graph" if device == "cuda" else "static"
-                    RESULTS["bridge"] += bridge_study(model, precision, args, make_decoder(
-                        model, (), regime, max_len=max_len), regime)
-                    save()
-                if shape == args.project_shape:
-                    RESULTS["projection"].append(projection_measure(model, shape, precision, args))
-                    save()
+                measure_model(model, shape, precision, args, device, meta["copy_TB_s"] * 1e12, save)
             except Exception as exc:  # keep measuring the other shapes; the error goes into the results
                 traceback.print_exc()
                 RESULTS["errors"].append(f"{shape} {precision}: {type(exc).__name__}: {exc}")
@@ -274,14 +315,7 @@ def main(argv=None):
             if device == "cuda":
                 torch.cuda.empty_cache()
     if RESULTS["projection"]:
-        jobs = {"model_jobs": args.model_jobs, "job_overhead_s": args.job_overhead_s,
-                "transplant_specs": args.transplant_specs, "minimal_budget": args.minimal_budget}
-        RESULTS["projected"] = project(RESULTS["projection"], args.items, args.divergent, **jobs)
-        RESULTS["projected_without_audit"] = project(RESULTS["projection"], args.items, args.divergent, audit=False)
-        RESULTS["projected_bucketed"] = project(RESULTS["projection"], args.items, args.divergent, bucketed=True,
-                                                **jobs)
-        RESULTS["projected_bucketed_with_dumps"] = project(RESULTS["projection"], args.items, args.divergent,
-                                                           bucketed=True, dumps="divergent")
+        project_run(args)
     save()
     log(render(meta))
 

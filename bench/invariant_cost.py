@@ -108,7 +108,9 @@ def batch_check(model, args, vocab) -> dict:
             "token_disagreements": sum(not r["suffix_equal"] for r in records)}
 
 
-def main(argv=None) -> dict:
+def command_line() -> argparse.ArgumentParser:
+    """The options: the model (a folder or a random-weight shape), its precision and device, the lengths and
+    repeats, the decode regime and the batch-invariance control."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(REPO / "data/toy/primary"), help="a local model folder")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="random weights in this shape instead of --model")
@@ -124,10 +126,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-rows", type=int, default=0,
                         help="rows of the batch-invariance control (0: skip it; needs a static decode regime)")
     parser.add_argument("--out", help="write the measurements as JSON here")
-    args = parser.parse_args(argv)
+    return parser
 
-    flags = set_determinism(args.threads)
-    decoders = {}
+
+def models_of_both_regimes(args) -> tuple[dict, str]:
+    """The same weights under the default and the invariant numerics regime (``{"default": ..., "invariant":
+    ...}``), and the name of the device they are on."""
     if args.shape:  # built on the device (a 14B shape would take minutes to write and read back as a folder)
         model = build_model(args.shape, args.precision, args.device)
         twin = copy.deepcopy(model)
@@ -141,11 +145,12 @@ def main(argv=None) -> dict:
                                 args.attn_implementation, numerics=numerics)
             models[numerics] = loaded.model
             device_name = loaded.info["device"]
-    max_len = args.prefill_len + args.decode_steps + 8
-    decoders = {name: make_decoder(m, (), args.decode_regime, max_len=max_len) for name, m in models.items()}
-    vocab = decoders["default"].model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (args.prefill_len,), generator=generator).tolist()
+    return models, device_name
+
+
+def interleaved_times(decoders: dict, ids: list[int], args) -> tuple[dict, dict]:
+    """Each decoder's prefill seconds and decode seconds per step, ``--repeats`` times, the decoders interleaved
+    (after one warm-up each) so that load from other processes falls on all alike."""
     for decoder in decoders.values():  # warm-up: lazy allocations, kernel selection, rotary table
         time_prefill(decoder, ids)
         time_decode(decoder, ids, 2)
@@ -155,6 +160,37 @@ def main(argv=None) -> dict:
         for name, decoder in decoders.items():
             prefill[name].append(time_prefill(decoder, ids)[0])
             decode[name].append(time_decode(decoder, ids, args.decode_steps))
+    return prefill, decode
+
+
+def print_result(result: dict, args) -> None:
+    """The measurements as a table, the invariant regime's cost and the batch-invariance control's counts."""
+    print(f"{result['model']} {args.precision} on {result['device']}, {result['threads']} thread(s), prefill "
+          f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}, {result['clock']}")
+    print(f"{'regime':10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill == incremental':>23}")
+    for name in ("default", "invariant"):
+        r = result[name]
+        print(f"{name:10} {r['prefill_tokens_per_s']:14.1f} {r['decode_tokens_per_s']:13.1f} "
+              f"{'yes (bytes)' if r['prefill_equals_incremental'] else 'no':>23}")
+    print(f"invariant / default time: prefill {result['prefill_time_ratio']:.2f}x, decode "
+          f"{result['decode_time_ratio']:.2f}x with the {result['kernels']} kernels (the goal, decode within 1.5x at "
+          "batch 1, is set for a GPU)")
+    for name, check in result.get("batch_invariance", {}).items():
+        print(f"batch invariance, {name}: {check['rows']} rows of {check['prompt_lengths']} prompt tokens decoded "
+              f"together vs alone: {check['cache_disagreements']} cache and {check['token_disagreements']} token "
+              "disagreements")
+
+
+def main(argv=None) -> dict:
+    args = command_line().parse_args(argv)
+    flags = set_determinism(args.threads)
+    models, device_name = models_of_both_regimes(args)
+    max_len = args.prefill_len + args.decode_steps + 8
+    decoders = {name: make_decoder(m, (), args.decode_regime, max_len=max_len) for name, m in models.items()}
+    vocab = decoders["default"].model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (args.prefill_len,), generator=generator).tolist()
+    prefill, decode = interleaved_times(decoders, ids, args)
     result = {
         "device": device_name, "precision": args.precision, "threads": flags["cpu_threads"],
         "model": args.shape or str(args.model), "attn_implementation": args.attn_implementation,
@@ -173,21 +209,7 @@ def main(argv=None) -> dict:
     result["decode_within_1.5x"] = result["decode_time_ratio"] <= 1.5  # the goal, set for a GPU at batch 1
     if args.batch_rows:
         result["batch_invariance"] = {name: batch_check(m, args, vocab) for name, m in models.items()}
-
-    print(f"{result['model']} {args.precision} on {device_name}, {result['threads']} thread(s), prefill "
-          f"{args.prefill_len} tokens, decode {args.decode_steps} steps, median of {args.repeats}, {result['clock']}")
-    print(f"{'regime':10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill == incremental':>23}")
-    for name in decoders:
-        r = result[name]
-        print(f"{name:10} {r['prefill_tokens_per_s']:14.1f} {r['decode_tokens_per_s']:13.1f} "
-              f"{'yes (bytes)' if r['prefill_equals_incremental'] else 'no':>23}")
-    print(f"invariant / default time: prefill {result['prefill_time_ratio']:.2f}x, decode "
-          f"{result['decode_time_ratio']:.2f}x with the {result['kernels']} kernels (the goal, decode within 1.5x at "
-          "batch 1, is set for a GPU)")
-    for name, check in result.get("batch_invariance", {}).items():
-        print(f"batch invariance, {name}: {check['rows']} rows of {check['prompt_lengths']} prompt tokens decoded "
-              f"together vs alone: {check['cache_disagreements']} cache and {check['token_disagreements']} token "
-              "disagreements")
+    print_result(result, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

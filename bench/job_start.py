@@ -245,7 +245,8 @@ def median_parts(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The options: the snapshot, the source trees to compare, the repeats and the parts to skip."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/jobstart"),
                         help="bench/prepared_load.py's --work: the GGUF file and its snapshot")
@@ -257,7 +258,94 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the config's threads)")
     parser.add_argument("--skip", action="append", default=[], choices=["model", "scripts", "importtime", "tokenizer"])
     parser.add_argument("--out", type=Path, help="also write the report here")
-    args = parser.parse_args()
+    return parser
+
+
+def model_job_parts(trees: dict, child_args: list[str], repeats: int) -> dict:
+    """A model job's start part by part, ``repeats`` times in each tree: the median of each part, each part's
+    ratio against the first tree, and whether every run decoded the same two tokens."""
+    base = next(iter(trees))
+    runs = {name: [] for name in trees}
+    for i in range(repeats):
+        # the trees' order alternates between repeats: the second of two processes in a row was seen to be
+        # slower whatever its tree (memory the first one frees, other processes on the cores)
+        for name, src in (list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]):
+            result, _ = run_child(MODEL_CHILD, src, child_args)
+            print(json.dumps({"src": name, **{k: result[k] for k in ("parts", "process", "modules")}}),
+                  flush=True)
+            runs[name].append(result)
+    report = {"versions": {"torch": runs[base][0]["torch"], "transformers": runs[base][0]["transformers"]}}
+    report["prompt_tokens"] = runs[base][0]["prompt_tokens"]
+    report["same_ids"] = len({json.dumps(r["ids"]) for rs in runs.values() for r in rs}) == 1
+    table = {name: median_parts(rs) for name, rs in runs.items()}
+    report["model_job_median"] = table
+    report["model_job_ratio_cpu"] = {
+        name: {part: round(v["cpu"] / table[base][part]["cpu"], 2) if table[base][part]["cpu"] > 0.005 else None
+               for part, v in parts.items()} for name, parts in table.items() if name != base}
+    return report
+
+
+def import_times(trees: dict, child_args: list[str]) -> dict:
+    """One ``-X importtime`` run of the model job's start in each tree: its top-level and largest imports, and
+    the chains that pull in the heavy modules."""
+    found = {}
+    for name, src in trees.items():
+        _, stderr = run_child(MODEL_CHILD, src, child_args, importtime=True)
+        rows = importtime_rows(stderr)
+        top = sorted(rows, key=lambda r: -r[1])
+        found[name] = {
+            "top_level": [f"{n} {c / 1e6:.2f} s" for _, c, d, n in top if d == 0][:12],
+            "largest": [f"{'  ' * d}{n} {c / 1e6:.2f} s (self {s / 1e6:.2f})" for s, c, d, n in top[:40]],
+            "chains": {t: import_chain(rows, t) for t in ("torch._dynamo", "torch.distributed.tensor", "sympy",
+                                                         "scipy", "torch._inductor.config")},
+        }
+        print(json.dumps({"src": name, "importtime_top_level": found[name]["top_level"]}), flush=True)
+    return found
+
+
+def script_imports(trees: dict, repeats: int) -> dict:
+    """Each rule script's package imports in a fresh process, in each tree: the median CPU seconds and the heavy
+    packages they pull in (or the error of a module the tree does not have)."""
+    scripts = sorted((REPO / "workflow" / "scripts").glob("*.py"))
+    results = {name: {} for name in trees}
+    for script in scripts:
+        for name, src in trees.items():
+            # a tree's own scripts where it has them beside its src/ (git archive <commit> src workflow)
+            own = src.parent / "workflow" / "scripts" / script.name
+            modules = script_modules(own if own.exists() else script)
+            runs = []
+            for _ in range(repeats):
+                try:
+                    runs.append(run_child(IMPORT_CHILD, src, modules)[0])
+                except RuntimeError as exc:  # a module the tree does not have (a script newer than the tree)
+                    runs = [{"error": str(exc).splitlines()[-1]}]
+                    break
+            if "error" in runs[0]:
+                results[name][script.stem] = runs[0]
+            else:
+                results[name][script.stem] = {
+                    "cpu": round(statistics.median(r["cpu"] for r in runs), 2),
+                    "process_cpu": round(statistics.median(r["process"]["cpu"] for r in runs), 2),
+                    "modules": runs[0]["modules"]}
+            print(json.dumps({"src": name, "script": script.stem, "imports": modules,
+                              **results[name][script.stem]}), flush=True)
+    return results
+
+
+def tokenizer_forms(src: Path, snap: Path, repeats: int) -> dict:
+    """The tokenizer's serialised forms against the job's load, timed in ``src``'s package: median CPU seconds of
+    each, and whether each gives the same tokenizer."""
+    runs = [run_child(TOKENIZER_CHILD, src, [str(snap)])[0] for _ in range(repeats)]
+    forms = {
+        "cpu_s": {k: round(statistics.median(r["times"][k]["cpu"] for r in runs), 3) for k in runs[0]["times"]},
+        "exact": runs[0]["exact"], "job_class": runs[0]["job_class"], "vocab": runs[0]["vocab"],
+        "tokenizer_json_bytes": runs[0]["merges_bytes"]}
+    print(json.dumps({"tokenizer_forms": forms}), flush=True)
+    return forms
+
+
+def main() -> int:
+    args = command_line().parse_args()
     snap = args.snapshot or args.work / "snapshot-0.5B-bf16"
     if not (snap / "stagereplay_snapshot.json").exists():
         sys.exit(f"no prepared snapshot in {snap}: run python bench/prepared_load.py --work {args.work} --parts "
@@ -266,87 +354,23 @@ def main() -> int:
     source = Path(manifest["source"])
     gguf_args = [str(source.parent), source.name] if manifest.get("source_kind") == "gguf" else [str(source), "-"]
     hashes = snap.parent / "file_hashes.json"  # bench/prepared_load.py's digest cache, beside the snapshot
+    child_args = [str(snap), *gguf_args, args.regime, str(args.threads), str(hashes)]  # MODEL_CHILD's argv
     trees = {name: Path(path).resolve() for name, path in (s.split("=", 1) for s in args.src)} \
         or {"current": REPO / "src"}
-    base = next(iter(trees))
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "device": f"CPU {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}",
               "python": platform.python_version(), "snapshot": str(snap), "precision": manifest["precision"],
               "weights": "random (bench/prepared_load.py)", "regime": args.regime, "repeats": args.repeats,
               "trees": {k: str(v) for k, v in trees.items()},
               "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
-
     if "model" not in args.skip:
-        runs = {name: [] for name in trees}
-        for i in range(args.repeats):
-            # the trees' order alternates between repeats: the second of two processes in a row was seen to be
-            # slower whatever its tree (memory the first one frees, other processes on the cores)
-            for name, src in (list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]):
-                result, _ = run_child(MODEL_CHILD, src, [str(snap), *gguf_args, args.regime, str(args.threads),
-                                                         str(hashes)])
-                print(json.dumps({"src": name, **{k: result[k] for k in ("parts", "process", "modules")}}),
-                      flush=True)
-                runs[name].append(result)
-        report["versions"] = {"torch": runs[base][0]["torch"], "transformers": runs[base][0]["transformers"]}
-        report["prompt_tokens"] = runs[base][0]["prompt_tokens"]
-        report["same_ids"] = len({json.dumps(r["ids"]) for rs in runs.values() for r in rs}) == 1
-        table = {name: median_parts(rs) for name, rs in runs.items()}
-        report["model_job_median"] = table
-        report["model_job_ratio_cpu"] = {
-            name: {part: round(v["cpu"] / table[base][part]["cpu"], 2) if table[base][part]["cpu"] > 0.005 else None
-                   for part, v in parts.items()} for name, parts in table.items() if name != base}
-
+        report.update(model_job_parts(trees, child_args, args.repeats))
     if "importtime" not in args.skip:
-        report["importtime"] = {}
-        for name, src in trees.items():
-            _, stderr = run_child(MODEL_CHILD, src, [str(snap), *gguf_args, args.regime, str(args.threads), str(hashes)],
-                                  importtime=True)
-            rows = importtime_rows(stderr)
-            top = sorted(rows, key=lambda r: -r[1])
-            report["importtime"][name] = {
-                "top_level": [f"{n} {c / 1e6:.2f} s" for _, c, d, n in top if d == 0][:12],
-                "largest": [f"{'  ' * d}{n} {c / 1e6:.2f} s (self {s / 1e6:.2f})" for s, c, d, n in top[:40]],
-                "chains": {t: import_chain(rows, t) for t in ("torch._dynamo", "torch.distributed.tensor", "sympy",
-                                                             "scipy", "torch._inductor.config")},
-            }
-            print(json.dumps({"src": name, "importtime_top_level": report["importtime"][name]["top_level"]}),
-                  flush=True)
-
+        report["importtime"] = import_times(trees, child_args)
     if "scripts" not in args.skip:
-        scripts = sorted((REPO / "workflow" / "scripts").glob("*.py"))
-        results = {name: {} for name in trees}
-        for script in scripts:
-            for name, src in trees.items():
-                # a tree's own scripts where it has them beside its src/ (git archive <commit> src workflow)
-                own = src.parent / "workflow" / "scripts" / script.name
-                modules = script_modules(own if own.exists() else script)
-                runs = []
-                for _ in range(args.repeats):
-                    try:
-                        runs.append(run_child(IMPORT_CHILD, src, modules)[0])
-                    except RuntimeError as exc:  # a module the tree does not have (a script newer than the tree)
-                        runs = [{"error": str(exc).splitlines()[-1]}]
-                        break
-                if "error" in runs[0]:
-                    results[name][script.stem] = runs[0]
-                else:
-                    results[name][script.stem] = {
-                        "cpu": round(statistics.median(r["cpu"] for r in runs), 2),
-                        "process_cpu": round(statistics.median(r["process"]["cpu"] for r in runs), 2),
-                        "modules": runs[0]["modules"]}
-                print(json.dumps({"src": name, "script": script.stem, "imports": modules,
-                                  **results[name][script.stem]}), flush=True)
-        report["script_imports"] = results
-
+        report["script_imports"] = script_imports(trees, args.repeats)
     if "tokenizer" not in args.skip:
-        src = trees[list(trees)[-1]]
-        runs = [run_child(TOKENIZER_CHILD, src, [str(snap)])[0] for _ in range(args.repeats)]
-        report["tokenizer_forms"] = {
-            "cpu_s": {k: round(statistics.median(r["times"][k]["cpu"] for r in runs), 3) for k in runs[0]["times"]},
-            "exact": runs[0]["exact"], "job_class": runs[0]["job_class"], "vocab": runs[0]["vocab"],
-            "tokenizer_json_bytes": runs[0]["merges_bytes"]}
-        print(json.dumps({"tokenizer_forms": report["tokenizer_forms"]}), flush=True)
-
+        report["tokenizer_forms"] = tokenizer_forms(trees[list(trees)[-1]], snap, args.repeats)
     report["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]  # other processes on the cores
     text = json.dumps(report, indent=1)
     print(text)

@@ -110,7 +110,8 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The options of the three modes: --run (a measured run), --config (a run not made), --measure-overhead."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", help="bench/pipeline_run.py's JSON (with its config and counts)")
     ap.add_argument("--measures", help="bench/benchmark.py --only-projection's results.json, at the run's batch size")
@@ -168,24 +169,23 @@ def main(argv=None) -> int:
                       "with --config: the projected run's stage, mean = a batch's longest)")
     over.add_argument("--max-len", type=int, default=256, help="the decoder's buffer (the run's decode_max_len)")
     over.add_argument("--marker", default=None, help="the boundary marker (times the matcher's text decode)")
-    args = ap.parse_args(argv)
-    if args.measure_overhead:
-        args.prompt = 16 if args.prompt is None else int(args.prompt)
-        args.stage = 64 if args.stage is None else int(args.stage)
-        measured = measure_overhead(args)
-        text = json.dumps(measured, indent=1)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(text + "\n")
-        return 0
-    if not ((args.run or args.config) and args.measures) or (args.overhead_s is None) == (args.overhead_json is None):
-        ap.error("give --run or --config, --measures and one of --overhead-s or --overhead-json (or "
-                 "--measure-overhead MODEL_DIR)")
-    measured = json.loads(Path(args.overhead_json).read_text()) if args.overhead_json else {}
-    overhead = (Overhead.from_json(measured) if args.overhead_json
-                else Overhead.from_seconds(args.overhead_s, args.load_s))
-    if args.config:
-        return main_config(args, ap, overhead, measured)
+    return ap
+
+
+def main_measure_overhead(args) -> int:
+    """--measure-overhead: a model job's fixed cost, timed in a fresh process; printed (and written) as JSON."""
+    args.prompt = 16 if args.prompt is None else int(args.prompt)
+    args.stage = 64 if args.stage is None else int(args.stage)
+    measured = measure_overhead(args)
+    text = json.dumps(measured, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def main_run(args, overhead: Overhead) -> int:
+    """--run: each rule of a measured run against its projection."""
     run = json.loads(Path(args.run).read_text())
     if args.schedule:
         run["schedule"] = args.schedule
@@ -195,6 +195,22 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def main(argv=None) -> int:
+    ap = command_line()
+    args = ap.parse_args(argv)
+    if args.measure_overhead:
+        return main_measure_overhead(args)
+    if not ((args.run or args.config) and args.measures) or (args.overhead_s is None) == (args.overhead_json is None):
+        ap.error("give --run or --config, --measures and one of --overhead-s or --overhead-json (or "
+                 "--measure-overhead MODEL_DIR)")
+    measured = json.loads(Path(args.overhead_json).read_text()) if args.overhead_json else {}
+    overhead = (Overhead.from_json(measured) if args.overhead_json
+                else Overhead.from_seconds(args.overhead_s, args.load_s))
+    if args.config:
+        return main_config(args, ap, overhead, measured)
+    return main_run(args, overhead)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,21 @@ def projection_measure(model, shape, precision, args) -> dict:
     rows = max(1, min(args.proj_max_rows, shared_rows(model, max_len, args)))
     out = {"shape": shape, "precision": precision, "P": P, "S": S, "N": N, "max_len": max_len, "rows": rows,
            "kv_GB_per_row": per_row / 1e9, "rows_rule": "one batch size for every precision"}
+    out.update(decode_step_rates(model, shape, precision, args, rows, max_len))
+    prefill, pdec, pcache = prefill_rate(model, shape, precision, args, rows)
+    out.update(prefill)
+    layers = pdec.row_layers(pcache, 0, pcache.length)  # row 0's boundary cache, as views of the buffer
+    out.update(dump_rates(model, shape, precision, args, layers))
+    del pdec, pcache, layers
+    out.update(gemm_rates(model, rows))
+    log(f"  projection {shape} {precision}: linear maps at {rows} rows {out['gemm_TFLOP_s_rows']:.1f} TFLOP/s, at "
+        f"{out['gemm_large_rows']} rows {out['gemm_TFLOP_s_large']:.1f} TFLOP/s")
+    return out
+
+
+def decode_step_rates(model, shape, precision, args, rows: int, max_len: int) -> dict:
+    """Batched decode steps of ``rows`` rows timed at a few attended spans and fitted as a + b * span; the
+    decoder's graphs and buffer are freed before it returns."""
     regime = "cuda_graph" if torch.cuda.is_available() else "static"
     triton_attention = args.decode_attention == "triton"
     # the triton attention reads each row's keys up to its position: its "bucket" is one position
@@ -59,9 +74,8 @@ def projection_measure(model, shape, precision, args) -> dict:
     dec = BucketedDecoder(model, (), max_len=max_len, max_rows=rows, regime=regime,
                           bucket=None if triton_attention else bucket, attention=args.decode_attention,
                           kernels=args.decode_kernels)
-    out["decode_attention"], out["decode_kernels"] = args.decode_attention, args.decode_kernels
-    vocab = model.config.vocab_size
-    prompts = prompts_for(rows, 16, vocab, 7)
+    out = {"decode_attention": args.decode_attention, "decode_kernels": args.decode_kernels}
+    prompts = prompts_for(rows, 16, model.config.vocab_size, 7)
     cache, _ = dec.open(prompts)
     ids = torch.ones(rows, 1, dtype=torch.long, device=dec.device)
     # A step's cost depends on the span it attends over (the whole buffer, the position's bucket, or with the
@@ -89,19 +103,29 @@ def projection_measure(model, shape, precision, args) -> dict:
     del dec, cache
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    # one-shot prefill of boundary prefixes (P + S - 1 tokens), a few rows at once
+    return out
+
+
+def prefill_rate(model, shape, precision, args, rows: int) -> tuple[dict, StaticDecoder, object]:
+    """One-shot prefill of boundary prefixes (P + S - 1 tokens), a few rows at once: its tokens/s, and the
+    decoder and batch it leaves (their row 0 is the boundary cache the dump measures)."""
+    P, S = args.proj_prompt, args.proj_stage
     prows = min(args.proj_prefill_rows, rows)
     pdec = StaticDecoder(model, (), max_len=P + S + 8, max_rows=prows, regime="static", kernels=args.decode_kernels)
-    pp = prompts_for(prows, P + S - 1, vocab, 8)
+    pp = prompts_for(prows, P + S - 1, model.config.vocab_size, 8)
     dt, _ = timed(lambda: pdec.open(pp))  # the rows, left-padded, in one forward
     dt, (pcache, _) = timed(lambda: pdec.open(pp))
-    out["prefill_tokens_s"] = prows * (P + S - 1) / dt
+    out = {"prefill_tokens_s": prows * (P + S - 1) / dt}
     log(f"  projection {shape} {precision}: prefill {prows} x {P + S - 1} tokens in {dt:.2f} s "
         f"({out['prefill_tokens_s']:.0f} tok/s)")
-    # dump one boundary cache to disk and read it back (a transplant's donor)
+    return out, pdec, pcache
+
+
+def dump_rates(model, shape, precision, args, layers) -> dict:
+    """One boundary cache (``layers``: each layer's keys and values) dumped to disk and read back, as a
+    transplant's donor is, against the disk's own write rate for the same bytes."""
     from safetensors.torch import load_file, save_file
 
-    layers = pdec.row_layers(pcache, 0, pcache.length)  # row 0's boundary cache, as views of the buffer
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         path = os.path.join(tmp, "cache.safetensors")
 
@@ -129,14 +153,10 @@ def projection_measure(model, shape, precision, args) -> dict:
                 os.fsync(f.fileno())
 
         dt_raw, _ = timed(write_raw)
-    out.update(dump_GB=size / 1e9, dump_GB_s=size / 1e9 / dt_dump, load_GB_s=size / 1e9 / dt_load,
+    out = dict(dump_GB=size / 1e9, dump_GB_s=size / 1e9 / dt_dump, load_GB_s=size / 1e9 / dt_load,
                dump_roundtrip_exact=bool(same), disk_write_GB_s=len(raw) / 1e9 / dt_raw)
     log(f"  projection {shape} {precision}: cache dump {size / 1e9:.2f} GB at {out['dump_GB_s']:.2f} GB/s "
         f"(disk alone {out['disk_write_GB_s']:.2f} GB/s), load at {out['load_GB_s']:.2f} GB/s, exact {same}")
-    del pdec, pcache, layers, loaded
-    out.update(gemm_rates(model, rows))
-    log(f"  projection {shape} {precision}: linear maps at {rows} rows {out['gemm_TFLOP_s_rows']:.1f} TFLOP/s, at "
-        f"{out['gemm_large_rows']} rows {out['gemm_TFLOP_s_large']:.1f} TFLOP/s")
     return out
 
 
