@@ -109,6 +109,15 @@ def first_step(decoder, args) -> tuple:
     return batch, time.perf_counter() - t0
 
 
+def cache_length(batch) -> int:
+    """Positions the batch's caches hold: a static batch's length; an eager batch's, its first row's cache's."""
+    if hasattr(batch, "length"):
+        return batch.length
+    from stagereplay.models import compat
+
+    return compat.cache_layers(batch.caches[0])[0][0].shape[2]
+
+
 def host_rates(job, batch, args) -> dict:
     """Per decode step, the greedy choice and its sync at ``args.rows`` rows and at 1; the boundary matcher's text
     decode per live row and step, over the ids the model itself generates (mean over stage lengths 1..``args.stage``);
@@ -127,9 +136,9 @@ def host_rates(job, batch, args) -> dict:
         for _ in range(20):
             greedy_choice(logits)
         out["greedy_step_s"][rows] = (time.perf_counter() - t0) / 20
-    while batch.length < min(args.prompt + args.stage - 1, args.max_len - 1):
+    while cache_length(batch) < min(args.prompt + args.stage - 1, args.max_len - 1):
         job.decoder.step(batch, [5] * args.rows)
-    layers = [job.decoder.row_layers(batch, r, batch.length) for r in range(args.rows)]
+    layers = [job.decoder.row_layers(batch, r, cache_length(batch)) for r in range(args.rows)]
     size = sum(t.numel() * t.element_size() for row in layers for pair in row for t in pair)
     t0 = time.perf_counter()
     for row in layers:
