@@ -21,6 +21,7 @@ from snakemake.utils import validate
 from conftest import make_tiny_model
 from gguf_fixture import write_tiny_gguf
 from stagereplay.analysis.report import build_report
+from stagereplay.config import schema_file
 from stagereplay.data.datasets import DatasetError
 from stagereplay.data.prompts import PromptTooLongError
 from stagereplay.experiments.rows import RunSettings
@@ -34,7 +35,7 @@ from stagereplay.stages.settings import ReconstructSettings, from_params
 from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+SCHEMA = schema_file()  # the schema the workflow validates with (the catalogue's enums filled in)
 
 
 def default_config(**overrides):

@@ -15,7 +15,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay.config import check_boundary, check_boundary_set, typed_command_line_values
+from stagereplay.config import check_boundary, check_boundary_set, schema_file, typed_command_line_values
 from stagereplay.data.datasets import DatasetError, load_source
 from stagereplay.data.prompts import Prompter, UnknownCharactersError, UnreachableBoundaryError, check_template
 from stagereplay.data.toy import build_tokenizer
@@ -31,7 +31,7 @@ def valid_config(**overrides):
     """The default experiment's config with ``overrides``, as the workflow hands it to the preflight."""
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(overrides)
-    validate(cfg, str(SCHEMA_PATH), set_default=True)
+    validate(cfg, schema_file(), set_default=True)
     cfg["model"] = str(REPO / cfg["model"])
     return cfg
 

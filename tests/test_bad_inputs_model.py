@@ -22,13 +22,14 @@ from snakemake.utils import validate
 
 from conftest import make_tiny_model
 from gguf_fixture import write_tiny_gguf
+from stagereplay.config import schema_file
 from stagereplay.models.loading import load_model
 from stagereplay.models.sources import ModelLoadError, ModelSource
 from stagereplay.stages.preflight import check_model, check_run
 from workflow_runner import snakemake, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+SCHEMA = schema_file()  # the schema the workflow validates with
 
 
 @pytest.fixture(scope="module")

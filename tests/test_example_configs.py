@@ -7,12 +7,13 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
+from stagereplay.config import schema_file
 from stagereplay.models.sources import resolve_source
 from workflow_runner import snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "config").glob("*.yaml"))
-SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+SCHEMA = schema_file()  # the schema the workflow validates with
 
 
 def test_there_are_r1_distill_examples():

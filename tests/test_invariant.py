@@ -18,6 +18,7 @@ from stagereplay.decode.eager import EagerDecoder
 from stagereplay.io.fingerprints import tensor_bytes
 from bench_scripts import load_bench
 from invariant_helpers import PROMPT, constructions
+from stagereplay.config import schema_file
 from stagereplay.models.loading import load_model, set_determinism
 from stagereplay.models.sources import ModelLoadError, ModelSource
 
@@ -213,7 +214,7 @@ def test_load_model_refuses_an_unknown_regime(tiny_model_dir):
 
 
 def test_config_key_defaults_to_default_and_is_validated():
-    schema = str(REPO / "workflow/schemas/config.schema.yaml")
+    schema = schema_file()
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.pop("numerics", None)
     validate(cfg, schema, set_default=True)

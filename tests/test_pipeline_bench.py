@@ -10,8 +10,9 @@ from snakemake.utils import validate
 
 from bench_scripts import load_bench
 
-from stagereplay.projection.jobs import model_jobs
+from stagereplay.config import schema_file
 from stagereplay.projection.floor import fp32_floor
+from stagereplay.projection.jobs import model_jobs
 from stagereplay.projection.paper import project
 from stagereplay.projection.rates import Overhead, decode_seconds
 from stagereplay.projection.report import compare
@@ -26,7 +27,7 @@ def test_the_written_config_is_valid_and_has_the_asked_scale(tmp_path):
                               numerics="default", batch_size=16, regime="cuda_graph", transplant_select="sample:8",
                               minimal_budget=8, device="cuda")
     cfg = yaml.safe_load(pipeline_run.write_config(tmp_path, args).read_text())
-    validate(cfg, str(REPO / "workflow/schemas/config.schema.yaml"), set_default=True)
+    validate(cfg, schema_file(), set_default=True)
     assert cfg["n_items"] == 48 and cfg["max_new_tokens"] == 128 and cfg["boundary"]["occurrence"] == 256
     assert cfg["max_stage_tokens"] > 256  # room to reach the 256th filler
     assert cfg["transplant"]["select"] == "sample:8" and cfg["transplant"]["minimal"]["budget"] == 8

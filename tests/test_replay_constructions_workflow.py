@@ -13,13 +13,13 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from stagereplay.config import check_transplant_pair
+from stagereplay.config import check_transplant_pair, schema_file
 from stagereplay.experiments.rows import LAYOUT_COLUMNS
 from stagereplay.stages.transplant_selection import baseline_rows
 from workflow_runner import snakemake, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+SCHEMA = schema_file()  # the schema the workflow validates with
 ALL = ["incremental", "prefill", "chunked", "prefix_cached"]
 TINY = dict(n_items=4, max_new_tokens=8, precisions=["bf16", "fp32"], reference_precision="bf16", chunk_size=3,
             bridge={"n_rows": 2, "seed": 0}, fixed_prefix={"constructions": ALL},

@@ -14,6 +14,7 @@ import yaml
 from snakemake.utils import validate
 
 from bench_scripts import load_bench
+from stagereplay.config import schema_file
 from stagereplay.testing.gguf import filler_vocabulary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def test_the_configs_name_the_gguf_file_and_the_shared_store(tmp_path):
     gguf_file = tmp_path / "model" / "x.gguf"
     cold = yaml.safe_load(turnaround.run_config(tmp_path, args, gguf_file, "cold").read_text())
     warm = yaml.safe_load(turnaround.run_config(tmp_path, args, gguf_file, "warm").read_text())
-    validate(copy.deepcopy(cold), str(REPO / "workflow/schemas/config.schema.yaml"), set_default=True)
+    validate(copy.deepcopy(cold), schema_file(), set_default=True)
     assert cold["model"] == str(gguf_file) and cold["model_store"] == str(tmp_path / "store")
     assert cold["boundary"] == {"marker": "~", "occurrence": 256} and cold["batch_size"] == 16
     assert (cold["run"], warm["run"]) == ("cold", "warm")
