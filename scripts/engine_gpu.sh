@@ -248,8 +248,8 @@ shards() {
                     --resources gpu="$n"
                 end=$(date +%s%N)
                 mkdir -p "$work/shards/$name"
-                cp "$work/$rev"/engine_llama_cpp*.parquet "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_* \
-                    "$work/shards/$name/"
+                cp "$work/$rev"/engine_llama_cpp*.parquet \
+                    "$work"/benchmarks/engine-gpu/random-0.5b/*_engine_llama_cpp_* "$work/shards/$name/"
                 echo "$(( (end - start) / 1000000 ))" > "$work/shards/$name/wall_ms"
                 echo "== the engine at $n shard(s) of $c context(s): $(cat "$work/shards/$name/wall_ms") ms" ;;
             compare)

@@ -62,7 +62,8 @@ def schema_file() -> str:
     """A file of :func:`schema` (JSON, which YAML reads), for Snakemake's ``validate``: in the temporary folder,
     named by its content, written once."""
     text = json.dumps(schema(), sort_keys=True)
-    path = Path(tempfile.gettempdir()) / f"stagereplay-config-schema-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"stagereplay-config-schema-{digest}.json"
     if not path.exists() or path.read_text() != text:
         partial = path.with_suffix(f".{os.getpid()}.part")
         partial.write_text(text)

@@ -5,7 +5,8 @@ Run as on the H100 (2026-12-06), K processes of THREADS CPU threads each, starti
         for i in $(seq $k); do python process_probe.py /tmp/eg/model.gguf 400 $th $T & done; wait; done; done
 """
 import sys, time, llama_cpp, numpy as np
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_gpu_layers=-1, n_ctx=512, n_batch=512, n_threads=int(sys.argv[3]), verbose=False)
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_gpu_layers=-1, n_ctx=512, n_batch=512, n_threads=int(sys.argv[3]),
+                      verbose=False)
 def work():
     llm.reset(); llm.eval(list(range(100, 164)))
     for _ in range(int(sys.argv[2])):
