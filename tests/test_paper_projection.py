@@ -95,6 +95,26 @@ def test_a_built_construction_skips_the_steps_before_the_batch_s_first_boundary(
     assert cell(before, "prefill").segments == {(4, P, S - 1 + N): 1.0}
 
 
+def test_a_catalogue_construction_is_priced_by_its_segment_rule_with_no_edit_of_the_projection(tmp_path,
+                                                                                              monkeypatch):
+    """A construction the catalogue declares with an existing segment rule is priced as that rule is; a name the
+    catalogue lacks, and a rule the projection does not price, are refused by name."""
+    from stagereplay import catalogue
+
+    shape = run_shape(config_run(_config_run(tmp_path)["config"], P, S, N, DIVERGENT, 28, shortest_stage=12,
+                                 schedule="lockstep"))
+    twin = catalogue.Construction("prefill_twin", "prefill again", "every id in one forward", "prefill")
+    halves = catalogue.Construction("halves", "two halves", "two forwards", "halves")
+    monkeypatch.setattr(catalogue, "CONSTRUCTIONS", (*catalogue.CONSTRUCTIONS, twin, halves))
+    for suffix in (True, False):
+        assert vars(cell(shape, "prefill_twin", suffix=suffix)) == vars(cell(shape, "prefill", suffix=suffix))
+    assert cell(shape, "prefill_twin").segments != cell(shape, "incremental").segments  # the control
+    with pytest.raises(ValueError, match="unknown construction 'paged'"):
+        cell(shape, "paged")
+    with pytest.raises(ValueError, match="prices no segment rule 'halves'"):
+        cell(shape, "halves")
+
+
 def test_the_lookahead_hides_host_work_behind_the_device_s_in_the_cuda_graph_regime(tmp_path):
     """The greedy loop's lookahead (cuda_graph) checks a step on the host while the device runs the next: only the
     host work beyond the device's is counted. The static regime, and a run made before the lookahead, count it all."""

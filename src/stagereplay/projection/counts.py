@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from stagereplay import catalogue
 from stagereplay.experiments.transplant_specs import rebuilt_as
 from stagereplay.projection.shape import RunShape
 
@@ -81,44 +82,58 @@ def total(works) -> Work:
     return out
 
 
-def segment_forwards(construction: str, tokens: float, chunk: int) -> float:
-    """Per-row forwards of a construction built segment by segment (chunked, prefix_cached), for ``tokens`` ids."""
-    return math.ceil(tokens / chunk) if construction == "chunked" else 2.0
+# How each of the catalogue's segment rules is priced; "live": a cache only retained from the generation (no rule).
+PRICED_RULES = ("live", "incremental", "prefill", "chunked", "prefix_cached")
+
+
+def priced_as(construction: str) -> str:
+    """The construction's segment rule (its catalogue entry's; ``live`` where it is only retained), which is what the
+    projection prices: a new construction that reuses a rule needs no edit here."""
+    rule = catalogue.construction(construction).segment_rule or "live"  # unknown: the catalogue's error
+    if rule not in PRICED_RULES:
+        raise ValueError(f"construction {construction!r}: the projection prices no segment rule {rule!r}; add it to "
+                         f"{__name__} (priced: {list(PRICED_RULES)}; docs/EXTENDING.md)")
+    return rule
+
+
+def segment_forwards(rule: str, tokens: float, chunk: int) -> float:
+    """Per-row forwards of a construction built segment by segment (rules chunked, prefix_cached), for ``tokens``
+    ids."""
+    return math.ceil(tokens / chunk) if rule == "chunked" else 2.0
 
 
 def cell(shape: RunShape, construction: str, suffix: bool = True, alone: bool = False, rows: int | None = None) -> Work:
     """One construction decoded over one batch of ``rows`` rows (the run's batch size unless given: a partial last
-    batch has fewer); ``alone``: one item at batch 1 whatever the run's batch size."""
-    if construction not in ("live", "incremental", "prefill", "chunked", "prefix_cached"):
-        raise ValueError(f"unknown construction {construction!r}")
+    batch has fewer); ``alone``: one item at batch 1 whatever the run's batch size. Priced by its segment rule."""
+    rule = priced_as(construction)
     if shape.lockstep and not alone:
         rows, W, S, N = rows or shape.rows, shape.W, shape.S_b, shape.N_b
-        if shape.schedule == "suffix" and construction not in ("live", "incremental"):
+        if shape.schedule == "suffix" and rule not in ("live", "incremental"):
             # its rows start at their own boundaries (the rows' mean, W + S - 1) from the built caches: the batch's
             # longest suffix, no prompt forward, no teacher-forced stage step
             work = decoded(rows, W + shape.S - 1, N if suffix else 0.0)
         else:
-            skip = 0.0 if construction in ("live", "incremental") else shape.skip  # before the first boundary
+            skip = 0.0 if rule in ("live", "incremental") else shape.skip  # before the first boundary
             work = decoded(rows, W + skip, S - 1 + (N if suffix else 0) - skip, prefill_tokens=rows * W)  # live schedule
         built = rows * (W + S - 1)
     else:
         rows, W, S, N = 1, shape.P, shape.S, shape.N
-        if construction in ("live", "incremental"):  # the prompt, then every token one step
+        if rule in ("live", "incremental"):  # the prompt, then every token one step
             return decoded(1, W, S - 1 + (N if suffix else 0), prefill_tokens=W, boundary_rows=1,
-                           matcher_row_steps=S if construction == "live" else 0.0)
+                           matcher_row_steps=S if rule == "live" else 0.0)
         work = decoded(1, W + S - 1, N if suffix else 0.0)  # from the built cache at the boundary
         built = W + S - 1
-    if construction == "prefill":
+    if rule == "prefill":
         work.prefill_tokens += built
-    elif construction in ("chunked", "prefix_cached"):
-        forwards = rows * segment_forwards(construction, W + S - 1, shape.config["chunk_size"])
+    elif rule in ("chunked", "prefix_cached"):
+        forwards = rows * segment_forwards(rule, W + S - 1, shape.config["chunk_size"])
         # each forward priced as one step at the boundary cache's end (its keys: the prompt and the stage)
         work = work + decoded(1, W + S - 2, 1, times=forwards, prefill_tokens=built)
         note = f"{construction}: its per-row segment forwards are priced as batch-1 steps plus prefill tokens"
         if note not in shape.warnings:
             shape.warnings.append(note)
     work.boundary_rows = rows
-    work.matcher_row_steps = rows * S if construction == "live" else 0.0
+    work.matcher_row_steps = rows * S if rule == "live" else 0.0
     return work
 
 
