@@ -105,12 +105,15 @@ def test_the_workflow_plans_one_replay_and_one_audit_job_per_engine_shard(inputs
     from workflow_runner import snakemake, tiny_config
 
     tiny_config(tmp_path, model=str(inputs[1]), revisions=["tiny"], engines=["llama_cpp"],
-                llama_cpp={"shards": 3})
-    planned = snakemake(tmp_path, "-n", "--no-hooks").stdout
+                llama_cpp={"shards": 3, "contexts": 2, "threads": 3})
+    planned = snakemake(tmp_path, "-n", "--no-hooks", "--cores", "8").stdout
     counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", planned, re.M)}
     assert {k: counts.get(k) for k in ("replay_on_engine", "audit_engine", "gather_engine_rows",
                                         "gather_engine_audit")} == {
         "replay_on_engine": 3, "audit_engine": 3, "gather_engine_rows": 1, "gather_engine_audit": 1}
+    # each engine job claims its contexts' cores: 2 contexts of 3 threads
+    jobs = re.findall(r"rule (replay_on_engine|audit_engine):[^\[]*?threads: (\d+)", planned)  # within its block
+    assert len(jobs) == 6 and {threads for _, threads in jobs} == {"6"}
 
 
 @pytest.mark.parametrize("script", ["gather_engine_rows", "gather_engine_audit"])

@@ -61,7 +61,9 @@ def engine_kwargs(wildcards):
 
 
 def engine_threads(wildcards):
-    return config[wildcards.engine].get("threads") or config["threads"]
+    """Each of the job's contexts runs on its own threads: the block's threads (else the config's) per context."""
+    block = config[wildcards.engine]
+    return (block.get("threads") or config["threads"]) * (block.get("contexts") or 1)
 
 
 def engine_gpus(wildcards):
