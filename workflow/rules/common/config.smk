@@ -1,7 +1,7 @@
 # The config: typed, validated against workflow/schemas/config.schema.yaml with the catalogue's names as the enums
-# SCHEMA_ENUMS names (its defaults filled in), checked across
-# keys, and the constants the rules derive from it (folders, revisions, shards, the transplant's revisions and
-# precision). Every other helper file and rule file reads these; none of them reads the config before this one.
+# SCHEMA_ENUMS names (its defaults filled in), checked across keys, and the constants the rules derive from it
+# (folders, revisions, shards, the transplant's revisions and precision). Every other helper file and rule file
+# reads these; none of them reads the config before this one.
 import copy
 import os
 from pathlib import Path

@@ -1,7 +1,7 @@
 # The engines' config check, params and targets (their rules: engine.smk; docs/ENGINES.md), apart from the config,
 # settings, inputs and targets files. Nothing here names an engine: each is the catalogue's (its class) and its
-# config block (config[<engine>]), whose keys beyond stage_sources, constructions, shards and contexts are its config class's
-# fields (docs/EXTENDING.md).
+# config block (config[<engine>]), whose keys beyond stage_sources, constructions, shards and contexts are its config
+# class's fields (docs/EXTENDING.md).
 import dataclasses
 
 from stagereplay.engines.protocol import engine_class
