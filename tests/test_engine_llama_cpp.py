@@ -271,7 +271,8 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
     changed_path = tmp_path / "changed" / "engine_llama_cpp.parquet"
     changed_path.parent.mkdir()
     write_parquet(changed, changed_path, {}, engine.ENGINE_LEDGER_SCHEMA)
-    lines, numbers = engine_section(RevisionData("tiny", {"engine_llama_cpp": str(changed_path)}), catalogue.engine("llama_cpp"))
+    lines, numbers = engine_section(RevisionData("tiny", {"engine_llama_cpp": str(changed_path)}),
+                                    catalogue.engine("llama_cpp"))
     assert ("| llama.cpp, reference ids | kv_f16 | `incremental` vs `prefill` | 1 / 2 (50.0%, Wilson [9.5%, "
             "90.5%]) |") in lines
     assert f"| kv_f16 | 2 | 0 | {sum(reached)} | {2 - sum(reached)} | 0 | 0 |" in lines

@@ -36,7 +36,7 @@ FAMILIES = (("engine", "live", "its own stage"), ("reference", "incremental", "r
 PIPELINE_PAIRS = (("incremental", "prefill"), ("incremental", "prefix_cached"))
 CROSSED = ("incremental", "prefill")  # the pair set side by side per item, on both sides, over the same ids
 STAGE_COLUMNS = (("same", "same stage ids"), ("differs", "stage ids differ"),
-                 ("engine_missing", "the engine missed the boundary"),
+                 ("engine_missing", "{engine} missed the boundary"),
                  ("reference_missing", "pipeline missed the boundary"), ("both_missing", "both missed"))
 
 
@@ -158,7 +158,7 @@ def _stage_lines(engine: pd.DataFrame, label: str, word: str) -> tuple[list[str]
         return [], agreement
     lines = ["", f"{label}'s own stage against this pipeline's (the reference precision's generation, the same "
              "prompts, boundary rule and budget), per item:", ""]
-    words = [w.replace("the engine", label) for _, w in STAGE_COLUMNS]
+    words = [w.format(engine=label) for _, w in STAGE_COLUMNS]
     lines += table([f"{label} {word}", "items", *words],
                    [[r["precision"], r["items"], *[r[key] for key, _ in STAGE_COLUMNS]]
                     for r in agreement.to_dict("records")])
