@@ -133,6 +133,32 @@ def test_the_first_suffix_step_is_the_models_next_token(gguf, tmp_path, architec
             assert abs(res.margins[0] - float(top[0] - top[1])) < 1e-4
 
 
+def margin_cases() -> list[np.ndarray]:
+    """Logits over a Qwen2.5-sized vocabulary: random, the largest value twice, the largest at either end, the second
+    largest twice, and a three-id vocabulary."""
+    rng = np.random.default_rng(0)
+    cases = [rng.standard_normal(151936).astype(np.float32) * 8 for _ in range(20)]
+    twice = cases[0].copy()
+    twice[[17, 90000]] = twice.max() + 1
+    first, last, second = cases[1].copy(), cases[2].copy(), cases[3].copy()
+    first[0], last[-1] = first.max() + 1, last.max() + 1
+    second[[5, 6]] = second.max() + 1
+    second[7] = second.max() + 1
+    return [*cases, twice, first, last, second, np.float32([2.5, -1.0, 2.5])]
+
+
+def test_the_greedy_margin_is_argmax_and_partition_byte_for_byte():
+    for logits in margin_cases():
+        second, first = np.partition(logits, -2)[-2:]
+        expected = (int(np.argmax(logits)), np.float32(first - second).tobytes())
+        token, margin = engine.greedy_margin(logits)
+        assert (token, np.float32(margin).tobytes()) == expected
+    # control: a margin that drops every copy of the largest value differs where the largest occurs twice
+    logits = margin_cases()[20]
+    dropped = logits[logits < logits.max()].max()
+    assert np.float32(logits.max() - dropped).tobytes() != np.float32(engine.greedy_margin(logits)[1]).tobytes()
+
+
 def test_a_replica_one_bit_off_stops_the_run(gguf, monkeypatch):
     with open_engine(gguf[0]) as e:
         prompt, stage = ids_of(e, QUESTIONS[0])

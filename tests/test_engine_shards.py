@@ -1,6 +1,7 @@
 """The llama.cpp engine's replay and audit split by item shard (stagereplay.stages.engine; rules replay_on_engine,
-audit_engine and their gathers, at engine llama_cpp): each shard's rows are the whole run's rows of its items, byte for byte, the
-gathered file is the whole run's file, the shards' audits reproduce it, and the workflow plans one job per shard.
+audit_engine and their gathers, at engine llama_cpp): each shard's rows are the whole run's rows of its items, byte
+for byte, the gathered file is the whole run's file, the shards' audits reproduce it, the audit runs each row once,
+and the workflow plans one job per shard.
 Needs the extra ``engines``, as tests/test_engine_llama_cpp.py does."""
 
 from __future__ import annotations
@@ -192,3 +193,39 @@ def test_contexts_on_threads_give_the_one_contexts_rows_byte_for_byte_and_their_
     assert not nudged.equals(table(one))
     with pytest.raises(ValueError, match="contexts 0: need at least 1"):
         settings(path, boundary, contexts=0)
+
+
+def test_the_audit_runs_each_row_once_and_checks_every_stored_replica_against_it(inputs, monkeypatch):
+    """The replay runs each construction twice (its replicas); the audit recomputes it once, as the pipeline's audit
+    does, and compares both stored replicas with that run: a stored replica 2 one ulp off is named."""
+    import numpy as np
+
+    from stagereplay.experiments.audit import AuditFailedError
+
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    runs = {"n": 0}
+    for name in ("replay", "generate"):
+        original = getattr(engine.LlamaCppEngine, name)
+
+        def counted(self, *args, _original=original, **kw):
+            runs["n"] += 1
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(engine.LlamaCppEngine, name, counted)
+    ledger, audit = folder / "once.parquet", folder / "once_audit.parquet"
+    replay_on_engine(*paths, str(ledger), settings(path, boundary))
+    replayed, runs["n"] = runs["n"], 0
+    audit_engine(*paths, str(ledger), str(audit), settings(path, boundary))
+    stored = read_parquet(ledger)
+    assert replayed == len(stored) and runs["n"] * 2 == replayed
+    audited = read_parquet(audit)
+    assert audited["reproduced"].all() and sorted(audited["replica"]) == sorted(stored["replica"])
+
+    second = stored.index[(stored["replica"] == 2) & (stored["margins"].map(len) > 0)][0]
+    stored.at[second, "margins"] = [float(np.nextafter(np.float32(stored.at[second, "margins"][0]), np.float32(1)))] \
+        + list(stored.at[second, "margins"][1:])
+    tampered = folder / "once_tampered.parquet"
+    write_parquet(stored, tampered, {})
+    with pytest.raises(AuditFailedError, match=r"1 ledger row\(s\) did not reproduce:(.|\n)*margins"):
+        audit_engine(*paths, str(tampered), str(folder / "tampered_audit.parquet"), settings(path, boundary))

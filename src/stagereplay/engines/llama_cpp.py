@@ -79,6 +79,17 @@ def precision_of(kv_type: str) -> str:
     return f"kv_{kv_type}"
 
 
+def greedy_margin(logits: np.ndarray) -> tuple[int, float]:
+    """The greedy id of finite float32 ``logits`` (the lowest index on ties) and the top-2 margin: the largest value
+    less the second largest, in float32 (0 where the largest occurs twice). Two reductions beside the greedy id, not a
+    sort (``np.partition`` took 0.9 ms over a 151,936-id vocabulary, more than llama.cpp's step on a GPU); the same
+    float32 bytes as ``np.partition(logits, -2)`` gives (``tests/test_engine_llama_cpp.py``)."""
+    token = int(np.argmax(logits))
+    below, above = logits[:token], logits[token + 1:]
+    second = max(below.max(initial=-np.inf), above.max(initial=-np.inf))
+    return token, float(np.float32(logits[token] - second))
+
+
 class ForwardTooLongError(ValueError):
     """A construction's forward longer than the context's ``n_ubatch``: llama.cpp would split it."""
 
@@ -403,10 +414,9 @@ class LlamaCppEngine:
             if not np.isfinite(logits).all():
                 stop = "nonfinite"
                 break
-            token = int(np.argmax(logits))  # lowest index on ties
-            second, first = np.partition(logits, -2)[-2:]
+            token, margin = greedy_margin(logits)
             suffix.append(token)
-            margins.append(float(np.float32(first - second)))
+            margins.append(margin)
             if self.is_eog(token):
                 stop = "eos"
                 break

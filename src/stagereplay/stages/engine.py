@@ -8,7 +8,8 @@ then whose stage ids each row used and the engine's context) of experiments ``<e
 read, with the config's boundary and ``max_stage_tokens``; the other constructions rebuild it) and
 ``<engine>_reference_stage`` (stage_source ``reference``: the reference precision's stage ids), one precision per
 context the engine's config block names (llama.cpp: ``kv_f16`` / ``kv_f32``).
-``audit_engine`` recomputes every row from scratch and compares every column, margins as float32 bytes, writing
+``audit_engine`` recomputes every row from scratch, once (one replica, as the pipeline's audit: every stored
+replica is compared with it), and compares every column, margins as float32 bytes, writing
 engine_<engine>_audit.parquet in the audit's schema; rows that did not reproduce stop the job, named.
 Every planned prefix is checked by each context before the first row is decoded. Neither loads torch: the model is
 the engine's.
@@ -47,7 +48,14 @@ from stagereplay.engines.rows import (
     own_stage_rows,
     reference_of,
 )
-from stagereplay.experiments.audit import AUDIT_SCHEMA, AuditFailedError, compare_row, failures_message, record
+from stagereplay.experiments.audit import (
+    AUDIT_SCHEMA,
+    REPLICAS,
+    AuditFailedError,
+    compare_row,
+    failures_message,
+    record,
+)
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.keys import LEDGER_KEY, within_revision
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
@@ -178,17 +186,18 @@ def _provenance(stage: str, s: EngineReplaySettings, contexts: dict) -> dict:
             "prefix_precision": s.precision, "config": {k: v for k, v in vars(s).items() if k != "base_dir"}}
 
 
-def _item_rows(e, it: EngineItem, s: EngineReplaySettings, matcher, settings: RunSettings) -> list[dict]:
+def _item_rows(e, it: EngineItem, s: EngineReplaySettings, matcher, settings: RunSettings,
+               replicas: tuple[int, ...]) -> list[dict]:
     rows, comparison = [], None
     if "engine" in s.stage_sources:
         own, stage = own_stage_rows(e, it.item, it.prompt_ids, matcher, s.max_stage_tokens, settings,
-                                    constructions_for(s.engine, "engine", s.names),
+                                    constructions_for(s.engine, "engine", s.names), replicas,
                                     reference_stage=it.reference_stage)
         rows += own
         comparison = compare_stages(stage, it.reference_stage)
     if "reference" in s.stage_sources and it.reference_stage:
         rows += engine_rows(e, it.item, it.prompt_ids, it.reference_stage, settings,
-                            constructions_for(s.engine, "reference", s.names), source="reference",
+                            constructions_for(s.engine, "reference", s.names), replicas, source="reference",
                             comparison=comparison)
     return rows
 
@@ -206,10 +215,12 @@ def claim_engine_gpu(s: EngineReplaySettings) -> GpuSlot:
     return claim_gpu("cuda", n_visible=n_visible)
 
 
-def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot) -> tuple[pd.DataFrame, dict]:
-    """The rows of this shard's items, sorted by their key; ``items`` is the whole selection's, which sizes the
-    context and is checked whole, so that no shard count changes a context or lets a bad item through. On a claimed
-    GPU the engine puts its work on it (not on the others, which other jobs hold)."""
+def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot,
+          replicas: tuple[int, ...] = REPLICAS) -> tuple[pd.DataFrame, dict]:
+    """The rows of this shard's items, each construction once per replica (checked bit for bit), sorted by their
+    key; ``items`` is the whole selection's, which sizes the context and is checked whole, so that no shard count
+    changes a context or lets a bad item through. On a claimed GPU the engine puts its work on it (not on the
+    others, which other jobs hold)."""
     cls, config = s.engine_class, s.config
     path, n_ctx = s.model_file(), _context_size(items, s)
     rows, contexts = [], {}
@@ -222,23 +233,23 @@ def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot) -> tup
         with contextlib.ExitStack() as stack:
             engines = [stack.enter_context(cls.open(path, config, precision, n_ctx, gpu.visible_index))
                        for _ in range(min(s.contexts, max(len(mine), 1)))]
-            rows += _rows_on_engines(engines, mine, s, s.run_settings(precision))
-        log.info("%s %s: %d items (shard %d of %d) on %d context(s), stage ids of %s, %d constructions x 2 replicas",
-                 cls.label, precision, len(mine), s.shard, s.n_shards, len(engines), "/".join(s.stage_sources),
-                 len(s.names))
+            rows += _rows_on_engines(engines, mine, s, s.run_settings(precision), replicas)
+        log.info("%s %s: %d items (shard %d of %d) on %d context(s), stage ids of %s, %d constructions x %d "
+                 "replica(s)", cls.label, precision, len(mine), s.shard, s.n_shards, len(engines),
+                 "/".join(s.stage_sources), len(s.names), len(replicas))
     frame = pd.DataFrame(rows, columns=ledger_schema(cls).names)
     return frame.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True), contexts
 
 
-def _rows_on_engines(engines: list, items: list[EngineItem], s: EngineReplaySettings,
-                     settings: RunSettings) -> list[dict]:
+def _rows_on_engines(engines: list, items: list[EngineItem], s: EngineReplaySettings, settings: RunSettings,
+                     replicas: tuple[int, ...]) -> list[dict]:
     """The rows of ``items``, the i-th of every len(engines) items on engine i, each engine on a thread of its own
     (one engine: this thread). Every item runs alone in a cleared context, so which engine ran it changes no byte;
     with several on one GPU, they share this process's CUDA context and overlap (separate processes take turns)."""
 
     def run(e, share: list[EngineItem]) -> list[dict]:
         matcher = matcher_from_config(s.boundary, e)
-        return [row for it in share for row in _item_rows(e, it, s, matcher, settings)]
+        return [row for it in share for row in _item_rows(e, it, s, matcher, settings, replicas)]
 
     shares = [items[i::len(engines)] for i in range(len(engines))]
     if len(engines) == 1:
@@ -292,7 +303,7 @@ def audit_engine(items_path: str, prefixes_path: str, ledger_path: str, out_path
     stored = read_parquet(ledger_path)
     stored = stored[stored["item_index"].astype(int).isin(mine)]
     with claim_engine_gpu(s) as gpu:
-        recomputed, contexts = _rows(s, items, gpu)
+        recomputed, contexts = _rows(s, items, gpu, replicas=REPLICAS[:1])
     records = audit_rows(stored, recomputed, context_fields(s.engine_class))
     failed = [r for r in records if not r["reproduced"]]
     if failed:
