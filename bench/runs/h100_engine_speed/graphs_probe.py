@@ -11,8 +11,13 @@ import llama_cpp
 import numpy as np
 
 path, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 300
-llm = llama_cpp.Llama(model_path=path, n_gpu_layers=-1, n_ctx=512, n_batch=512, n_threads=4, verbose=False,
-                      logits_all=False)
+loads = []
+for _ in range(3):  # the first also starts CUDA
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_gpu_layers=-1, n_ctx=512, n_batch=512, n_threads=4, verbose=False,
+                          logits_all=False)
+    loads.append(round(time.perf_counter() - start, 2))
+print(f"model and context opened in {loads} s", flush=True)
 n_vocab = llm.n_vocab()
 for rep in range(2):  # the first warms up
     llm.reset()
