@@ -90,6 +90,9 @@ class DummyEngine:
     def close(self) -> None:
         pass
 
+    def sibling(self):
+        return type(self)(self.config, self.precision)
+
     def provenance(self) -> dict:
         return {"dummy_precision": self.precision, "dummy_forwards": 1}
 

@@ -229,3 +229,24 @@ def test_the_audit_runs_each_row_once_and_checks_every_stored_replica_against_it
     write_parquet(stored, tampered, {})
     with pytest.raises(AuditFailedError, match=r"1 ledger row\(s\) did not reproduce:(.|\n)*margins"):
         audit_engine(*paths, str(tampered), str(folder / "tampered_audit.parquet"), settings(path, boundary))
+
+
+def test_a_jobs_contexts_load_the_model_once_per_precision(inputs, monkeypatch):
+    """Contexts beyond the first are siblings over its model (one copy of the weights): a job at three contexts loads
+    the model twice per precision (the check before any row, then its contexts), not four times; their rows are the
+    one context's (the test above)."""
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    loads, Llama = [], llama_cpp.Llama
+
+    def counted(*args, **kw):
+        loads.append(kw.get("type_k"))
+        return Llama(*args, **kw)
+
+    monkeypatch.setattr(llama_cpp, "Llama", counted)
+    replay_on_engine(*paths, str(folder / "siblings.parquet"), settings(path, boundary, contexts=3, kv_types=["f32"]))
+    assert len(loads) == 2 and table(folder / "siblings.parquet").num_rows > 8
+    loads.clear()
+    replay_on_engine(*paths, str(folder / "siblings_two_kv.parquet"),
+                     settings(path, boundary, contexts=3, kv_types=["f16", "f32"]))
+    assert len(loads) == 4 and len(set(loads)) == 2

@@ -58,6 +58,7 @@ from stagereplay.engines.llama_cpp_binding import (  # noqa: F401 - the engine's
     EngineRefusedError,
     EngineUnavailableError,
     LogCapture,
+    SharedContext,
     ggml_string,
     gpu_count,
     require_binding,
@@ -227,9 +228,13 @@ class LlamaCppEngine:
     def precision(self) -> str:
         return precision_of(self.settings.kv_type)
 
-    def __init__(self, path: str | Path, settings: EngineSettings):
+    def __init__(self, path: str | Path, settings: EngineSettings, share: LlamaCppEngine | None = None):
         llama_cpp = require_binding()
         self._lib, self.settings, self.path = llama_cpp, settings, Path(path)
+        if share is not None:  # a further context over share's model: see sibling()
+            self.llm = SharedContext(share.llm)
+            self._opened()
+            return
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[settings.kv_type]
@@ -244,6 +249,10 @@ class LlamaCppEngine:
                     **placement)
             except (ValueError, RuntimeError) as exc:
                 raise EngineRefusedError(self._refusal(log.errors(), exc)) from exc
+        self._opened()
+
+    def _opened(self) -> None:
+        llama_cpp = self._lib
         self.n_vocab = self.llm.n_vocab()
         # the context's own limits, which llama.cpp may set otherwise than asked: every check below reads these
         self.n_batch = int(llama_cpp.llama_n_batch(self.llm.ctx))
@@ -267,6 +276,11 @@ class LlamaCppEngine:
         self.llm.eval([0])
         self._logits()
         self._clear()
+
+    def sibling(self) -> LlamaCppEngine:
+        """A further context with this one's settings over this one's model, which is not loaded again (one copy of
+        the weights for every context of a job): close it before this one."""
+        return type(self)(self.path, self.settings, share=self)
 
     def __enter__(self):
         return self

@@ -1,5 +1,6 @@
 """llama-cpp-python, the llama.cpp engine's binding: importing it with a clear error, reading what llama.cpp writes
-of a sequence's state (its fingerprints), its log while a file loads, and ggml's version strings.
+of a sequence's state (its fingerprints), further contexts over a loaded model, its log while a file loads, and
+ggml's version strings.
 
 Knows nothing of constructions, items or rows (:mod:`stagereplay.engines.llama_cpp` builds on it).
 """
@@ -98,6 +99,78 @@ def state_fingerprints(blob: bytes) -> tuple[str, list[str], list[str]]:
             f"llama.cpp's sequence state ({len(view)} bytes) is not in the layout this reader knows ({BINDING} "
             f"{BINDING_VERSION}'s llama.cpp); install that version: {INSTALL}")
     return _sha(view), ks, vs
+
+
+class SharedContext:
+    """A further llama.cpp context over an open ``Llama``'s model (loaded once, its weights shared), with the calls of
+    ``Llama``'s that the engine makes, each making the llama.cpp calls ``Llama`` makes (llama-cpp-python 0.3.36):
+    ``eval`` (``llama_memory_seq_rm`` past the tokens held, then ``llama_decode`` of a batch whose last token alone
+    outputs logits), ``reset``, ``save_state`` / ``load_state`` (``llama_state_get_data`` / ``llama_state_set_data``:
+    the whole context's state), and the model's own tokenizer. Its context has the ``Llama``'s context parameters.
+    Close it before the ``Llama``."""
+
+    def __init__(self, llm):
+        from llama_cpp import _internals
+
+        self._llm = llm
+        self._ctx = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
+        self._batch = _internals.LlamaBatch(n_tokens=llm.n_batch, embd=0, n_seq_max=llm.context_params.n_ctx,
+                                            verbose=False)
+        self.n_batch, self.n_tokens = llm.n_batch, 0
+
+    @property
+    def ctx(self):
+        return self._ctx.ctx
+
+    @property
+    def model(self):
+        return self._llm.model
+
+    def n_ctx(self) -> int:
+        return self._ctx.n_ctx()
+
+    def n_vocab(self) -> int:
+        return self._llm.n_vocab()
+
+    def tokenize(self, *args, **kw):
+        return self._llm.tokenize(*args, **kw)
+
+    def detokenize(self, *args, **kw):
+        return self._llm.detokenize(*args, **kw)
+
+    def eval(self, tokens) -> None:
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for i in range(0, len(tokens), self.n_batch):
+            batch = tokens[i:i + self.n_batch]
+            self._batch.set_batch(batch=batch, n_past=self.n_tokens, logits_all=False)
+            self._ctx.decode(self._batch)
+            self.n_tokens += len(batch)
+
+    def reset(self) -> None:
+        self.n_tokens = 0
+
+    def save_state(self) -> tuple[bytes, int]:
+        import llama_cpp
+
+        size = llama_cpp.llama_state_get_size(self.ctx)
+        buffer = (ctypes.c_uint8 * int(size))()
+        written = int(llama_cpp.llama_state_get_data(self.ctx, buffer, size))
+        if written > int(size):
+            raise RuntimeError("llama_state_get_data wrote more than llama_state_get_size")
+        return bytes(buffer)[:written], self.n_tokens
+
+    def load_state(self, saved: tuple[bytes, int]) -> None:
+        import llama_cpp
+
+        data, n_tokens = saved
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_set_data(self.ctx, buffer, len(data)) != len(data):
+            raise RuntimeError("llama_state_set_data did not read the whole state")
+        self.n_tokens = n_tokens
+
+    def close(self) -> None:
+        self._batch.close()
+        self._ctx.close()
 
 
 class LogCapture:

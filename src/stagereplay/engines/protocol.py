@@ -99,6 +99,10 @@ class Engine(Protocol):
     def visible_gpus(cls) -> int:
         """How many GPUs the engine sees (the stage claims one of them per job where the config offloads)."""
 
+    def sibling(self) -> Engine:
+        """A further context of this one's settings over this one's model, not loaded again (the stage's
+        ``contexts``: one copy of the weights for all); closed before this one."""
+
     def provenance(self) -> dict:
         """The engine's columns of every row (:attr:`fields`): its versions, build and context."""
 

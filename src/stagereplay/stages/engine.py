@@ -231,8 +231,9 @@ def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot,
     mine = shard_items(items, s.shard, s.n_shards)
     for precision in config.precisions():
         with contextlib.ExitStack() as stack:
-            engines = [stack.enter_context(cls.open(path, config, precision, n_ctx, gpu.visible_index))
-                       for _ in range(min(s.contexts, max(len(mine), 1)))]
+            engines = [stack.enter_context(cls.open(path, config, precision, n_ctx, gpu.visible_index))]
+            engines += [stack.enter_context(engines[0].sibling())  # the model once: closed before the first
+                        for _ in range(min(s.contexts, max(len(mine), 1)) - 1)]
             rows += _rows_on_engines(engines, mine, s, s.run_settings(precision), replicas)
         log.info("%s %s: %d items (shard %d of %d) on %d context(s), stage ids of %s, %d constructions x %d "
                  "replica(s)", cls.label, precision, len(mine), s.shard, s.n_shards, len(engines),
