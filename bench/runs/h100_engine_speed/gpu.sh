@@ -14,7 +14,7 @@ case "$1" in
     all)  # both in one call, the probe only while time is left: one machine start
         START=$SECONDS
         bash "$0" before
-        PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py run $ES --tag after --contexts 1 "${K:-8}" 2>&1 \
+        PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py run $ES --tag after --threads "${THREADS:-1}" --contexts 1 "${K:-8}" 2>&1 \
             | quiet | tee -a "$LOG"
         PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py compare $ES --tags before after 2>&1 | tee -a "$LOG"
         for t in before after; do cp $ES/$t/times.json "$OUT/times_$t.json"; done
@@ -30,10 +30,10 @@ case "$1" in
             split -b 15M "$wheel" "$OUT/llama_cuda_whl.part_"; ls -la "$wheel" | tee -a "$LOG"
         fi
         PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py inputs $ES --items "$N" 2>&1 | quiet | tee -a "$LOG"
-        PYTHONPATH=$PWD/.bench_old/src:/tmp/site python bench/engine_speed.py run $ES --tag before 2>&1 | quiet \
+        PYTHONPATH=$PWD/.bench_old/src:/tmp/site python bench/engine_speed.py run $ES --tag before --threads "${THREADS:-1}" 2>&1 | quiet \
             | tee -a "$LOG" ;;
     after)
-        PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py run $ES --tag after --contexts 1 4 8 2>&1 | quiet \
+        PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py run $ES --tag after --threads "${THREADS:-1}" --contexts 1 4 8 2>&1 | quiet \
             | tee -a "$LOG"
         PYTHONPATH=$PWD/src:/tmp/site python bench/engine_speed.py compare $ES --tags before after 2>&1 | tee -a "$LOG"
         python bench/runs/h100_engine_speed/graphs_probe.py $ES/model.gguf 2>&1 | quiet | tee -a "$LOG"
