@@ -250,3 +250,26 @@ def test_a_jobs_contexts_load_the_model_once_per_precision(inputs, monkeypatch):
     replay_on_engine(*paths, str(folder / "siblings_two_kv.parquet"),
                      settings(path, boundary, contexts=3, kv_types=["f16", "f32"]))
     assert len(loads) == 4 and len(set(loads)) == 2
+
+
+def test_what_a_row_records_of_its_context_is_read_when_it_opens_not_on_the_contexts_threads(inputs, monkeypatch):
+    """llama.cpp builds its system info in one static buffer, which contexts on threads would write at once (a row
+    read it empty at 16 contexts on one H100): it is read on the thread that opens a context. Here a read on any other
+    thread gives what such a race gave, and the rows at 2 contexts still record the one context's."""
+    import threading
+
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    one = folder / "info_one.parquet"
+    replay_on_engine(*paths, str(one), settings(path, boundary, kv_types=["f32"]))
+    real = llama_cpp.llama_print_system_info
+
+    def racy():
+        return real() if threading.current_thread() is threading.main_thread() else b""
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", racy)
+    two = folder / "info_two.parquet"
+    replay_on_engine(*paths, str(two), settings(path, boundary, contexts=2, kv_types=["f32"]))
+    info = read_parquet(two)["system_info"]
+    assert set(info) == set(read_parquet(one)["system_info"]) and "" not in set(info)
+    assert table(two).equals(table(one))

@@ -258,6 +258,7 @@ class LlamaCppEngine:
         self.n_batch = int(llama_cpp.llama_n_batch(self.llm.ctx))
         self.n_ubatch = int(llama_cpp.llama_n_ubatch(self.llm.ctx))
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self._provenance = self._read_provenance()
         self._probe()
 
     def _refusal(self, reason: str, exc: Exception) -> str:
@@ -294,7 +295,13 @@ class LlamaCppEngine:
             llm.close()
 
     def provenance(self) -> dict:
-        """What every row records of the engine and its context."""
+        """What every row records of the engine and its context: read once, when the context opened."""
+        return dict(self._provenance)
+
+    def _read_provenance(self) -> dict:
+        """Read on the thread that opens the context, never on a context's own thread: llama.cpp builds
+        ``llama_print_system_info()`` in one static buffer, which contexts on threads would write at once (at 16
+        contexts on one H100 a row read it empty)."""
         s = self.settings
         return {"engine": ENGINE, "binding_version": self._lib.__version__,
                 "llama_cpp_commit": ggml_string("ggml_commit"),
