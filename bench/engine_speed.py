@@ -29,7 +29,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -98,15 +97,6 @@ def table(path: Path) -> pa.Table:
     return pq.read_table(path).replace_schema_metadata(None)
 
 
-def nudged(t: pa.Table) -> pa.Table:
-    """The control: the first margin moved by one ulp."""
-    margins = t["margins"].combine_chunks()
-    values = margins.flatten().to_numpy().copy()
-    values[0] = np.nextafter(values[0], np.float32(np.inf))
-    return t.set_column(t.column_names.index("margins"), "margins",
-                        pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32())))
-
-
 def compare(folder: Path, tags: list[str]) -> bool:
     base_rows, base_audit = table(folder / tags[0] / "rows_1.parquet"), table(folder / tags[0] / "audit_1.parquet")
     base_times = json.loads((folder / tags[0] / "times.json").read_text())["1"]
@@ -121,7 +111,9 @@ def compare(folder: Path, tags: list[str]) -> bool:
                   f"{t['replay_s']} s ({base_times['replay_s'] / t['replay_s']:.2f}x), audit {t['audit_s']} s "
                   f"({base_times['audit_s'] / t['audit_s']:.2f}x), both {t['replay_s'] + t['audit_s']:.1f} s "
                   f"({(base_times['replay_s'] + base_times['audit_s']) / (t['replay_s'] + t['audit_s']):.2f}x)")
-    caught = not nudged(base_rows).equals(base_rows)
+    from stagereplay.testing.controls import first_margin_nudged
+
+    caught = not first_margin_nudged(base_rows).equals(base_rows)
     print(f"control: the first margin moved by one ulp is told apart: {caught}")
     return same and caught
 

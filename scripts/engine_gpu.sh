@@ -257,10 +257,10 @@ shards() {
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
+
+from stagereplay.testing.controls import first_margin_nudged, first_verdict_flipped
 
 folder = Path(sys.argv[1])
 one = folder / "1"
@@ -277,16 +277,8 @@ for d in others:
         print(f"{name}: {a.num_rows} rows at 1 shard, {b.num_rows} at {words(d)}; identical: {a.equals(b)}")
         # the control: the first margin moved by one ulp (the rows), the first verdict flipped (the audit): each
         # must make the comparison fail
-        if "margins" in b.column_names:
-            margins = b["margins"].combine_chunks()
-            values = margins.flatten().to_numpy().copy()
-            values[0] = np.nextafter(values[0], np.float32(np.inf))
-            column, changed = "margins", pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32()))
-        else:
-            values = b["reproduced"].to_numpy(zero_copy_only=False).copy()
-            values[0] = not values[0]
-            column, changed = "reproduced", pa.array(values)
-        nudged = b.set_column(b.column_names.index(column), column, changed)
+        column = "margins" if "margins" in b.column_names else "reproduced"
+        nudged = first_margin_nudged(b) if column == "margins" else first_verdict_flipped(b)
         print(f"  control: {column} of the first row changed; identical: {a.equals(nudged)}")
 
 

@@ -30,6 +30,7 @@ from stagereplay.experiments.recipe import ReplicaMismatchError
 from stagereplay.experiments.rows import LEDGER_SCHEMA, RunSettings
 from stagereplay.io.parquet import read_parquet, read_provenance, write_parquet
 from stagereplay.stages.engine import EngineReplaySettings, audit_engine, replay_on_engine
+from stagereplay.testing.controls import margins_nudged
 from stagereplay.testing.gguf import character_vocabulary, write_gguf
 
 QUESTIONS = ("12+34", "52-46+33")
@@ -164,7 +165,7 @@ def test_a_replica_one_bit_off_stops_the_run(gguf, monkeypatch):
         prompt, stage = ids_of(e, QUESTIONS[0])
         first = e.replay("prefill", prompt, stage, MAX_NEW)
         other = RowResult(first.stage_ids, first.suffix_ids,
-                                 [float(np.nextafter(np.float32(first.margins[0]), np.float32(1)))] + first.margins[1:],
+                                 margins_nudged(first.margins),
                                  first.stop_reason, first.pad, first.position, first.fingerprints)
         assert replica_difference(first, first) is None
         assert replica_difference(first, other) == "margins"
@@ -306,8 +307,7 @@ def test_the_stage_writes_rows_that_its_audit_reproduces_and_the_report_counts(g
 
     # one margin one bit off in the stored rows: the audit names the row and the column
     tampered = frame.copy()
-    tampered.at[0, "margins"] = [float(np.nextafter(np.float32(tampered.at[0, "margins"][0]), np.float32(1)))] + \
-        list(tampered.at[0, "margins"][1:])
+    tampered.at[0, "margins"] = margins_nudged(tampered.at[0, "margins"])
     write_parquet(tampered, ledger, {}, engine.ENGINE_LEDGER_SCHEMA)
     with pytest.raises(AuditFailedError, match=r"1 ledger row\(s\) did not reproduce:(.|\n)*margins"):
         audit_engine(*paths, str(ledger), str(tmp_path / "again.parquet"), settings)

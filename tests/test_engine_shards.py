@@ -19,6 +19,7 @@ llama_cpp = llama_cpp_or_skip()
 
 from stagereplay.engines import llama_cpp as engine
 from stagereplay.io.parquet import read_parquet, write_parquet
+from stagereplay.testing.controls import first_margin_nudged, margins_nudged
 from stagereplay.stages.engine import (
     EngineReplaySettings,
     audit_engine,
@@ -172,9 +173,6 @@ def test_shards_on_one_visible_gpu_are_warned_of_and_shards_across_gpus_are_not(
 def test_contexts_on_threads_give_the_one_contexts_rows_byte_for_byte_and_their_audit_reproduces(inputs):
     """Two contexts of one job, each on a thread over every other item, write the one context's file; the audit with
     three contexts reproduces it. The control: a row's margins moved by one ulp is told apart."""
-    import numpy as np
-    import pyarrow as pa
-
     folder, path, boundary = inputs
     paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
     one, two = folder / "one_context.parquet", folder / "two_contexts.parquet"
@@ -185,12 +183,7 @@ def test_contexts_on_threads_give_the_one_contexts_rows_byte_for_byte_and_their_
     audit_engine(*paths, str(two), str(audit), settings(path, boundary, contexts=3))
     assert read_parquet(audit)["reproduced"].all() and len(read_parquet(audit)) == table(one).num_rows
 
-    margins = table(two)["margins"].combine_chunks()
-    values = margins.flatten().to_numpy().copy()
-    values[0] = np.nextafter(values[0], np.float32(np.inf))
-    nudged = table(two).set_column(table(two).column_names.index("margins"), "margins",
-                                   pa.ListArray.from_arrays(margins.offsets, pa.array(values, pa.float32())))
-    assert not nudged.equals(table(one))
+    assert not first_margin_nudged(table(two)).equals(table(one))
     with pytest.raises(ValueError, match="contexts 0: need at least 1"):
         settings(path, boundary, contexts=0)
 
@@ -198,8 +191,6 @@ def test_contexts_on_threads_give_the_one_contexts_rows_byte_for_byte_and_their_
 def test_the_audit_runs_each_row_once_and_checks_every_stored_replica_against_it(inputs, monkeypatch):
     """The replay runs each construction twice (its replicas); the audit recomputes it once, as the pipeline's audit
     does, and compares both stored replicas with that run: a stored replica 2 one ulp off is named."""
-    import numpy as np
-
     from stagereplay.experiments.audit import AuditFailedError
 
     folder, path, boundary = inputs
@@ -223,8 +214,7 @@ def test_the_audit_runs_each_row_once_and_checks_every_stored_replica_against_it
     assert audited["reproduced"].all() and sorted(audited["replica"]) == sorted(stored["replica"])
 
     second = stored.index[(stored["replica"] == 2) & (stored["margins"].map(len) > 0)][0]
-    stored.at[second, "margins"] = [float(np.nextafter(np.float32(stored.at[second, "margins"][0]), np.float32(1)))] \
-        + list(stored.at[second, "margins"][1:])
+    stored.at[second, "margins"] = margins_nudged(stored.at[second, "margins"])
     tampered = folder / "once_tampered.parquet"
     write_parquet(stored, tampered, {})
     with pytest.raises(AuditFailedError, match=r"1 ledger row\(s\) did not reproduce:(.|\n)*margins"):
