@@ -263,3 +263,30 @@ def test_what_a_row_records_of_its_context_is_read_when_it_opens_not_on_the_cont
     info = read_parquet(two)["system_info"]
     assert set(info) == set(read_parquet(one)["system_info"]) and "" not in set(info)
     assert table(two).equals(table(one))
+
+
+@pytest.mark.parametrize("broken, named", [("drop", "missing_row"), ("twice", "duplicate_row"),
+                                           ("replica 3", "unexpected_row")])
+def test_the_audit_names_a_replica_the_file_lacks_holds_twice_or_should_not_hold(inputs, broken, named):
+    """A stored replica 2 removed, held twice, or renumbered 3: each stops the audit naming the row, as the
+    pipeline's audit does. The control: the file as written reproduces (the tests above)."""
+    folder, path, boundary = inputs
+    paths = (str(folder / "items.parquet"), str(folder / "prefixes.parquet"))
+    ledger = folder / "replicas.parquet"
+    if not ledger.exists():
+        replay_on_engine(*paths, str(ledger), settings(path, boundary, kv_types=["f32"]))
+    stored = read_parquet(ledger)
+    second = stored.index[stored["replica"] == 2][0]
+    if broken == "drop":
+        stored = stored.drop(index=second)
+    elif broken == "twice":
+        stored = pd.concat([stored, stored.loc[[second]]], ignore_index=True)
+    else:
+        stored.at[second, "replica"] = 3
+    tampered = folder / f"replicas_{broken.replace(' ', '_')}.parquet"
+    write_parquet(stored, tampered, {})
+    from stagereplay.experiments.audit import AuditFailedError
+
+    with pytest.raises(AuditFailedError, match=rf"replica (2|3): {named}"):
+        audit_engine(*paths, str(tampered), str(folder / "replicas_audit.parquet"),
+                     settings(path, boundary, kv_types=["f32"]))

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import pandas as pd
@@ -272,15 +273,26 @@ SORT_KEYS = within_revision(LEDGER_KEY)  # a row's key in its revision's file, a
 
 def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame, context: list[str]) -> list[dict]:
     """An audit record per stored row: every column compared with the recomputed replica 1 of its experiment (whose
-    stage ids), item, construction and precision, the ``context`` columns (whose stage ids, the engine's) too;
-    recomputed rows the file lacks are missing."""
+    stage ids), item, construction and precision, the ``context`` columns (whose stage ids, the engine's) too. As
+    the pipeline's audit, it refuses what a recomputation cannot vouch for (a row held twice, a replica outside
+    :data:`REPLICAS`), and each replica of a recomputed row that the file lacks is missing."""
     fresh = {(r["experiment"], int(r["item_index"]), r["precision"], r["construction"]): r
              for r in recomputed[recomputed["replica"] == 1].to_dict("records")}
+    rows = stored.to_dict("records")
+    held = Counter((r["experiment"], int(r["item_index"]), r["precision"], r["construction"], int(r["replica"]))
+                   for r in rows)
     out, seen = [], set()
-    for row in stored.to_dict("records"):
+    for row in rows:
         key = (row["experiment"], int(row["item_index"]), row["precision"], row["construction"])
-        seen.add(key)
+        seen.add((*key, int(row["replica"])))
         expected = fresh.get(key)
+        if held[(*key, int(row["replica"]))] > 1:
+            out.append(record(row, False, ["duplicate_row"], "the file holds this row and replica more than once"))
+            continue
+        if int(row["replica"]) not in REPLICAS:
+            out.append(record(row, False, ["unexpected_row"], f"replica {int(row['replica'])} is not one of the "
+                              f"replicas {list(REPLICAS)}"))
+            continue
         if expected is None:
             out.append(record(row, False, ["extra_row"], "no such row is recomputed"))
             continue
@@ -292,8 +304,9 @@ def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame, context: list[str
                 f"{c} {row.get(c)!r} -> {expected.get(c)!r}" for c in changed)]))
         out.append(record(row, not (differed or changed), differed + changed, detail))
     for key, row in fresh.items():
-        if key not in seen:
-            out.append(record(row, False, ["missing_row"], "recomputed, not in the file"))
+        for replica in REPLICAS:
+            if (*key, replica) not in seen:
+                out.append(record(dict(row, replica=replica), False, ["missing_row"], "recomputed, not in the file"))
     return out
 
 
