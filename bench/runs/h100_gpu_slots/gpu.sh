@@ -4,6 +4,9 @@
 # items transplanted, packing on), each in a fresh folder (its store prepared first, not timed), one after the other
 # in one call (carry .whl):
 #   N=48 LIMIT=220 bash bench/runs/h100_gpu_slots/gpu.sh 1 4
+# Give each slot count a call of its own with the run's 600 s (`... gpu.sh 1`, then `... gpu.sh 4` on the warm
+# machine): writing the GGUF (27 s) and preparing the store come before each timed run, and a 270 s call of one slot
+# count was stopped during its warm run (turnaround_s1_stopped.log, 2026-12-07).
 set -u
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/sm/*.whl 2>&1 | tail -2
