@@ -98,23 +98,43 @@ def layout_parity(rows: list[dict]) -> dict[int, str]:
     return out
 
 
+def held_counts(stored: list[dict]) -> Counter:
+    """How many times the stored rows hold each row key (:data:`LEDGER_KEY`), for :func:`unvouched`."""
+    return Counter(tuple(_norm(k, r[k]) for k in LEDGER_KEY) for r in stored)
+
+
+def unvouched(row: dict, counts: Counter) -> dict | None:
+    """The record of a stored row that no recomputation can vouch for (its key held more than once, or a replica
+    outside :data:`REPLICAS`), else None: the ledger's audit and the engine's both ask it first."""
+    if counts[tuple(_norm(k, row[k]) for k in LEDGER_KEY)] > 1:
+        return record(row, False, ["duplicate_row"], "the ledger holds this (item, revision, experiment, precision, "
+                      "construction, replica) more than once")
+    if int(row["replica"]) not in REPLICAS:
+        return record(row, False, ["unexpected_row"], f"replica {int(row['replica'])} is not one of the "
+                      f"experiment's replicas {list(REPLICAS)}")
+    return None
+
+
+def missing_replicas(expected: dict[tuple, dict], seen: set[tuple], detail: str) -> list[dict]:
+    """A ``missing_row`` record for each replica of :data:`REPLICAS` of each recomputed row (``expected``: its key
+    -> the row) whose (key, replica) the stored rows lack (``seen``)."""
+    return [record({**row, "replica": replica}, False, ["missing_row"], detail)
+            for key, row in expected.items() for replica in REPLICAS if (*key, replica) not in seen]
+
+
 def audit_batch(stored: list[dict], recomputed: list[dict] | Exception) -> list[dict]:
     """One audit record per stored row of one batch and precision, plus one per row that the recomputed
     experiments produce and the ledger lacks. ``recomputed``: the experiments' rows with one replica, or the
     exception that the recomputation raised (a finding about every row, not a crash)."""
-    counts = Counter(tuple(_norm(k, r[k]) for k in LEDGER_KEY) for r in stored)
+    counts = held_counts(stored)
     parity = layout_parity(stored)
     expected = {} if isinstance(recomputed, Exception) else {
         (int(r["item_index"]), r["experiment"], r["construction"]): r for r in recomputed}
     out = []
     for i, row in enumerate(stored):
         key = (int(row["item_index"]), row["experiment"], row["construction"])
-        if counts[tuple(_norm(k, row[k]) for k in LEDGER_KEY)] > 1:
-            out.append(record(row, False, ["duplicate_row"], "the ledger holds this (item, revision, experiment, "
-                              "precision, construction, replica) more than once"))
-        elif int(row["replica"]) not in REPLICAS:
-            out.append(record(row, False, ["unexpected_row"], f"replica {int(row['replica'])} is not one of the "
-                              f"experiment's replicas {list(REPLICAS)}"))
+        if (refused := unvouched(row, counts)) is not None:
+            out.append(refused)
         elif isinstance(recomputed, Exception):
             out.append(record(row, False, ["error"], f"{type(recomputed).__name__}: {recomputed}"))
         elif key not in expected:
@@ -126,12 +146,7 @@ def audit_batch(stored: list[dict], recomputed: list[dict] | Exception) -> list[
                 differed, detail = differed + ["layout_parity"], "; ".join(filter(None, [detail, parity[i]]))
             out.append(record(row, not differed, differed, detail))
     seen = {(int(r["item_index"]), r["experiment"], r["construction"], int(r["replica"])) for r in stored}
-    for (item_index, experiment, construction), row in expected.items():
-        for replica in REPLICAS:
-            if (item_index, experiment, construction, replica) not in seen:
-                out.append(record({**row, "replica": replica}, False, ["missing_row"],
-                                  "the recomputed experiment produces this row but the ledger lacks it"))
-    return out
+    return out + missing_replicas(expected, seen, "the recomputed experiment produces this row but the ledger lacks it")
 
 
 def failures_message(failed: list[dict], limit: int = 20) -> str:

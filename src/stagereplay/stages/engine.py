@@ -30,7 +30,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-from collections import Counter
 from dataclasses import dataclass
 
 import pandas as pd
@@ -55,7 +54,10 @@ from stagereplay.experiments.audit import (
     AuditFailedError,
     compare_row,
     failures_message,
+    held_counts,
+    missing_replicas,
     record,
+    unvouched,
 )
 from stagereplay.experiments.rows import RunSettings
 from stagereplay.io.keys import LEDGER_KEY, within_revision
@@ -89,7 +91,7 @@ class EngineReplaySettings:
     settings: dict = dataclasses.field(default_factory=dict)  # the engine's config block; missing keys: defaults
     shard: int = 0  # this job's items: item_index modulo n_shards
     n_shards: int = 1
-    contexts: int = 1  # the job's engines (one model and context each), each on a thread of its own
+    contexts: int = 1  # the job's contexts (over one copy of the model), each on a thread of its own
 
     def __post_init__(self):
         if not 0 <= self.shard < self.n_shards:
@@ -279,19 +281,14 @@ def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame, context: list[str
     fresh = {(r["experiment"], int(r["item_index"]), r["precision"], r["construction"]): r
              for r in recomputed[recomputed["replica"] == 1].to_dict("records")}
     rows = stored.to_dict("records")
-    held = Counter((r["experiment"], int(r["item_index"]), r["precision"], r["construction"], int(r["replica"]))
-                   for r in rows)
+    counts = held_counts(rows)
     out, seen = [], set()
     for row in rows:
         key = (row["experiment"], int(row["item_index"]), row["precision"], row["construction"])
         seen.add((*key, int(row["replica"])))
         expected = fresh.get(key)
-        if held[(*key, int(row["replica"]))] > 1:
-            out.append(record(row, False, ["duplicate_row"], "the file holds this row and replica more than once"))
-            continue
-        if int(row["replica"]) not in REPLICAS:
-            out.append(record(row, False, ["unexpected_row"], f"replica {int(row['replica'])} is not one of the "
-                              f"replicas {list(REPLICAS)}"))
+        if (refused := unvouched(row, counts)) is not None:
+            out.append(refused)
             continue
         if expected is None:
             out.append(record(row, False, ["extra_row"], "no such row is recomputed"))
@@ -303,11 +300,7 @@ def audit_rows(stored: pd.DataFrame, recomputed: pd.DataFrame, context: list[str
             detail = "; ".join(filter(None, [detail, "engine context: " + ", ".join(
                 f"{c} {row.get(c)!r} -> {expected.get(c)!r}" for c in changed)]))
         out.append(record(row, not (differed or changed), differed + changed, detail))
-    for key, row in fresh.items():
-        for replica in REPLICAS:
-            if (*key, replica) not in seen:
-                out.append(record(dict(row, replica=replica), False, ["missing_row"], "recomputed, not in the file"))
-    return out
+    return out + missing_replicas(fresh, seen, "recomputed, not in the file")
 
 
 def audit_engine(items_path: str, prefixes_path: str, ledger_path: str, out_path: str,
