@@ -15,6 +15,14 @@ warm/cold ratios.
 ``--warm-only`` prepares the store first with the workflow's own ``prepare_model`` job (run ``prime``, recorded but
 not timed as a run), then times one warm run: a run's turnaround once its model is prepared.
 
+``--rerun-transplants`` then reruns the two transplant stages alone, as a researcher does at a later checkpoint
+(``snakemake --forcerun transplant_caches find_minimal_transplants`` on the warm run's results, one model job on
+the GPU at a time): first with ``transplant.pack: false`` (the unpacked path, as the stages ran before packing),
+then with packing on. Each stage's seconds come from its benchmark file; the JSON's ``rerun`` holds both and their
+ratios, and whether the tables are equal: the packed rerun's against the warm run's (every column) and against the
+unpacked rerun's (every column but ``rows_transplanted``), beside a control (the packed table with one margin moved
+by one ulp) that the same comparison must tell apart.
+
 The source is a RANDOM-WEIGHT GGUF file of a real Qwen2.5 shape (a shape of stagereplay/testing/shapes.py; ``tiny``
 for trying it on a CPU) written with gguf-py as llama.cpp lays out a Qwen2 file: its tensor names, every 2-D weight
 quantised (``--quant``, default Q8_0), norms and biases F32, untied embeddings (``output.weight``: a random model
@@ -37,11 +45,14 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pandas as pd
 
 from stagereplay.testing.gguf import filler_vocabulary, prompt_characters, write_gguf
 from stagereplay.testing.shapes import SHAPES  # the real Qwen2.5 shapes
@@ -151,6 +162,82 @@ def snakemake(work: Path, config: Path, run: str, args, env: dict, targets: list
                              "after": [round(x, 2) for x in os.getloadavg()]}}
 
 
+RERUN_RULES = ("transplant_caches", "find_minimal_transplants")
+RERUN_PARTS = {"transplant_caches": "transplant", "find_minimal_transplants": "minimal_transplant"}
+
+
+def _stage_parts(work: Path, run: str) -> dict[str, list[Path]]:
+    """Each transplant stage's part files in ``run``'s results (one per revision and shard)."""
+    return {rule: sorted((work / "results" / run).glob(f"*/parts/{part}_*.parquet"))
+            for rule, part in RERUN_PARTS.items()}
+
+
+def _keep(parts: dict[str, list[Path]], folder: Path) -> None:
+    """Copies of the part files in ``folder`` (no ``parts`` in their path: scripts/compare_tables.py skips those)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for files in parts.values():
+        for path in files:
+            shutil.copy2(path, folder / f"{path.parent.parent.name}__{path.name}")
+
+
+def _compare(old: Path, new: Path, ignore: str) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/compare_tables.py"), str(old), str(new),
+                           "--ignore-columns", ignore], capture_output=True, text=True)
+    return {"equal": proc.returncode == 0, "ignored": ignore, "output": proc.stdout[-2000:]}
+
+
+def rerun_transplants(work: Path, args, env: dict, run: str = "warm") -> dict:
+    """The two transplant stages of ``run`` rerun alone, unpacked then packed (the module's docstring)."""
+    import pyarrow.parquet as pq
+
+    from stagereplay.testing.controls import first_margin_nudged
+
+    parts = _stage_parts(work, run)
+    if not all(parts.values()):
+        return {"status": f"the {run} run has no transplant parts to rerun: {parts}"}
+    keep = work / "rerun"
+    _keep(parts, keep / run)
+    targets = [str(p.relative_to(work)) for files in parts.values() for p in files]
+    base = json.loads((work / f"config_{run}.yaml").read_text())
+    one_slot = argparse.Namespace(**{**vars(args), "gpu_slots": 1})
+    out: dict = {"rules": list(RERUN_RULES), "gpu_slots": 1, "targets": targets}
+    for pack in ("off", "on"):
+        config = json.loads(json.dumps(base))
+        config.setdefault("transplant", {})["pack"] = pack == "on"
+        path = work / f"config_rerun_{pack}.yaml"
+        path.write_text(json.dumps(config, indent=1))
+        # the targets, then the rules forced (their nargs end at -s), and no rerun for a changed parameter elsewhere
+        measured = snakemake(work, path, f"rerun_{pack}", one_slot, env,
+                             targets=[*targets, "--rerun-triggers", "mtime", "--forcerun", *RERUN_RULES])
+        stages = {}
+        for rule in RERUN_RULES:
+            files = sorted((work / "benchmarks" / run).glob(f"*/{rule}_*.tsv"))
+            stages[rule] = round(sum(float(pd.read_csv(f, sep="\t")["s"].iloc[0]) for f in files), 2)
+        out[pack] = {"status": measured["status"], "wall_s": measured["wall_s"], "stages_s": stages,
+                     "log": measured["log"]}
+        print(f"rerun, pack {pack}: {measured['status']}, {measured['wall_s']} s, stages {stages}", file=sys.stderr)
+        if measured["status"] != "complete":
+            out["status"] = f"the rerun with pack {pack} did not complete"
+            return out
+        _keep(parts, keep / pack)
+    out["ratios"] = {rule: round(out["off"]["stages_s"][rule] / out["on"]["stages_s"][rule], 2)
+                     for rule in RERUN_RULES}
+    control = keep / "control"
+    _keep(parts, control)
+    for path in control.glob("*transplant_*.parquet"):
+        if "minimal" not in path.name:
+            table = pq.read_table(path)
+            pq.write_table(first_margin_nudged(table).replace_schema_metadata(table.schema.metadata), path)
+    out["tables"] = {"packed_rerun_vs_warm_run": _compare(keep / run, keep / "on", ""),
+                     "packed_vs_unpacked": _compare(keep / "off", keep / "on", "rows_transplanted"),
+                     "control_packed_vs_nudged": _compare(keep / "on", control, "")}
+    caught = not out["tables"]["control_packed_vs_nudged"]["equal"]
+    same = out["tables"]["packed_rerun_vs_warm_run"]["equal"] and out["tables"]["packed_vs_unpacked"]["equal"]
+    out["status"] = "complete" if caught and same else "tables differ" if caught else "control not caught"
+    print(f"rerun tables: {out['status']}; ratios {out['ratios']}", file=sys.stderr)
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="a fresh folder for the model, store, configs and runs")
@@ -165,6 +252,9 @@ def parse_args(argv=None):
                     help="prepare the store first (untimed), then time one warm run")
     ap.add_argument("--skip-check", action="store_true", help="do not load the GGUF file before the runs")
     ap.add_argument("--limit-s", type=float, default=None, help="stop each run after this many seconds")
+    ap.add_argument("--rerun-transplants", action="store_true",
+                    help="after the warm run, rerun transplant_caches and find_minimal_transplants alone, packing "
+                         "off then on, and compare their tables (the module's docstring)")
     return ap.parse_args(argv)
 
 
@@ -212,17 +302,22 @@ def main(argv=None) -> int:
         proc = subprocess.run([sys.executable, str(REPO / "scripts/compare_tables.py"), str(work / "results/warm"),
                                str(work / "results/fresh")], capture_output=True, text=True)
         runs["fresh"]["tables_equal_warm"] = {"equal": proc.returncode == 0, "output": proc.stdout[-3000:]}
+    rerun = None
+    if args.rerun_transplants and runs.get("warm", {}).get("status") == "complete":
+        rerun = rerun_transplants(work, args, env)
     import torch
 
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": device_name(args.device), "cuda": torch.version.cuda, "cpus": os.cpu_count(),
         "versions": versions(), "weights": f"random, {args.shape} shape ({args.quant} GGUF)", "argv": sys.argv[1:],
-        "status": "complete" if runs and all(r["status"] == "complete" for r in runs.values()) else "incomplete",
+        "status": "complete" if runs and all(r["status"] == "complete" for r in runs.values())
+        and (rerun is None or rerun["status"] == "complete") else "incomplete",
         "source": source, "config": json.loads((work / f"config_{order[0] if order else 'prime'}.yaml").read_text()),
         "cores": args.cores, "gpu_slots": args.gpu_slots, "mode": "warm only" if args.warm_only else "cold then warm",
         "prime": prime, "runs": runs,
         "warm_over_cold": compare(runs["cold"], runs["warm"]) if {"cold", "warm"} <= runs.keys() else None,
+        "rerun": rerun,
     }
     text = json.dumps(report, indent=1)
     print(text)
