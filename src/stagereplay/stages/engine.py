@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import pandas as pd
@@ -247,19 +248,36 @@ def _rows(s: EngineReplaySettings, items: list[EngineItem], gpu: GpuSlot,
 
 def _rows_on_engines(engines: list, items: list[EngineItem], s: EngineReplaySettings, settings: RunSettings,
                      replicas: tuple[int, ...]) -> list[dict]:
-    """The rows of ``items``, the i-th of every len(engines) items on engine i, each engine on a thread of its own
-    (one engine: this thread). Every item runs alone in a cleared context, so which engine ran it changes no byte;
-    with several on one GPU, they share this process's CUDA context and overlap (separate processes take turns)."""
+    """The rows of ``items``, each engine on a thread of its own taking the next item not yet taken (one engine: this
+    thread, in order), so that a context with long items does not leave the others idle at the end. Every item runs
+    alone in a cleared context, so which engine ran it changes no byte; with several on one GPU, they share this
+    process's CUDA context and overlap (separate processes take turns). After an error no engine takes another
+    item."""
 
-    def run(e, share: list[EngineItem]) -> list[dict]:
+    def run(e, take) -> list[dict]:
         matcher = matcher_from_config(s.boundary, e)
-        return [row for it in share for row in _item_rows(e, it, s, matcher, settings, replicas)]
+        out = []
+        for it in iter(take, None):
+            out += _item_rows(e, it, s, matcher, settings, replicas)
+        return out
 
-    shares = [items[i::len(engines)] for i in range(len(engines))]
     if len(engines) == 1:
-        return run(engines[0], shares[0])
+        return run(engines[0], iter(list(items) + [None]).__next__)
+    queue, lock, failed = list(reversed(items)), threading.Lock(), threading.Event()
+
+    def take() -> EngineItem | None:
+        with lock:
+            return queue.pop() if queue and not failed.is_set() else None
+
+    def guarded(e) -> list[dict]:
+        try:
+            return run(e, take)
+        except BaseException:
+            failed.set()
+            raise
+
     with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix=f"{s.engine}-context") as pool:
-        done = [pool.submit(run, e, share) for e, share in zip(engines, shares)]
+        done = [pool.submit(guarded, e) for e in engines]
         return [row for future in done for row in future.result()]
 
 
