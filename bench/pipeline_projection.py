@@ -7,7 +7,7 @@
     python bench/pipeline_projection.py --config CONFIG.yaml [--set KEY=VALUE ...] --prompt P --stage S --suffix N \\
         --divergent bf16=0.83,fp32=0 --layers 48 --measures M.json [--measures-batch1 M1.json] \\
         (--overhead-s O [--load-s L] | --overhead-json OVERHEAD.json [--weights-GB bf16=28,fp32=56 --load-GB-s 2] \\
-        [--fingerprint-GB-s F]) [--non-model-s C] [--compare-project [MEASURES.json ...]] \\
+        [--fingerprint-GB-s F] [--fingerprint-copy-GB-s C]) [--non-model-s C] [--compare-project [MEASURES.json ...]] \\
         [--schedule lockstep|suffix] [--gpus N [N ...] [--shards K]] [--json OUT.json]
 
 RUN.json is what ``bench/pipeline_run.py`` writes (it must carry the config it ran with, ``config``, and the counts
@@ -79,6 +79,8 @@ def main_config(args, ap, overhead: Overhead, measured: dict) -> int:
                            for p, gb in parse_shares(args.weights_GB).items()}
     if args.fingerprint_GB_s:
         overhead.fingerprint_GB_s = args.fingerprint_GB_s
+    if args.fingerprint_copy_GB_s:
+        overhead.fingerprint_copy_GB_s = args.fingerprint_copy_GB_s
     config = load_config(args.config, args.set)
     args.schedule = args.schedule or SCHEDULE
     run = config_run(config, *lengths, parse_shares(args.divergent), args.layers, args.stage_shortest,
@@ -149,6 +151,9 @@ def command_line() -> argparse.ArgumentParser:
                       "once at that rate (plus the measured first step), e.g. bf16=28,fp32=56")
     made.add_argument("--load-GB-s", type=float, help="the disk rate of --weights-GB's loads")
     made.add_argument("--fingerprint-GB-s", type=float, help="the fingerprint rate (instead of --overhead-json's)")
+    made.add_argument("--fingerprint-copy-GB-s", type=float,
+                      help="the pending fingerprints' snapshot copy to page-locked memory (instead of "
+                           "--overhead-json's): fingerprints priced as that copy plus the hashing beyond the decode")
     made.add_argument("--compare-project", nargs="*", metavar="MEASURES.json",
                       help="also split benchmark.project(bucketed=True)'s count of the same variant by rule, on "
                            "these measures (default: --measures)")

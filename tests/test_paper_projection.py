@@ -133,6 +133,28 @@ def test_the_lookahead_hides_host_work_behind_the_device_s_in_the_cuda_graph_reg
     assert parts["graph"]["host_s"] == 0.0
 
 
+
+def test_pending_fingerprints_cost_their_copy_and_only_the_hashing_beyond_the_decode(tmp_path):
+    """With the snapshot's copy rate (a GPU job's pending fingerprints) a job pays the copy on the decode's stream and
+    only the hashing beyond its decode; without it, the whole hashing in turn (a run made before them)."""
+    from stagereplay.projection.pricing import fingerprint_seconds
+
+    run = _config_run(tmp_path, overrides=["decode_regime=cuda_graph"])
+    shape = run_shape(run)
+    work = cell(shape, "incremental")
+    serial, pending = Overhead(0.0, {}, fingerprint_GB_s=2.0), Overhead(0.0, {}, fingerprint_GB_s=2.0,
+                                                                         fingerprint_copy_GB_s=20.0)
+    parts = {name: price(work, "bf16", shape, rates_for(shape, MASKED, o, None))
+             for name, o in (("serial", serial), ("pending", pending))}
+    GB = work.boundary_rows * shape.boundary_positions * KV_GB_PER_POSITION
+    assert GB > 0 and parts["serial"]["fingerprint_s"] == pytest.approx(GB / 2.0)
+    assert parts["pending"]["decode_s"] == parts["serial"]["decode_s"] > GB / 2.0  # the hashing hides in the decode
+    assert parts["pending"]["fingerprint_s"] == pytest.approx(GB / 20.0)
+    # the control: hashing longer than the decode is paid beyond it
+    assert fingerprint_seconds(10.0, 1.0, pending) == pytest.approx(10.0 / 20.0 + 10.0 / 2.0 - 1.0)
+    assert fingerprint_seconds(10.0, 1.0, serial) == pytest.approx(5.0)
+
+
 def _rounded(value):
     if isinstance(value, float):
         return float(f"{value:.12g}")

@@ -11,7 +11,9 @@ decodes (:mod:`.jobs`), priced as
 - cache-dump GB, at the measure's ``dump_GB_s``;
 - and, where the overhead gives their rates (``rates.Overhead.from_json``), the greedy loop's host work per decode
   step (the greedy choice and its device sync), the boundary matcher's text decode per live row and stage step,
-  and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions). In the ``cuda_graph`` regime
+  and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions; with the snapshot's copy rate,
+  the copy on the decode's stream and only the hashing beyond the decode: :func:`fingerprint_seconds`). In the
+  ``cuda_graph`` regime
   the loop's lookahead runs the host's checks of a step while the device runs the next, so of the greedy and
   matcher work only what exceeds the device's decode time is counted (for a run that records ``greedy_loop``, the
   loop it ran; a run not made, the package's loop now, ``shape.GREEDY_LOOP``).
@@ -46,13 +48,26 @@ def price(work: Work, precision: str, shape: RunShape, rates: Rates, lookahead: 
         host = max(0.0, host - decode)
     measure = rates.nearest(precision, shape.rows)  # its prefill and dump rates
     fingerprint_GB = work.boundary_rows * shape.boundary_positions * rates.kv_GB_per_position(precision)
-    fingerprint = fingerprint_GB / rates.overhead.fingerprint_GB_s if rates.overhead.fingerprint_GB_s else 0.0
+    fingerprint = fingerprint_seconds(fingerprint_GB, decode, rates.overhead)
     out = {"decode_s": decode, "prefill_s": work.prefill_tokens / measure["prefill_tokens_s"],
            "dump_s": work.dump_GB / measure["dump_GB_s"], "host_s": host, "fingerprint_s": fingerprint}
     if work.observed_row_steps or work.compared_row_steps:  # measure_fidelity's logits kept and compared
         out["fidelity_s"] = (work.observed_row_steps * rates.overhead.observe_s_per_row_step
                              + work.compared_row_steps * rates.overhead.compare_s_per_row_step)
     return out
+
+
+def fingerprint_seconds(GB: float, decode_s: float, overhead: Overhead) -> float:
+    """The boundary caches' fingerprints of a job's ``GB``: hashed in turn at ``fingerprint_GB_s``; or, where the
+    overhead gives the snapshot's copy rate (a GPU job's pending fingerprints), that copy on the decode's stream
+    plus only the hashing beyond the job's ``decode_s`` (the hashing runs beside the decode; counted in aggregate,
+    as the lookahead's host work is)."""
+    if not overhead.fingerprint_GB_s:
+        return 0.0
+    hashing = GB / overhead.fingerprint_GB_s
+    if not overhead.fingerprint_copy_GB_s:
+        return hashing
+    return GB / overhead.fingerprint_copy_GB_s + max(0.0, hashing - decode_s)
 
 
 def job_seconds(job: JobWork, shape: RunShape, rates: Rates) -> dict:

@@ -11,7 +11,7 @@ and the CUDA-graph capture of its first step; its first load also imports the mo
 takes one job with one load, and the part of it that a job pays again for each further precision it loads (a job
 that loads no model is then priced at the first less the second). ``Overhead.from_json`` takes them apart (start,
 first load's extra, each precision's load) with the host rates of the greedy loop, the boundary matcher and the
-fingerprints, as ``bench/pipeline_projection.py --measure-overhead`` measures them in a fresh Python process, the
+fingerprints (and their snapshot copy on a GPU), as ``bench/pipeline_projection.py --measure-overhead`` measures them in a fresh Python process, the
 way a job's script makes them, without Snakemake. Snakemake's scheduling and the benchmark wrapper are in none of
 them.
 """
@@ -37,7 +37,10 @@ class Overhead:
     first_load_extra_s: float = 0.0  # what a job's first load costs more (the model's code imported)
     greedy_step_s: dict = field(default_factory=dict)  # rows -> host seconds per decode step (greedy choice, sync)
     matcher_s_per_row_step: float = 0.0
-    fingerprint_GB_s: float | None = None
+    fingerprint_GB_s: float | None = None  # sha256 of boundary caches, the copy to the host included
+    # the pending fingerprints of a GPU job (io.fingerprints.PendingFingerprints): the cache's snapshot copied to
+    # page-locked memory on the decode's stream at this rate, hashed beside the decode; None: hashed in turn
+    fingerprint_copy_GB_s: float | None = None
     observe_s_per_row_step: float = 0.0  # measure_fidelity: a row's fp32 logits copied and kept, per step
     compare_s_per_row_step: float = 0.0  # measure_fidelity: step_measures and the table row, per compared step
 
@@ -51,7 +54,9 @@ class Overhead:
         return cls(measured["start_s"], measured["load_s"], measured.get("first_load_extra_s", 0.0),
                    {int(r): s for r, s in measured.get("greedy_step_s", {}).items()},
                    measured.get("matcher_s_per_row_step", 0.0), measured.get("fingerprint_GB_s"),
-                   measured.get("observe_s_per_row_step", OBSERVE_S), measured.get("compare_s_per_row_step", COMPARE_S))
+                   fingerprint_copy_GB_s=measured.get("fingerprint_copy_GB_s"),
+                   observe_s_per_row_step=measured.get("observe_s_per_row_step", OBSERVE_S),
+                   compare_s_per_row_step=measured.get("compare_s_per_row_step", COMPARE_S))
 
     def of_job(self, loads: list) -> float:
         """Start, and one load per precision loaded (one not measured: the mean of those measured)."""

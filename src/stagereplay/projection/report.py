@@ -175,7 +175,8 @@ def project_config(run: dict, measures: list[dict], overhead: Overhead, measures
               "batches_by_rows": shape.kinds(),
               "overhead": {"start_s": overhead.start_s, "load_s": overhead.load_s,
                            "first_load_extra_s": overhead.first_load_extra_s,
-                           "fingerprint_GB_s": overhead.fingerprint_GB_s}}
+                           "fingerprint_GB_s": overhead.fingerprint_GB_s,
+                           "fingerprint_copy_GB_s": overhead.fingerprint_copy_GB_s}}
     if copy_TB_s and all("linear_params" in m for m in measures):
         report["floor"] = work_floor(report["arms"], measures, copy_TB_s)
     return report
