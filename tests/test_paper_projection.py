@@ -500,3 +500,17 @@ def test_the_dag_of_the_model_jobs_is_the_workflow_s(tmp_path):
     for rule in model:
         projected = {by_job[d] for j in jobs if j.rule == rule for d in after[j.name]}
         assert projected == upstream(rule, set()), rule
+
+
+def test_a_partial_last_batch_holds_a_share_of_the_selected_items_by_its_rows():
+    """Packed transplant decodes keep a batch's row count, so how many selected items a batch holds sets how many
+    decodes of its size run: in proportion to its rows, never more items than rows. The control: an equal share per
+    batch (the projection before) puts 41.5 items in a batch of 14 rows."""
+    from stagereplay.projection.jobs import by_rows_share
+
+    held, items = {62: 3, 14: 1}, 166.0  # the paper config: 200 items in batches of 62, 83% selected
+    shares = {rows: by_rows_share(items, held, rows) for rows in held}
+    assert sum(shares[r] * b for r, b in held.items()) == pytest.approx(items)
+    assert all(shares[r] <= r for r in held) and shares[14] == pytest.approx(166 * 14 / 200)
+    equal = items / sum(held.values())
+    assert equal > 14

@@ -255,6 +255,14 @@ def directions(shape: RunShape) -> list[str]:
     return [f"{a}->{b}", f"{b}->{a}"]
 
 
+def by_rows_share(items: float, held: dict, rows: int) -> float:
+    """The selected items a batch of ``rows`` rows holds, of ``items`` over the batches ``held`` ({rows: batches}):
+    in proportion to its rows (a partial last batch holds fewer than a full one), so that the batches' shares sum to
+    ``items``."""
+    slots = sum(r * batches for r, batches in held.items())
+    return items * rows / slots if slots else 0.0
+
+
 ARMS = 2  # each transplant and each search trial runs twice: the donor's bytes and their placebo
 SHAMS = 1  # and once per direction and batch, the sham (the recipient's own bytes written back)
 
@@ -277,10 +285,10 @@ def transplant_caches(shape: RunShape, planned: list[DagJob], size: ModelSize) -
 
     def per_shard(shard):
         held = shape.held("transplant_batches", lambda r: r["transplant"]["batches"], items, shard)
-        if packed(shape):  # a batch's items: the selected items over the batches holding one
-            share = items * shape.item_share(shard) / max(sum(held.values()), 1e-9)
+        if packed(shape):  # a batch's items: the selected items over the batches holding one, by their rows
+            share = items * shape.item_share(shard)
             return {p: by_kind(held, lambda rows: rebuild(shape, rows) + packed_work(
-                shape, rows, share * len(directions(shape)) * (arms * specs + shams)))}
+                shape, rows, by_rows_share(share, held, rows) * len(directions(shape)) * (arms * specs + shams)))}
         return {p: by_kind(held, lambda rows: rebuild(shape, rows)
                            + recipient_cells(shape, {d: arms * specs + shams for d in directions(shape)}, rows))}
 
@@ -303,9 +311,9 @@ def find_minimal_transplants(shape: RunShape, planned: list[DagJob], size: Model
     def per_shard(shard):
         mine = shape.held("minimal_batches", lambda r: r["minimal"]["batches"], items, shard)
         if packed(shape):  # per batch and round, every searching row's box and placebo, both directions together
-            share = items / max(sum(held.values()), 1e-9)
-            return {p: total(batches * (rebuild(shape, rows) + packed_work(shape, rows, share * shams * len(by_rows)))
-                             + packed_work(shape, rows, share * len(by_rows) * arms)
+            return {p: total(batches * (rebuild(shape, rows) + packed_work(
+                                 shape, rows, by_rows_share(items, held, rows) * shams * len(by_rows)))
+                             + packed_work(shape, rows, by_rows_share(items, held, rows) * len(by_rows) * arms)
                              * (max(r.get(rows, 0.0) for r in by_rows.values()) / held[rows]) * batches
                              for rows, batches in mine.items() if batches)}
         # the shard's rounds: its share of the batches of each size
