@@ -62,8 +62,8 @@ def main() -> None:
         if results != serial:
             raise SystemExit("the pending fingerprints differ from those taken in turn")
         del pending, results
-    out.update(fingerprint_GB_s=GB / t_serial, fingerprint_copy_GB_s=GB / t_copy, pending_hash_GB_s=GB / (t_all - t_copy),
-               pending_equal_serial=True)
+    out.update(fingerprint_GB_s=GB / t_serial, fingerprint_copy_GB_s=GB / t_copy,
+               pending_hash_GB_s=GB / (t_all - t_copy), pending_equal_serial=True)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

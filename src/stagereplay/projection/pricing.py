@@ -13,10 +13,9 @@ decodes (:mod:`.jobs`), priced as
   step (the greedy choice and its device sync), the boundary matcher's text decode per live row and stage step,
   and the sha256 fingerprints of every row's boundary cache (P + S - 1 positions; with the snapshot's copy rate,
   the copy on the decode's stream and only the hashing beyond the decode: :func:`fingerprint_seconds`). In the
-  ``cuda_graph`` regime
-  the loop's lookahead runs the host's checks of a step while the device runs the next, so of the greedy and
-  matcher work only what exceeds the device's decode time is counted (for a run that records ``greedy_loop``, the
-  loop it ran; a run not made, the package's loop now, ``shape.GREEDY_LOOP``).
+  ``cuda_graph`` regime the loop's lookahead runs the host's checks of a step while the device runs the next, so
+  of the greedy and matcher work only what exceeds the device's decode time is counted (for a run that records
+  ``greedy_loop``, the loop it ran; a run not made, the package's loop now, ``shape.GREEDY_LOOP``).
 """
 
 from __future__ import annotations

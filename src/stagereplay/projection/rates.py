@@ -11,9 +11,9 @@ and the CUDA-graph capture of its first step; its first load also imports the mo
 takes one job with one load, and the part of it that a job pays again for each further precision it loads (a job
 that loads no model is then priced at the first less the second). ``Overhead.from_json`` takes them apart (start,
 first load's extra, each precision's load) with the host rates of the greedy loop, the boundary matcher and the
-fingerprints (and their snapshot copy on a GPU), as ``bench/pipeline_projection.py --measure-overhead`` measures them in a fresh Python process, the
-way a job's script makes them, without Snakemake. Snakemake's scheduling and the benchmark wrapper are in none of
-them.
+fingerprints, as ``bench/pipeline_projection.py --measure-overhead`` measures them in a fresh Python process, the
+way a job's script makes them, without Snakemake (the fingerprints' snapshot copy on a GPU:
+``bench/fingerprint_rates.py``). Snakemake's scheduling and the benchmark wrapper are in none of them.
 """
 
 from __future__ import annotations
