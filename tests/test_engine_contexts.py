@@ -17,30 +17,40 @@ class Context:
         self.name = name
 
 
+class Settings:
+    boundary, engine = None, "stub"
+
+
 @pytest.fixture
 def stubbed(monkeypatch):
-    """_item_rows stubbed: item ``slow`` takes 0.6 s, ``bad`` raises, the others 0.02 s; each row says who ran it."""
-    ran, lock = [], threading.Lock()
+    """_item_rows stubbed: item ``slow`` runs until every other item has run (5 s at most), ``bad`` raises, the
+    others take 0.2 s; each row says which context ran it."""
+    ran, lock, others_done = [], threading.Lock(), threading.Event()
+    expected = {"others": 0}
 
     def item_rows(e, it, s, matcher, settings, replicas):
         with lock:
             ran.append((e.name, it))
         if it == "bad":
             raise RuntimeError("item bad failed")
-        time.sleep(0.6 if it == "slow" else 0.02)
+        if it == "slow":
+            others_done.wait(timeout=5)
+        else:
+            time.sleep(0.2)
+            with lock:
+                if sum(1 for _, i in ran if i != "slow") == expected["others"]:
+                    others_done.set()
         return [{"item": it, "context": e.name}]
 
     monkeypatch.setattr(stage, "_item_rows", item_rows)
     monkeypatch.setattr(stage, "matcher_from_config", lambda boundary, e: None)
-    return ran
-
-
-class Settings:
-    boundary, engine = None, "stub"
+    return ran, expected
 
 
 def test_a_context_held_by_a_long_item_leaves_the_rest_to_the_others(stubbed):
+    ran, expected = stubbed
     items = ["slow", "a", "b", "c", "d", "e", "f"]
+    expected["others"] = len(items) - 1
     rows = stage._rows_on_engines([Context(0), Context(1), Context(2)], items, Settings(), None, (1,))
     assert sorted(r["item"] for r in rows) == sorted(items)  # every item once
     by = {r["item"]: r["context"] for r in rows}
@@ -56,8 +66,9 @@ def test_one_context_runs_the_items_in_order(stubbed):
 
 
 def test_after_an_error_no_context_takes_another_item(stubbed):
-    items = ["bad", *[f"x{i}" for i in range(40)]]
+    ran, _ = stubbed
+    items = ["bad", *[f"x{i}" for i in range(20)]]
     with pytest.raises(RuntimeError, match="item bad failed"):
         stage._rows_on_engines([Context(0), Context(1)], items, Settings(), None, (1,))
-    # the other context finishes the item it holds and stops: far fewer than the 40 it would otherwise run
-    assert len(stubbed) <= 3
+    # the other context finishes the item it holds and stops: far fewer than the 10 or 20 it would otherwise run
+    assert len(ran) <= 3
