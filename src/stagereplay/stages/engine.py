@@ -261,13 +261,14 @@ def _rows_on_engines(engines: list, items: list[EngineItem], s: EngineReplaySett
             out += _item_rows(e, it, s, matcher, settings, replicas)
         return out
 
-    if len(engines) == 1:
-        return run(engines[0], iter(list(items) + [None]).__next__)
     queue, lock, failed = list(reversed(items)), threading.Lock(), threading.Event()
 
     def take() -> EngineItem | None:
         with lock:
             return queue.pop() if queue and not failed.is_set() else None
+
+    if len(engines) == 1:
+        return run(engines[0], take)
 
     def guarded(e) -> list[dict]:
         try:
