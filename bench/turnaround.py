@@ -52,12 +52,10 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from stagereplay.testing.gguf import filler_vocabulary, prompt_characters, write_gguf
 from stagereplay.testing.shapes import SHAPES  # the real Qwen2.5 shapes
 
-from pipeline_run import GpuSampler, add_run_options, write_config
+from pipeline_run import GpuSampler, add_run_options, rule_times, write_config
 from run_summary import compare, device_name, run_summary, store_entries, versions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,8 +160,8 @@ def snakemake(work: Path, config: Path, run: str, args, env: dict, targets: list
                              "after": [round(x, 2) for x in os.getloadavg()]}}
 
 
-RERUN_RULES = ("transplant_caches", "find_minimal_transplants")
-RERUN_PARTS = {"transplant_caches": "transplant", "find_minimal_transplants": "minimal_transplant"}
+RERUN_PARTS = {"transplant_caches": "transplant", "find_minimal_transplants": "minimal_transplant"}  # rule: its part
+RERUN_RULES = tuple(RERUN_PARTS)
 
 
 def _stage_parts(work: Path, run: str) -> dict[str, list[Path]]:
@@ -209,10 +207,9 @@ def rerun_transplants(work: Path, args, env: dict, run: str = "warm") -> dict:
         # the targets, then the rules forced (their nargs end at -s), and no rerun for a changed parameter elsewhere
         measured = snakemake(work, path, f"rerun_{pack}", one_slot, env,
                              targets=[*targets, "--rerun-triggers", "mtime", "--forcerun", *RERUN_RULES])
-        stages = {}
-        for rule in RERUN_RULES:
-            files = sorted((work / "benchmarks" / run).glob(f"*/{rule}_*.tsv"))
-            stages[rule] = round(sum(float(pd.read_csv(f, sep="\t")["s"].iloc[0]) for f in files), 2)
+        jobs = rule_times(work)  # the rerun's jobs overwrote the run's benchmark files
+        jobs = jobs[jobs["job"].str.startswith(f"{run}/")]
+        stages = {rule: round(float(jobs.loc[jobs["rule"] == rule, "s"].sum()), 2) for rule in RERUN_RULES}
         out[pack] = {"status": measured["status"], "wall_s": measured["wall_s"], "stages_s": stages,
                      "log": measured["log"]}
         print(f"rerun, pack {pack}: {measured['status']}, {measured['wall_s']} s, stages {stages}", file=sys.stderr)
