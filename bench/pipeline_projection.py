@@ -26,6 +26,8 @@ model. This script reads the files, builds the overhead and prints the tables:
   schedule the run recorded.
 - ``--config``: a run not made (``report.project_config``), its config's keys overridden with ``--set``; the wall
   for one GPU adds ``--non-model-s``, a stated constant for the jobs that load no model (default 0: not counted).
+  Where the measures carry the shape's linear parameters, the column ``floor`` is each rule's own decode and prefill
+  at the datasheet rates (no start-up or host work): what no schedule of that rule's work can beat on this GPU.
   ``--weights-GB`` with ``--load-GB-s`` prices each precision's load as its weights read once at that rate (an
   assumption where the shape's load was not measured); ``--compare-project`` splits
   ``benchmark.project(bucketed=True)``'s count of the same variant by rule (``paper.project_by_rule``); ``--gpus``

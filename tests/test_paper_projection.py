@@ -316,6 +316,30 @@ def test_the_per_rule_work_of_the_paper_config_has_a_higher_floor_than_project_s
             saved["projection"], 200, 0.83, bucketed=True)["parts"][precision]["decode_steps_per_item"]
 
 
+
+def test_each_rule_s_floor_is_under_its_projected_gpu_work_and_packing_lowers_the_transplant_stages_floors():
+    """Each rule's own floor (its decode and prefill at the datasheet rates, no start-up or host work): never above
+    its projected decode and prefill; the rules' floors together at least the run's (one rule's counts left out
+    would break it); and packing, which removes decodes, lowers both transplant stages' floors (a floor blind to
+    the packed counts would not move)."""
+    folder = REPO / "bench/runs/h200_run8_paper_rates"
+    saved = json.loads((folder / "m14_rows62.json").read_text())
+    batch1 = json.loads((folder / "m14_rows1.json").read_text())["projection"]
+    reports = {}
+    for pack in (True, False):
+        run = config_run(load_config(str(REPO / "config/paper-scale-14b.yaml"), [f"transplant.pack={pack}"]),
+                         256, 2048, 1024, {"bf16": 0.83, "fp32": 0.0}, 48)
+        reports[pack] = report = project_config(run, saved["projection"], Overhead.from_seconds(15.0), batch1,
+                                                copy_TB_s=saved["meta"]["copy_TB_s"])
+        for name, rule in report["rules"].items():
+            gpu = rule["parts"].get("decode_s", 0.0) + rule["parts"].get("prefill_s", 0.0)
+            assert 0.0 <= rule["floor_s"] <= gpu, name
+        assert sum(r["floor_s"] for r in report["rules"].values()) >= report["floor"]["floor_s"]
+    for name in ("transplant_caches", "find_minimal_transplants"):
+        assert reports[True]["rules"][name]["floor_s"] < reports[False]["rules"][name]["floor_s"]
+    unchanged = reports[True]["rules"]["audit_ledger"]["floor_s"]
+    assert unchanged == reports[False]["rules"]["audit_ledger"]["floor_s"]  # packing is the transplants' alone
+
 def test_the_suffix_schedule_decodes_only_a_built_construction_s_suffix_in_a_batch(tmp_path):
     """--schedule suffix: in a batch of 4 a built construction builds its caches as in lockstep, then decodes the
     batch's N suffix steps from the rows' boundary (W + S - 1), without the prompt forward; live and incremental

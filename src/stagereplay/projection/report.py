@@ -153,7 +153,9 @@ def project_config(run: dict, measures: list[dict], overhead: Overhead, measures
                    non_model_s: float = 0.0, copy_TB_s: float | None = None) -> dict:
     """Each rule of a run not made (``config_run``), projected: jobs, seconds and their parts; the model jobs one
     after another plus ``non_model_s`` (a stated constant for the jobs that load no model: 0 leaves them out); the
-    floor of the same work at the datasheet rates (``floor.work_floor``) where ``copy_TB_s`` is given."""
+    floor of the same work at the datasheet rates (``floor.work_floor``) where ``copy_TB_s`` is given, and each
+    rule's own (``floor_s``: its decode and prefill alone, its precisions' arms in turn; no start-up, host work or
+    dumps), the least any schedule of that rule's work could take on this GPU."""
     shape = run_shape(run)
     if shape.S > shape.config["max_stage_tokens"] or shape.N > shape.config["max_new_tokens"]:
         shape.warnings.append(f"the lengths (stage {shape.S}, suffix {shape.N}) exceed the config's budgets "
@@ -179,7 +181,17 @@ def project_config(run: dict, measures: list[dict], overhead: Overhead, measures
                            "fingerprint_copy_GB_s": overhead.fingerprint_copy_GB_s}}
     if copy_TB_s and all("linear_params" in m for m in measures):
         report["floor"] = work_floor(report["arms"], measures, copy_TB_s)
+        for name, rule_jobs in _by_rule(jobs).items():  # each rule's own work, its arms in turn
+            rules[name]["floor_s"] = work_floor(arm_counts(rule_jobs, shape, rates), measures,
+                                                copy_TB_s)["floor_arms_in_turn_s"]
     return report
+
+
+def _by_rule(jobs: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for job in jobs:
+        out.setdefault(job.rule, []).append(job)
+    return out
 
 
 def render_projection(report: dict, old: dict | None = None) -> str:
@@ -187,8 +199,9 @@ def render_projection(report: dict, old: dict | None = None) -> str:
     def mins(x):
         return "-" if x is None else f"{x / 60:.1f}"
 
+    floors = any("floor_s" in r for r in report["rules"].values())
     head = (f"{'rule':<28} {'jobs':>4} {'overhead':>9} {'decode':>8} {'prefill':>8} {'host+fp':>8} {'dump':>6} "
-            f"{'total':>8}")
+            f"{'total':>8}" + (f" {'floor':>7}" if floors else ""))
     names = list(report["rules"])
     if old:
         head += "".join(f" {label[:14]:>14}" for label in old)
@@ -205,11 +218,15 @@ def render_projection(report: dict, old: dict | None = None) -> str:
                f"{mins(parts.get('decode_s')):>8} {mins(parts.get('prefill_s')):>8} "
                f"{mins((parts.get('host_s', 0) + parts.get('fingerprint_s', 0)) if r else None):>8} "
                f"{mins(parts.get('dump_s')):>6} {mins(r['projected_s'] if r else None):>8}")
+        if floors:
+            row += f" {mins(r.get('floor_s') if r else None):>7}"
         if old:
             row += "".join(f" {mins(table.get(name)):>14}" for table in old.values())
         lines.append(row)
     m = report["model_jobs"]
     total = f"{'model jobs':<28} {m['jobs']:>4} {'':>9} {'':>8} {'':>8} {'':>8} {'':>6} {mins(m['projected_s']):>8}"
+    if floors:
+        total += f" {'':>7}"
     if old:
         total += "".join(f" {mins(sum(table.values())):>14}" for table in old.values())
     lines.append(total)
