@@ -316,7 +316,6 @@ def test_the_per_rule_work_of_the_paper_config_has_a_higher_floor_than_project_s
             saved["projection"], 200, 0.83, bucketed=True)["parts"][precision]["decode_steps_per_item"]
 
 
-
 def test_each_rule_s_floor_is_under_its_projected_gpu_work_and_packing_lowers_the_transplant_stages_floors():
     """Each rule's own floor (its decode and prefill at the datasheet rates, no start-up or host work): never above
     its projected decode and prefill; the rules' floors together at least the run's (one rule's counts left out
@@ -339,6 +338,7 @@ def test_each_rule_s_floor_is_under_its_projected_gpu_work_and_packing_lowers_th
         assert reports[True]["rules"][name]["floor_s"] < reports[False]["rules"][name]["floor_s"]
     unchanged = reports[True]["rules"]["audit_ledger"]["floor_s"]
     assert unchanged == reports[False]["rules"]["audit_ledger"]["floor_s"]  # packing is the transplants' alone
+
 
 def test_the_suffix_schedule_decodes_only_a_built_construction_s_suffix_in_a_batch(tmp_path):
     """--schedule suffix: in a batch of 4 a built construction builds its caches as in lockstep, then decodes the
