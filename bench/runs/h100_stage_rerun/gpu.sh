@@ -9,7 +9,8 @@ set -u
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout "${STOP_S:-540}" python3 bench/turnaround.py --work /tmp/ta_rr --shape qwen2.5-0.5b --items "${N:-48}" \
-    --batch-size 16 --stage 96 --suffix 128 --regime cuda_graph --skip-check --gpu-slots 4 --cores 16 --warm-only --limit-s "${LIMIT:-230}" \
+    --batch-size 16 --stage 96 --suffix 128 --regime cuda_graph --skip-check --gpu-slots 4 --cores 16 --warm-only \
+    --limit-s "${LIMIT:-230}" \
     --transplant-select "${SELECT:-divergent:13}" --pack on --rerun-transplants --json "$OUT/stage_rerun.json" \
     > "$OUT/stage_rerun.log" 2>&1
 echo "rc $?"; grep -i "run warm\|rerun" "$OUT/stage_rerun.log" | tail -8
